@@ -1,0 +1,75 @@
+"""The engine's configuration: a tree of dataclasses, validated once at the edge.
+
+Each component receives only its slice (the scheduler never sees the model's HF config).
+`EngineConfig.create(**kwargs)` is the one place that reads the model's config from disk to
+resolve defaults such as max_model_len; constructors do no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minivllm.models.arch import ArchConfig
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None  # path to a GGUF file or HF directory; None = bundled SmolLM2
+    source_kind: str  # "gguf" or "hf"
+    source_path: str
+    served_name: str
+    arch: ArchConfig
+    dtype: str  # resolved: float32 / float16 / bfloat16
+    load_format: str = "auto"  # auto | dummy
+    max_model_len: int = 2048
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    chat_template: str | None = None  # overrides the model's own
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget (the CPU's default is 1 GiB)
+    num_kv_blocks: int | None = None  # explicit override of the block count (tests)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "cpu"
+    enforce_eager: bool = False
+    attention_backend: str = "torch"
+    compile_model: bool = False  # torch.compile the model's forward (GPU)
+
+    @staticmethod
+    def create(**kwargs) -> EngineConfig:
+        from minivllm.engine.config_builder import build_engine_config
+        return build_engine_config(**kwargs)
+
+
+def check(ok: bool, field_name: str, msg: str) -> None:
+    if not ok:
+        raise ValueError(f"{field_name} {msg}")

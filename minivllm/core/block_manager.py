@@ -1,0 +1,223 @@
+"""Paged KV cache bookkeeping: free-block queue, reference counts, prefix caching.
+
+A request owns a block table (list of block ids). Token i of a request lives in slot
+block_table[i // block_size] * block_size + i % block_size.
+
+Prefix caching: every *full* block gets a hash chained with its parent's
+(hash(parent_hash, token ids of the block)), registered once its tokens are computed.
+A freed block keeps its hash and stays findable until it is reused: the free queue is LRU by
+release time, and a request releases its tail blocks first so they are evicted first.
+
+Invariant (tested): every block is either referenced (ref_cnt > 0) or in the free queue, never both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minivllm.core.request import Request
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None  # set while the block holds a registered full block
+    prev: KVBlock | None = None  # free-queue links (None when not queued)
+    next: KVBlock | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: O(1) pop from the front, append, removal from the middle."""
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels
+        self._tail = KVBlock(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev
+        assert last is not None and block.prev is None and block.next is None
+        last.next, block.prev = block, last
+        block.next, self._tail.prev = self._tail, block
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev is not None and block.next is not None, "block is not in the free queue"
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def popleft(self) -> KVBlock:
+        first = self._head.next
+        if first is self._tail or first is None:
+            raise RuntimeError("no free KV blocks")
+        self.remove(first)
+        return first
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block.prev is not None
+
+    def __iter__(self):
+        b = self._head.next
+        while b is not None and b is not self._tail:
+            yield b
+            b = b.next
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVBlock] = {}  # block hash -> block holding it
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_registered: dict[str, int] = {}  # full blocks of a request registered so far
+        # prefix-cache statistics in tokens (vLLM's prefix_cache_queries / prefix_cache_hits)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- capacity -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix caching -------------------------------------------------------------------
+    def _uses_cache(self, req: Request) -> bool:
+        # siblings of an n>1 prompt always share through the table, even with caching off
+        return self.enable_caching or (req.group is not None and req.group.size > 1)
+
+    def update_block_hashes(self, req: Request) -> None:
+        """Extend req.block_hashes to cover every full block of req.all_token_ids."""
+        bs = self.block_size
+        hashes = req.block_hashes
+        while (len(hashes) + 1) * bs <= req.num_tokens:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs])))
+
+    def find_cached_prefix(self, req: Request) -> list[KVBlock]:
+        """Longest run of the request's leading full blocks found in the cache. At least one
+        token is always left to compute, so the last token's logits can be sampled."""
+        if not self._uses_cache(req):
+            return []
+        self.update_block_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for h in req.block_hashes[:max_blocks]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        if self.enable_caching:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += len(hits) * self.block_size
+        return hits
+
+    # ---- allocation -----------------------------------------------------------------------
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = ()) -> bool:
+        have = len(self.req_blocks.get(req.request_id, ())) + len(cached)
+        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        need = self.blocks_needed(total) - have
+        # cached blocks that sit in the free queue are taken out of it too
+        reused_free = sum(1 for b in cached if b.ref_cnt == 0)
+        return need + reused_free <= self.num_free_blocks
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = ()) -> list[int] | None:
+        """Give the request blocks for `num_new_tokens` more tokens (after taking `cached`
+        prefix blocks). Returns the ids of the blocks added to its table, or None if they don't fit."""
+        if not self.can_allocate(req, num_new_tokens, cached):
+            return None
+        table = self.req_blocks.setdefault(req.request_id, [])
+        added: list[int] = []
+        for block in cached:
+            self._touch(block)
+            table.append(block)
+            added.append(block.block_id)
+        if cached:
+            self.num_registered[req.request_id] = len(table)
+        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        for _ in range(self.blocks_needed(total) - len(table)):
+            block = self._pop_free()
+            block.ref_cnt = 1
+            table.append(block)
+            added.append(block.block_id)
+        return added
+
+    def _touch(self, block: KVBlock) -> None:
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+        block.ref_cnt += 1
+
+    def _pop_free(self) -> KVBlock:
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:  # evict: the cached content is about to be overwritten
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+        return block
+
+    def register_computed_blocks(self, req: Request) -> None:
+        """Make the request's full, computed blocks findable by later requests."""
+        if not self._uses_cache(req):
+            return
+        table = self.req_blocks.get(req.request_id)
+        if not table:
+            return
+        num_full = min(req.num_computed_tokens // self.block_size, len(table))
+        start = self.num_registered.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        self.update_block_hashes(req)
+        for i in range(start, num_full):
+            block, h = table[i], req.block_hashes[i]
+            if block.block_hash is None and h not in self.cached:
+                block.block_hash = h
+                self.cached[h] = block
+        self.num_registered[req.request_id] = num_full
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks, tail first (so the tail is evicted first)."""
+        table = self.req_blocks.pop(req.request_id, [])
+        self.num_registered.pop(req.request_id, None)
+        for block in reversed(table):
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0
+            if block.ref_cnt == 0:
+                if not self.enable_caching and block.block_hash is not None:
+                    # sharing among siblings only: forget the content once nobody uses it
+                    self.cached.pop(block.block_hash, None)
+                    block.block_hash = None
+                self.free_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached hashes; only possible when no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req_id, [])]

@@ -1,0 +1,60 @@
+"""Plain data that crosses the scheduler/runner boundary, both ways (no torch, no live objects)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minivllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request entering the runner: first schedule, or resumed after preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resumed after preemption
+    sampling_params: SamplingParams
+    sample_index: int
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions
+    num_computed_tokens .. num_computed_tokens + len(token_ids) - 1."""
+
+    req_id: str
+    token_ids: list[int]
+    num_computed_tokens: int  # before this step
+    new_block_ids: list[int]  # appended to the request's block table this step
+    samples: bool  # the chunk reaches the last known token, so this step yields a new token
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)  # dropped too; re-sent as new later
+    num_scheduled_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled token: column 0 is the sampled token, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1 = most likely
+
+
+@dataclass
+class RunnerOutput:
+    req_ids: list[str]  # requests that sampled a token this step, in order
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # aligned with req_ids when any request asked

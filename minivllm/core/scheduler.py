@@ -1,0 +1,249 @@
+"""Iteration-level scheduler: one rule for prefill, chunked prefill, prefix hits, decode and
+recompute after preemption.
+
+Each request has num_tokens (prompt + generated) and num_computed_tokens (in the KV cache).
+Every step hands out a token budget so num_computed_tokens catches up with num_tokens:
+running requests first (decodes and unfinished prefill chunks, in admission order), then
+waiting requests fill what is left. When blocks run out, the lowest-priority running request
+is preempted: its blocks are freed and it is recomputed later (its output so far is kept).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from minivllm.core.block_manager import BlockManager
+from minivllm.core.interfaces import (
+    NewRequestData,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from minivllm.core.queues import RequestQueue, make_request_queue
+from minivllm.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: str = "fcfs"  # or "priority"
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request, for output processing."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+        self.limits = limits
+        self.block_manager = block_manager
+        self.waiting: RequestQueue = make_request_queue(limits.policy)
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last_step: set[str] = set()
+        self._sent_to_runner: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out --------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (stop string, abort, error) requests wherever they are; frees their blocks now."""
+        assert status.finished
+        done = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._release(req)
+            done.append(req)
+        return done
+
+    def _release(self, req: Request) -> None:
+        self.block_manager.free(req)
+        self.requests.pop(req.request_id, None)
+        if req.group is not None:
+            req.group.prompt_computed = True  # never leave siblings waiting on a finished leader
+        if req.request_id in self._sent_to_runner:
+            self._sent_to_runner.discard(req.request_id)
+            self._finished_since_last_step.add(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        self._finished_since_last_step = set()
+        budget = self.limits.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        out.num_scheduled_tokens = sum(len(s.token_ids) for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self.block_manager.allocate(req, n)
+            while new_blocks is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1  # an earlier entry leaves the list
+                budget += self._preempt(victim, out)
+                if victim is req:
+                    break
+                new_blocks = self.block_manager.allocate(req, n)
+            if new_blocks is None:
+                continue  # req itself was preempted; running[i] is now the next request
+            self._add_scheduled(out, req, n, new_blocks)
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            req = self.waiting.peek()
+            if req.group is not None and req.sample_index > 0 and not req.group.prompt_computed:
+                skipped.append(self.waiting.pop())  # wait for the first sibling's prompt
+                continue
+            cached = self.block_manager.find_cached_prefix(req)
+            num_cached = len(cached) * self.block_manager.block_size
+            n = req.num_tokens - num_cached
+            if n > budget and not self.limits.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            new_blocks = self.block_manager.allocate(req, n, cached)
+            if new_blocks is None:
+                break  # no room: wait for running requests to finish
+            self.waiting.pop()
+            self._admit(req, num_cached, out)
+            self._add_scheduled(out, req, n, new_blocks)
+            budget -= n
+        for req in skipped:
+            self.waiting.push(req)
+
+    def _admit(self, req: Request, num_cached: int, out: SchedulerOutput) -> None:
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_cached
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.time()
+        self.running.append(req)
+        self._sent_to_runner.add(req.request_id)
+        out.new_requests.append(NewRequestData(
+            req_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(req.output_token_ids),
+            sampling_params=req.sampling_params,
+            sample_index=req.sample_index,
+            eos_token_ids=req.eos_token_ids,
+        ))
+
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int, new_blocks: list[int]) -> None:
+        start = req.num_computed_tokens
+        out.scheduled.append(ScheduledRequest(
+            req_id=req.request_id,
+            token_ids=req.all_token_ids[start:start + n],
+            num_computed_tokens=start,
+            new_block_ids=new_blocks,
+            samples=start + n == req.num_tokens,
+        ))
+
+    def _pick_victim(self) -> Request:
+        """FCFS: the most recently admitted request; priority: the least important one."""
+        if self.limits.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+        """Free the request's blocks and queue it for recompute. Returns the tokens it had been
+        given earlier in this step (back to the budget)."""
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        if req.request_id in self._sent_to_runner:
+            self._sent_to_runner.discard(req.request_id)
+            out.preempted_req_ids.add(req.request_id)
+        # a request preempted in the step it was scheduled in must not stay in the output
+        given = sum(len(s.token_ids) for s in out.scheduled if s.req_id == req.request_id)
+        out.scheduled = [s for s in out.scheduled if s.req_id != req.request_id]
+        out.new_requests = [n for n in out.new_requests if n.req_id != req.request_id]
+        self.waiting.push_front(req)
+        return given
+
+    # ---- results of a step ----------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
+        sampled = dict(zip(result.req_ids, result.sampled_token_ids))
+        logprobs = dict(zip(result.req_ids, result.logprobs)) if result.logprobs else {}
+        updates = []
+        for s in sched.scheduled:
+            req = self.requests.get(s.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished (aborted) while the step ran
+            req.num_computed_tokens += len(s.token_ids)
+            self.block_manager.register_computed_blocks(req)
+            if req.group is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+                req.group.prompt_computed = True
+            if s.req_id not in sampled:
+                continue
+            token = sampled[s.req_id]
+            req.append_output_token(token)
+            lp = logprobs.get(s.req_id)
+            finished = self._check_stop(req, token)
+            updates.append(RequestUpdate(req, [token], [lp] if lp is not None else None, finished))
+        for u in updates:
+            if u.finished:
+                self.running.remove(u.request)
+                self._release(u.request)
+        return updates
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.limits.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

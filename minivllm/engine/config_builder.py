@@ -1,0 +1,105 @@
+"""Turns the user's keyword arguments (LLM(...), CLI flags) into a validated EngineConfig."""
+
+from __future__ import annotations
+
+from minivllm.config import (
+    _DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    check,
+)
+from minivllm.models.arch import ArchConfig
+from minivllm.models.source import ModelSource, read_hf_config, resolve_model_source
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    check(device in ("cpu", "cuda") or device.startswith("cuda:"), "device", f"must be auto, cpu or cuda, got {device!r}")
+    if device.startswith("cuda"):
+        check(torch.cuda.is_available(), "device", "is cuda but no CUDA GPU is available")
+    return device
+
+
+def _resolve_dtype(dtype: str, device: str, arch: ArchConfig) -> str:
+    check(dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "float32"
+    return arch.torch_dtype if arch.torch_dtype in ("float16", "bfloat16") else "bfloat16"
+
+
+def _load_arch(source: ModelSource) -> ArchConfig:
+    if source.kind == "hf":
+        return ArchConfig.from_hf_dict(read_hf_config(source.path))
+    from minivllm.models.gguf_loader import gguf_arch_config, open_gguf
+    return gguf_arch_config(open_gguf(source.path))
+
+
+def build_engine_config(
+    model: str | None = None,
+    *,
+    tokenizer: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    load_format: str = "auto",
+    seed: int = 0,
+    max_model_len: int | None = None,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    gpu_memory_utilization: float = 0.9,
+    kv_cache_memory_bytes: int | None = None,
+    num_kv_blocks: int | None = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    scheduling_policy: str = "fcfs",
+    enable_chunked_prefill: bool = True,
+    tensor_parallel_size: int = 1,
+    enforce_eager: bool = False,
+    attention_backend: str | None = None,
+    compile_model: bool = False,
+    skip_tokenizer_init: bool = False,
+    chat_template: str | None = None,
+    served_model_name: str | None = None,
+) -> EngineConfig:
+    check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
+    source = resolve_model_source(model)
+    arch = _load_arch(source)
+    device = _resolve_device(device)
+    on_gpu = device.startswith("cuda")
+    dtype = _resolve_dtype(dtype, device, arch)
+    if max_model_len is None:
+        max_model_len = min(arch.max_position_embeddings, 8192 if not on_gpu else arch.max_position_embeddings)
+    check(isinstance(max_model_len, int) and max_model_len >= 1, "max_model_len", f"must be >= 1, got {max_model_len}")
+    check(max_model_len <= arch.max_position_embeddings, "max_model_len",
+          f"must be <= the model's max_position_embeddings={arch.max_position_embeddings}, got {max_model_len}")
+    check(block_size in (8, 16, 32, 64, 128), "block_size", f"must be one of 8, 16, 32, 64, 128, got {block_size}")
+    check(0.0 < gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+          f"must be in (0, 1], got {gpu_memory_utilization}")
+    if num_kv_blocks is not None:
+        check(num_kv_blocks >= 1, "num_kv_blocks", f"must be >= 1, got {num_kv_blocks}")
+    max_num_seqs = max_num_seqs or (256 if on_gpu else 64)
+    check(max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {max_num_seqs}")
+    max_num_batched_tokens = max_num_batched_tokens or (16384 if on_gpu else 2048)
+    check(max_num_batched_tokens >= 1, "max_num_batched_tokens", f"must be >= 1, got {max_num_batched_tokens}")
+    if not enable_chunked_prefill:
+        check(max_num_batched_tokens >= max_model_len, "max_num_batched_tokens",
+              f"must be >= max_model_len={max_model_len} when chunked prefill is off, got {max_num_batched_tokens}")
+    check(scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
+          f"must be 'fcfs' or 'priority', got {scheduling_policy!r}")
+    check(tensor_parallel_size == 1, "tensor_parallel_size", f"must be 1 (tensor parallelism is not built yet), got {tensor_parallel_size}")
+    attention_backend = attention_backend or ("triton" if on_gpu else "torch")
+    model_cfg = ModelConfig(
+        model=model, source_kind=source.kind, source_path=source.path,
+        served_name=served_model_name or source.name, arch=arch, dtype=dtype, load_format=load_format,
+        max_model_len=max_model_len, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init,
+        chat_template=chat_template, seed=seed)
+    cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks)
+    sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill)
+    return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
+                        enforce_eager or not on_gpu, attention_backend, compile_model)

@@ -1,0 +1,154 @@
+"""The synchronous engine: add requests, call step() until done. Used by LLM and the server."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from minivllm.config import EngineConfig
+from minivllm.core.block_manager import BlockManager
+from minivllm.core.request import RequestStatus
+from minivllm.core.scheduler import Scheduler, SchedulerLimits
+from minivllm.engine.input_processor import (
+    PromptInput,
+    make_sample_requests,
+    parse_prompt,
+    validate_prompt,
+)
+from minivllm.engine.output_processor import OutputProcessor
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use
+    num_kv_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    prompt_tokens: int  # computed prompt tokens, total
+    generation_tokens: int  # generated tokens, total
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.tokenizer = None
+        if not config.model.skip_tokenizer_init:
+            from minivllm.engine.tokenizer import load_tokenizer
+            self.tokenizer = load_tokenizer(config.model)
+        from minivllm.executor import make_executor
+        self.executor = make_executor(config)
+        num_blocks = self.executor.num_blocks
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        s = config.scheduler
+        self.scheduler = Scheduler(SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
+                                                   s.policy, s.enable_chunked_prefill), self.block_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = self._eos_ids()
+        self._aborted_outputs: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.startup_s = time.perf_counter() - t0
+        logger.info("engine ready in %.1f s: %d KV blocks x %d = %d tokens", self.startup_s, num_blocks,
+                    config.cache.block_size, num_blocks * config.cache.block_size)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> LLMEngine:
+        return cls(EngineConfig.create(**kwargs))
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.config.model.arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Validate and queue a request; raises ValueError (naming the field and limit) if it can't run."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self.output_processor.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        parsed = parse_prompt(prompt, self.tokenizer)
+        max_tokens = validate_prompt(parsed.token_ids, params, self.config.model.arch.vocab_size,
+                                     self.max_model_len, self.block_manager.num_blocks * self.config.cache.block_size)
+        reqs = make_sample_requests(request_id, parsed.token_ids, params, max_tokens, self.eos_token_ids,
+                                    priority, arrival_time)
+        self.output_processor.add_request(request_id, parsed.text, parsed.token_ids, params,
+                                          [r.request_id for r in reqs], reqs[0].arrival_time)
+        for r in reqs:
+            self.scheduler.add_request(r)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Finish requests now with finish_reason 'abort'; their KV blocks are freed at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            children = self.output_processor.child_ids(rid)
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            self._aborted_outputs += self.output_processor.finish_children(children, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor.states) or bool(self._aborted_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.states)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
+            return outputs
+        try:
+            result = self.executor.execute(sched)
+        except Exception:
+            logger.exception("model step failed; failing the step's requests")
+            return outputs + self._fail_scheduled(sched)
+        updates = self.scheduler.update(sched, result)
+        self._count_tokens(updates)
+        new_outputs, stopped = self.output_processor.process(updates)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs + new_outputs
+
+    def _count_tokens(self, updates) -> None:
+        for u in updates:
+            self.generation_tokens_total += len(u.new_token_ids)
+            if u.request.num_output_tokens == len(u.new_token_ids):  # its first token: prompt done
+                self.prompt_tokens_total += u.request.num_prompt_tokens
+
+    def _fail_scheduled(self, sched) -> list[RequestOutput]:
+        children = [s.req_id for s in sched.scheduled]
+        self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
+        return self.output_processor.finish_children(children, "error")
+
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
+                           bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
+                           self.prompt_tokens_total, self.generation_tokens_total)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,26 @@
+"""Executors run the model runner: in-process now; a tensor-parallel executor would broadcast
+the same plain SchedulerOutput to one runner per GPU and return rank 0's RunnerOutput."""
+
+from __future__ import annotations
+
+from minivllm.config import EngineConfig
+from minivllm.core.interfaces import RunnerOutput, SchedulerOutput
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        from minivllm.runner.model_runner import ModelRunner
+        self.runner = ModelRunner(config)
+        self.runner.load_model()
+        self.num_blocks = self.runner.init_kv_cache()
+        self.runner.capture_cuda_graphs()
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(sched)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(config: EngineConfig) -> UniProcExecutor:
+    return UniProcExecutor(config)

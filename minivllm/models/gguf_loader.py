@@ -1,0 +1,107 @@
+"""GGUF files: architecture from the metadata, weights dequantized with the `gguf` package."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from minivllm.models.arch import ArchConfig
+
+# GGUF architecture name -> HF architectures entry
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# GGUF tensor name (per block) -> HF parameter name
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, mtime: float):
+    from gguf import GGUFReader
+    return GGUFReader(path)
+
+
+def open_gguf(path: str):
+    """Parse a GGUF file (memory-mapped; parsing its metadata takes seconds, so the reader of
+    the last files opened is kept for the config, weight and tokenizer steps)."""
+    import os
+    try:
+        return _open_cached(path, os.path.getmtime(path))
+    except Exception as e:  # the gguf package raises assorted errors on bad files
+        raise ValueError(f"{path} is not a valid GGUF file: {e}") from e
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_arch_config(reader) -> ArchConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_ARCHS)}")
+    p = f"{arch}."
+    names = {t.name for t in reader.tensors}
+    num_heads = _field(reader, p + "attention.head_count")
+    hidden = _field(reader, p + "embedding_length")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    cfg = {
+        "architectures": [_GGUF_ARCHS[arch]],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, p + "feed_forward_length"),
+        "num_hidden_layers": _field(reader, p + "block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": _field(reader, p + "attention.head_count_kv", num_heads),
+        "head_dim": _field(reader, p + "attention.key_length") or hidden // num_heads,
+        "rms_norm_eps": _field(reader, p + "attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _field(reader, p + "rope.freq_base", 10000.0),
+        "max_position_embeddings": _field(reader, p + "context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "eos_token_id": eos,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+    }
+    return ArchConfig.from_hf_dict(cfg)
+
+
+def _reverse_llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves the rotary halves of q/k rows; undo it to HF's layout."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(reader, cfg: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, fp32 tensor) for every tensor of the file."""
+    from gguf import dequantize
+    is_llama = _field(reader, "general.architecture") == "llama"
+    for t in reader.tensors:
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
+        name = _hf_name(t.name)
+        if is_llama and name.endswith("q_proj.weight"):
+            w = _reverse_llama_permute(w, cfg.num_heads)
+        elif is_llama and name.endswith("k_proj.weight"):
+            w = _reverse_llama_permute(w, cfg.num_kv_heads)
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    parts = gguf_name.split(".")  # blk.N.kind.weight|bias
+    if parts[0] != "blk" or parts[2] not in _BLOCK_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"

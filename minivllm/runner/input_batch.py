@@ -1,0 +1,68 @@
+"""Flattens one SchedulerOutput into the tensors of a forward pass (the "super-sequence")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minivllm.attention.metadata import AttentionMetadata
+from minivllm.core.interfaces import ScheduledRequest
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling] int64: last token of each sampling request
+    sampling_req_ids: list[str]  # requests that sample this step, in logits order
+
+
+def build_step_inputs(
+    scheduled: list[ScheduledRequest],
+    block_ids: dict[str, list[int]],  # the runner's block table of each request
+    block_size: int,
+    device: torch.device,
+    pin: bool,
+) -> StepInputs:
+    n = len(scheduled)
+    q_lens = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=n)
+    starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=n)
+    cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    total = int(cu[-1])
+    # position of each token: its request's start + its offset inside the request's chunk
+    seq_idx = np.repeat(np.arange(n), q_lens)
+    positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, q_lens)
+    input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), dtype=np.int64, count=total)
+
+    tables = [block_ids[s.req_id] for s in scheduled]
+    max_blocks = max(len(t) for t in tables)
+    block_table = np.zeros((n, max_blocks), dtype=np.int32)
+    for i, t in enumerate(tables):
+        block_table[i, :len(t)] = t
+    slot_mapping = block_table[seq_idx, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    seq_lens = (starts + q_lens).astype(np.int32)
+    sampling = [i for i, s in enumerate(scheduled) if s.samples]
+    logits_indices = cu[1:][sampling] - 1
+
+    def to_dev(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        if pin:
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slot_mapping=to_dev(slot_mapping),
+        query_start_loc=to_dev(cu.astype(np.int32)),
+        seq_lens=to_dev(seq_lens),
+        block_tables=to_dev(block_table),
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc_cpu=cu.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
+    )
+    return StepInputs(to_dev(input_ids), to_dev(positions), meta, to_dev(logits_indices),
+                      [scheduled[i].req_id for i in sampling])

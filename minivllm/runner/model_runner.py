@@ -1,0 +1,155 @@
+"""The model runner: the only part that touches tensors.
+
+It keeps a small per-request state (block table, tokens for penalties), turns each
+SchedulerOutput into one flattened batch, runs the model (eagerly or through a captured CUDA
+graph), samples on the device and returns plain Python data (one device-to-host copy a step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.attention.backend import get_attention_backend
+from minivllm.config import EngineConfig
+from minivllm.core.interfaces import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
+from minivllm.models.llama import CausalLM
+from minivllm.models.loader import build_model
+from minivllm.runner.input_batch import StepInputs, build_step_inputs
+from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block
+from minivllm.runner.memory import plan_num_blocks
+from minivllm.sample.batch import SamplingBatch, SamplingRequestState
+from minivllm.sample.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RunnerRequest:
+    block_ids: list[int]
+    sampling: SamplingRequestState
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.model.dtype]
+        self.block_size = config.cache.block_size
+        self.arch = config.model.arch
+        self.requests: dict[str, RunnerRequest] = {}
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
+        self.model: CausalLM | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.graphs = None  # CudaGraphRunner once captured
+        self.timings: dict[str, float] = {}
+
+    # ---- startup --------------------------------------------------------------------------
+    def load_model(self) -> None:
+        t = time.perf_counter()
+        backend = get_attention_backend(self.config.attention_backend)
+        self.model = build_model(self.config.model, backend, self.device, self.dtype)
+        self.timings["load_model_s"] = time.perf_counter() - t
+        logger.info("loaded %s (%s, %s) in %.1f s", self.config.model.served_name, self.config.model.dtype,
+                    self.device, self.timings["load_model_s"])
+
+    def init_kv_cache(self) -> int:
+        """Size the KV cache from the memory budget, allocate it and hand it to the layers."""
+        per_block = bytes_per_block(self.arch, self.block_size, self.dtype)
+        self.num_blocks = plan_num_blocks(self, per_block)
+        self.kv_caches = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.dtype, self.device)
+        for layer, (k, v) in zip(self.model.layers, self.kv_caches):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens", self.num_blocks, self.block_size,
+                    self.num_blocks * self.block_size)
+        return self.num_blocks
+
+    def capture_cuda_graphs(self) -> None:
+        if self.config.enforce_eager or self.device.type != "cuda":
+            return
+        from minivllm.runner.cuda_graph import CudaGraphRunner
+        t = time.perf_counter()
+        self.graphs = CudaGraphRunner(self, self.config.scheduler.max_num_seqs)
+        self.graphs.capture()
+        self.timings["cuda_graph_capture_s"] = time.perf_counter() - t
+        logger.info("captured CUDA graphs for %d batch sizes in %.1f s", len(self.graphs.batch_sizes),
+                    self.timings["cuda_graph_capture_s"])
+
+    # ---- per-request state ------------------------------------------------------------------
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.new_requests:
+            self.requests[new.req_id] = RunnerRequest([], _sampling_state(new))
+        for s in sched.scheduled:
+            self.requests[s.req_id].block_ids.extend(s.new_block_ids)
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return RunnerOutput([], [])
+        block_ids = {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled}
+        inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
+                                   pin=self.device.type == "cuda")
+        logits = self._forward_logits(inputs)
+        if not inputs.sampling_req_ids:
+            return RunnerOutput([], [])
+        return self._sample(logits, inputs.sampling_req_ids)
+
+    def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> RunnerOutput:
+        states = [self.requests[r].sampling for r in req_ids]
+        batch = SamplingBatch.build(states, logits.shape[-1], self.device, self.generator)
+        result = self.sampler(logits, batch)
+        sampled = result.sampled_token_ids.tolist()  # the step's one device-to-host copy
+        for state, tok in zip(states, sampled):
+            state.output_token_ids.append(tok)
+        logprobs = None
+        if result.logprobs is not None:
+            ids, lps, ranks = (result.logprob_token_ids.tolist(), result.logprobs.tolist(),
+                               result.sampled_ranks.tolist())
+            logprobs = [TokenLogprobs(ids[i][:1 + (s.params.logprobs or 0)], lps[i][:1 + (s.params.logprobs or 0)],
+                                      ranks[i]) if s.params.logprobs is not None else None
+                        for i, s in enumerate(states)]
+        return RunnerOutput(req_ids, sampled, logprobs)
+
+    # ---- profiling helpers ----------------------------------------------------------------
+    @torch.inference_mode()
+    def dummy_forward(self, num_tokens: int, num_seqs: int) -> None:
+        """A forward pass over num_tokens tokens split into num_seqs prompts, with no KV written
+        (slots -1); used to measure peak activation memory before the cache exists."""
+        from minivllm.runner.profile import dummy_step_inputs
+        inputs = dummy_step_inputs(num_tokens, num_seqs, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        states = [SamplingRequestState(_profile_params(), [0], [], frozenset(), 0) for _ in range(num_seqs)]
+        self.sampler(logits, SamplingBatch.build(states, logits.shape[-1], self.device, self.generator))
+
+
+def _sampling_state(new: NewRequestData) -> SamplingRequestState:
+    return SamplingRequestState(
+        params=new.sampling_params,
+        prompt_token_ids=new.prompt_token_ids,
+        output_token_ids=list(new.output_token_ids),
+        eos_token_ids=new.eos_token_ids,
+        sample_index=new.sample_index,
+    )
+
+
+def _profile_params():
+    from minivllm.sampling_params import SamplingParams
+    return SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
