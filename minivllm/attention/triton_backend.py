@@ -1,0 +1,103 @@
+"""The Triton attention backend: our own paged-KV kernels (minivllm/kernels).
+
+Triton is imported only when this backend is constructed, so `minivllm` (and this module)
+import on machines without triton.
+
+Kernel choice per step: every sequence has one new token (`meta.is_decode_only`) -> the
+split-K decode kernel; anything else (prompts, chunks, prefix hits, mixed batches) -> the
+variable-length prefill kernel, which handles decode tokens too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from minivllm.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from minivllm.kernels.decode_attention import DecodeWorkspace
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self) -> None:
+        # lazy: these modules import triton
+        from minivllm.kernels import decode_attention, prefill_attention, store_kv
+
+        self._store_kv = store_kv.store_kv
+        self._prefill = prefill_attention.prefill_attention
+        self._decode = decode_attention.decode_attention
+        self._workspace_cls = decode_attention.DecodeWorkspace
+        self._choose_splits = decode_attention.choose_num_splits
+        # (workspace, max_seq_len, num_sms), set by reserve_decode_workspace
+        self._reserved: tuple[DecodeWorkspace, int, int] | None = None
+
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    ) -> None:
+        self._store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if meta.is_decode_only:
+            ws, num_splits = self._decode_plan(meta.num_seqs, query.shape[1], k_cache.shape[2])
+            return self._decode(
+                query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+                max_seq_len=meta.max_seq_len, num_splits=num_splits, workspace=ws,
+            )
+        return self._prefill(
+            query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            max_query_len=meta.max_query_len,
+        )
+
+    def reserve_decode_workspace(
+        self,
+        max_num_seqs: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        device: torch.device | str,
+    ) -> None:
+        """Preallocate decode scratch and make the split count static (call before CUDA-graph capture).
+
+        Afterwards a decode step of num_seqs <= max_num_seqs sequences always uses these buffers
+        and a split count that depends only on num_seqs (chosen as if every sequence were
+        max_seq_len long), never on this step's lengths, so a graph captured for a padded
+        batch size replays correctly whatever the sequences' lengths.
+        """
+        num_sms = _num_sms(device)
+        most = self._choose_splits(1, num_kv_heads, max_seq_len, num_sms)
+        ws = self._workspace_cls.allocate(max_num_seqs, num_heads, head_dim, most, device)
+        self._reserved = (ws, max_seq_len, num_sms)
+
+    def _decode_plan(self, num_seqs: int, num_heads: int, num_kv_heads: int) -> tuple[DecodeWorkspace | None, int | None]:
+        """(workspace, num_splits) for this step; (None, None) lets the kernel choose (eager only)."""
+        if self._reserved is None:
+            return None, None
+        ws, max_seq_len, num_sms = self._reserved
+        if ws.part_lse.shape[0] < num_seqs or ws.part_lse.shape[1] != num_heads:
+            return None, None
+        splits = self._choose_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
+        return ws, min(splits, ws.num_splits)
+
+
+def _num_sms(device: torch.device | str) -> int:
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count

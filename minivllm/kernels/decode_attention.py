@@ -1,0 +1,297 @@
+"""Triton kernels: decode attention (one new token per sequence) over the paged KV cache.
+
+Flash-decoding: each sequence's context is cut into up to `num_splits` chunks, one program
+per (sequence, kv head, chunk), and a second small kernel merges the chunks.
+
+    stage 1  grid = (num_seqs, num_kv_heads, num_splits)
+             program (s, h, c) attends the GROUP query heads of kv head h (one tl.dot over a
+             head dimension padded to G_PAD >= 16, so each K/V tile is read once per kv head)
+             to keys [c * chunk, min((c + 1) * chunk, seq_len)) and writes a normalized partial
+             output and its log-sum-exp (base 2) to the scratch buffers.
+             chunk = max(MIN_CHUNK, round_up(cdiv(seq_len, num_splits), BLOCK_N)) is computed
+             in the kernel from the device seq_lens, so short sequences use fewer chunks, and a
+             program whose chunk starts past seq_len writes a neutral partial (lse = -inf, 0).
+    stage 2  grid = (num_seqs, num_heads): out = sum_c 2^(lse_c - max) * o_c / sum_c 2^(lse_c - max)
+
+With num_splits == 1 stage 1 writes the final output and stage 2 is skipped.
+
+CUDA graphs: the launch depends only on shapes and on `num_splits`; pass a fixed num_splits
+and preallocated scratch buffers (`DecodeWorkspace`) and nothing host-side changes between
+replays. The reference is `paged_attention_reference` in minivllm/attention/reference.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+MIN_CHUNK = 128  # fewest keys per split: below this the merge costs more than it saves
+MAX_SPLITS = 64  # most chunks per sequence
+PROGRAMS_PER_SM = 4  # split until about this many stage-1 programs per SM
+
+
+@dataclass
+class DecodeWorkspace:
+    """Scratch for the split partials; preallocate once to keep CUDA-graph replays static."""
+
+    part_out: torch.Tensor  # [max_num_seqs, num_heads, num_splits, head_dim] fp32
+    part_lse: torch.Tensor  # [max_num_seqs, num_heads, num_splits] fp32, log2 domain
+
+    @property
+    def num_splits(self) -> int:
+        return self.part_lse.shape[2]
+
+    @staticmethod
+    def allocate(
+        max_num_seqs: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device | str
+    ) -> DecodeWorkspace:
+        return DecodeWorkspace(
+            part_out=torch.empty(max_num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=device),
+            part_lse=torch.empty(max_num_seqs, num_heads, num_splits, dtype=torch.float32, device=device),
+        )
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim]; written only when NUM_SPLITS_IS_ONE
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32
+    qsl_ptr,  # [num_seqs + 1] int32; decode: query token of sequence s is qsl[s]
+    seq_lens_ptr,  # [num_seqs] int32
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    num_splits,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_bt,
+    stride_ps, stride_ph, stride_pc, stride_pd,
+    stride_ls, stride_lh, stride_lc,
+    GROUP: tl.constexpr,  # query heads per kv head
+    G_PAD: tl.constexpr,  # max(16, next_pow2(GROUP)): tl.dot needs >= 16 rows
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # cache block size (tokens)
+    BLOCK_N: tl.constexpr,  # keys per inner iteration
+    MIN_CHUNK_N: tl.constexpr,  # MIN_CHUNK rounded up to a multiple of BLOCK_N
+    NUM_SPLITS_IS_ONE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    token = tl.load(qsl_ptr + seq)
+    if tl.load(qsl_ptr + seq + 1) == token:
+        return  # no query token for this sequence (padding)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK_N)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)  # empty when start >= seq_len
+
+    g = tl.arange(0, G_PAD)
+    head = kv_head * GROUP + g  # [G_PAD]
+    d = tl.arange(0, D_PAD)
+    io_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    t64 = token.to(tl.int64)
+    q = tl.load(q_ptr + t64 * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=io_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)  # [G_PAD, D_PAD]
+
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        n_valid = n < end
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs  # [BLOCK_N] int64
+        k_t = tl.load(k_base + kv_off[None, :] + d[:, None] * stride_cd,
+                      mask=n_valid[None, :] & (d < HEAD_DIM)[:, None], other=0.0)  # [D_PAD, BLOCK_N]
+        v = tl.load(v_base + kv_off[:, None] + d[None, :] * stride_cd,
+                    mask=n_valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+        s = tl.dot(q, k_t) * qk_scale  # [G_PAD, BLOCK_N] fp32, log2 domain
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        # each tile holds at least one valid key (n0 < end), so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty chunk: acc == 0, keep the partial at 0
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS_IS_ONE:
+        o_off = t64 * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # [G_PAD]
+        s64 = seq.to(tl.int64)
+        p_off = s64 * stride_ps + head[:, None] * stride_ph + split * stride_pc + d[None, :] * stride_pd
+        tl.store(part_out_ptr + p_off, o, mask=io_mask)
+        tl.store(part_lse_ptr + s64 * stride_ls + head * stride_lh + split * stride_lc, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32
+    qsl_ptr,  # [num_seqs + 1] int32
+    num_splits,
+    stride_ot, stride_oh, stride_od,
+    stride_ps, stride_ph, stride_pc, stride_pd,
+    stride_ls, stride_lh, stride_lc,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,  # next_pow2(num_splits)
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(qsl_ptr + seq)
+    if tl.load(qsl_ptr + seq + 1) == token:
+        return
+    c = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s64 = seq.to(tl.int64)
+    lse = tl.load(part_lse_ptr + s64 * stride_ls + head * stride_lh + c * stride_lc,
+                  mask=c < num_splits, other=float("-inf"))  # [S_PAD]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all chunks empty (seq_len 0): output 0
+    w = tl.exp2(lse - m)  # [S_PAD], 0 for empty chunks
+    o_mask = (c < num_splits)[:, None] & (d < HEAD_DIM)[None, :]
+    o = tl.load(part_out_ptr + s64 * stride_ps + head * stride_ph + c[:, None] * stride_pc + d[None, :] * stride_pd,
+                mask=o_mask, other=0.0)  # [S_PAD, D_PAD]
+    den = tl.sum(w, 0)
+    den = tl.where(den == 0.0, 1.0, den)
+    res = tl.sum(o * w[:, None], 0) / den  # [D_PAD]
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + d * stride_od,
+             res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """How many chunks to cut each context into so that stage 1 fills the GPU.
+
+    Split only while there are fewer than PROGRAMS_PER_SM * num_sms (seq, kv head) programs,
+    never below MIN_CHUNK keys per chunk nor above MAX_SPLITS chunks. Rounded up to a power of
+    two so few kernel variants get compiled.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    target = PROGRAMS_PER_SM * num_sms
+    if programs >= target:
+        return 1
+    splits = min(triton.cdiv(target, programs), triton.cdiv(max(1, max_seq_len), MIN_CHUNK), MAX_SPLITS)
+    return triton.next_power_of_2(max(1, splits))
+
+
+def decode_config(group: int, head_dim: int) -> dict[str, int]:
+    """Tile sizes and launch options (the tuning knobs; defaults aimed at H100)."""
+    return {
+        "BLOCK_N": 32 if head_dim > 128 else 64,
+        "num_warps": 4,
+        "num_stages": 3,
+    }
+
+
+def decode_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]; token of sequence s = query_start_loc[s]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # same shape and strides as k_cache
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32 (device); decode: 0, 1, 2, ...
+    seq_lens: torch.Tensor,  # [num_seqs] int32 (device)
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 (device)
+    scale: float,
+    max_seq_len: int | None = None,  # host int, used only to choose num_splits
+    num_splits: int | None = None,  # fixed split count (CUDA graphs); default: choose_num_splits
+    workspace: DecodeWorkspace | None = None,  # preallocated scratch (CUDA graphs)
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; allocated if None
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attention of each sequence's single new token over its whole paged context."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    _check_shapes(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = workspace.num_splits if workspace is not None else _default_splits(
+            query, num_seqs, num_kv_heads, max_seq_len, k_cache, block_tables)
+    if num_splits > 1 and workspace is None:
+        workspace = DecodeWorkspace.allocate(num_seqs, num_heads, head_dim, num_splits, query.device)
+    if workspace is not None:
+        assert workspace.part_lse.shape[0] >= num_seqs and workspace.part_lse.shape[1] == num_heads
+        assert workspace.num_splits >= num_splits and workspace.part_out.shape[3] == head_dim
+    _launch_split(query, k_cache, v_cache, out, workspace, query_start_loc, seq_lens, block_tables,
+                  scale, num_splits)
+    if num_splits > 1:
+        _launch_merge(out, workspace, query_start_loc, num_seqs, num_splits)
+    return out
+
+
+def _default_splits(query, num_seqs, num_kv_heads, max_seq_len, k_cache, block_tables) -> int:
+    if max_seq_len is None:  # upper bound from the block table width (no device sync)
+        max_seq_len = block_tables.shape[1] * k_cache.shape[1]
+    num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 132
+    return choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
+
+
+def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, block_tables,
+                  scale, num_splits) -> None:
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    cfg = decode_config(group, head_dim)
+    one = num_splits == 1
+    # with one split the scratch is unused: pass `out` in its place (never written)
+    p_out = out if ws is None else ws.part_out
+    p_lse = out if ws is None else ws.part_lse
+    p_out_strides = (0, 0, 0, 0) if ws is None else ws.part_out.stride()
+    p_lse_strides = (0, 0, 0) if ws is None else ws.part_lse.stride()
+    grid = (seq_lens.shape[0], num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
+        query, k_cache, v_cache, out, p_out, p_lse, query_start_loc, seq_lens, block_tables,
+        num_splits, scale * LOG2E,
+        *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
+        *p_out_strides, *p_lse_strides,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=k_cache.shape[1],
+        MIN_CHUNK_N=triton.cdiv(MIN_CHUNK, cfg["BLOCK_N"]) * cfg["BLOCK_N"],
+        NUM_SPLITS_IS_ONE=one, **cfg,
+    )
+
+
+def _launch_merge(out, ws: DecodeWorkspace, query_start_loc, num_seqs: int, num_splits: int) -> None:
+    num_heads, head_dim = out.shape[1:]
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        out, ws.part_out, ws.part_lse, query_start_loc, num_splits,
+        *out.stride(), *ws.part_out.stride(), *ws.part_lse.stride(),
+        HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        S_PAD=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=4 if head_dim >= 128 else 2,
+    )
+
+
+def _check_shapes(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert k_cache.shape[3] == head_dim, (k_cache.shape, query.shape)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert query_start_loc.shape[0] == seq_lens.shape[0] + 1
+    assert block_tables.shape[0] >= seq_lens.shape[0] and block_tables.stride(1) == 1
+    assert query_start_loc.dtype == seq_lens.dtype == block_tables.dtype == torch.int32

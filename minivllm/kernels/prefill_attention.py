@@ -1,0 +1,226 @@
+"""Triton kernel: variable-length causal attention over the paged KV cache, one launch per step.
+
+Serves every step that has a sequence with more than one new token (fresh prompts, prefill
+chunks, prefix-cache hits, mixed prefill + decode batches). The reference is
+`paged_attention_reference` in minivllm/attention/reference.py.
+
+Work split (flash-attention style, online softmax in fp32, exp2 with the scale folded in):
+
+    grid = (num_tokens // BLOCK_Q + num_seqs, num_kv_heads)
+
+    A program owns one *query tile* of one sequence and one kv head. Its BLOCK_M rows are
+    (query token, query head) pairs: row r = query token r // GROUP of the tile, query head
+    kv_head * GROUP + r % GROUP. So all GROUP query heads sharing a kv head run in one
+    program and every K/V tile is loaded once per kv head (GQA), BLOCK_Q = BLOCK_M // GROUP.
+
+    Tiles are numbered per sequence from start_tile(s) = query_start_loc[s] // BLOCK_Q + s;
+    these ranges never overlap and all fit below num_tokens // BLOCK_Q + num_seqs, so the
+    grid depends only on shapes (CUDA-graph friendly) and a program finds its sequence by a
+    binary search over query_start_loc. Programs past the end of their sequence exit at once.
+
+Keys: query token j of a sequence sits at position ctx + j (ctx = seq_len - q_len cached
+tokens) and sees keys 0..ctx + j. A tile first walks the keys every one of its rows sees
+(no mask), then the last few key tiles with the causal mask. Keys are gathered from the
+paged cache through the block table: key n lives in block block_table[n // block_size] at
+offset n % block_size, so BLOCK_N does not have to match the cache block size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """Last sequence s with start_tile(s) = qsl[s] // BLOCK_Q + s <= tile (binary search)."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start_tile = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if start_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_key_range(
+    acc, m_i, l_i,  # [BLOCK_M, D_PAD] fp32, [BLOCK_M] fp32, [BLOCK_M] fp32: running state
+    q,  # [BLOCK_M, D_PAD] query rows (cache dtype)
+    q_pos,  # [BLOCK_M] int32 absolute position of each row's query token
+    k_base, v_base,  # cache pointers already offset to this kv head
+    bt_row,  # this sequence's block table row
+    start, end,  # key range [start, end); start is a multiple of BLOCK_N
+    qk_scale,  # softmax scale * log2(e)
+    stride_cb, stride_cs, stride_cd,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):
+    d = tl.arange(0, D_PAD)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        n_valid = n < end
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs  # [BLOCK_N] int64
+        k_ptrs = k_base + kv_off[None, :] + d[:, None] * stride_cd  # [D_PAD, BLOCK_N]
+        v_ptrs = v_base + kv_off[:, None] + d[None, :] * stride_cd  # [BLOCK_N, D_PAD]
+        if MASKED or HEAD_DIM != D_PAD:
+            k_t = tl.load(k_ptrs, mask=n_valid[None, :] & (d < HEAD_DIM)[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=n_valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        else:  # interior tiles: every key is < end, no mask needed
+            k_t = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, k_t) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 domain
+        if MASKED:
+            causal = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+            s = tl.where(causal, s, float("-inf"))
+        # every row sees key 0, which lies in the first tile walked: m_new is finite from then on
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    qsl_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    num_seqs,
+    qk_scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per kv head
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # cache block size (tokens)
+    BLOCK_Q: tl.constexpr,  # query tokens per tile (BLOCK_M // GROUP)
+    BLOCK_M: tl.constexpr,  # rows per tile (power of two >= 16)
+    BLOCK_N: tl.constexpr,  # keys per inner iteration
+):
+    # reversed: within a sequence the last tiles see the most keys, so start them first
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q)
+    q_begin = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_begin
+    q_tile_start = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    if q_tile_start >= q_len:
+        return  # spare program: the grid is an upper bound on the number of tiles
+    ctx = tl.load(seq_lens_ptr + seq) - q_len  # cached tokens before the first new one
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile_start + rows // GROUP  # [BLOCK_M] query index within the sequence
+    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
+    row_valid = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = ctx + tok
+    d = tl.arange(0, D_PAD)
+    io_mask = row_valid[:, None] & (d < HEAD_DIM)[None, :]
+    t64 = (q_begin + tok).to(tl.int64)
+    q_off = t64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # keys 0..ctx + q_tile_start are seen by every row: whole tiles of them need no mask
+    full_end = (ctx + q_tile_start + 1) // BLOCK_N * BLOCK_N
+    kv_end = ctx + tl.minimum(q_tile_start + BLOCK_Q, q_len)  # one past the last key needed
+    acc, m_i, l_i = _attend_key_range(
+        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, 0, full_end, qk_scale,
+        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False)
+    acc, m_i, l_i = _attend_key_range(
+        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, full_end, kv_end, qk_scale,
+        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only padding rows can have l == 0
+    out = acc / l_i[:, None]
+    o_off = t64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def prefill_config(group: int, head_dim: int, max_query_len: int, elem_bytes: int = 2) -> dict[str, int]:
+    """Tile sizes and launch options (the tuning knobs; defaults aimed at H100, bf16/fp16).
+
+    BLOCK_M rows hold BLOCK_M // group query tokens; a step whose longest query is short
+    (e.g. mostly decode tokens) gets a smaller BLOCK_M so fewer rows are wasted. fp32 (and
+    head_dim > 128) halve the tiles to stay within registers and shared memory.
+    """
+    big = head_dim > 128 or elem_bytes > 2
+    rows_needed = triton.next_power_of_2(max(1, max_query_len) * group)
+    block_m = max(16, triton.next_power_of_2(group), min(64 if big else 128, rows_needed))
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": 32 if big else 64,
+        "num_warps": 8 if block_m >= 128 else 4,
+        "num_stages": 2,
+    }
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # same shape and strides as k_cache
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32 (device)
+    seq_lens: torch.Tensor,  # [num_seqs] int32 (device), cached + new tokens
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 (device)
+    scale: float,
+    max_query_len: int | None = None,  # host int; only picks the tile size (None: from num_tokens)
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; allocated if None
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    The new tokens' K/V must already be in the cache. Rows of `out` past
+    query_start_loc[-1] (padding) are left untouched. The launch depends only on shapes and
+    on max_query_len, so under CUDA-graph capture pass a fixed max_query_len (or None).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    _check_shapes(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    cfg = prefill_config(group, head_dim, num_tokens if max_query_len is None else max_query_len,
+                         k_cache.element_size())
+    block_q = cfg["BLOCK_M"] // group
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        num_seqs, scale * LOG2E,
+        *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, **cfg,
+    )
+    return out
+
+
+def _check_shapes(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert k_cache.shape[3] == head_dim, (k_cache.shape, query.shape)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert query_start_loc.shape[0] == seq_lens.shape[0] + 1
+    assert block_tables.shape[0] >= seq_lens.shape[0] and block_tables.stride(1) == 1
+    assert query_start_loc.dtype == seq_lens.dtype == block_tables.dtype == torch.int32
