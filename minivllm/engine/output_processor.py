@@ -23,7 +23,7 @@ class SampleState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text_sent: int = 0
+    text: str = ""  # released text (the detokenizer holds back a possible stop-string start)
 
 
 @dataclass
@@ -89,7 +89,11 @@ class OutputProcessor:
             for lp in u.new_logprobs:
                 sample.logprobs.append(self._logprob_dict(lp))
                 sample.cumulative_logprob += lp.logprobs[0]
-        stop_str = sample.detok.update(u.new_token_ids) if sample.detok is not None else None
+        stop_str = None
+        if sample.detok is not None:
+            # eos / stop-token text is left out of the output, as in vLLM
+            ended_on_token = u.finished and u.request.status.finish_reason == "stop"
+            stop_str = sample.detok.update(u.new_token_ids, stop_terminated=ended_on_token, finished=u.finished)
         if stop_str is not None:
             self._finish_sample(state, sample, "stop", stop_str, now)
             return True
@@ -133,9 +137,10 @@ class OutputProcessor:
         finished = state.finished
         outs = []
         for s in state.samples:
-            text = s.detok.get_next_output_text(s.finish_reason is not None, delta=False) if s.detok else ""
+            if s.detok is not None:
+                s.text += s.detok.get_next_output_text(s.finish_reason is not None, delta=True)
             outs.append(CompletionOutput(
-                index=s.index, text=text, token_ids=list(s.token_ids),
+                index=s.index, text=s.text, token_ids=list(s.token_ids),
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))

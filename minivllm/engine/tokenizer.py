@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 
 from minivllm.config import ModelConfig
@@ -10,15 +12,21 @@ from minivllm.config import ModelConfig
 def load_tokenizer(cfg: ModelConfig):
     """A transformers fast tokenizer; for GGUF, built from the file's own metadata (vocab,
     merges, special tokens, chat template)."""
-    from transformers import AutoTokenizer
     path = cfg.tokenizer or cfg.source_path
-    if path.endswith(".gguf"):
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    else:
-        tok = AutoTokenizer.from_pretrained(path)
+    tok = _load_cached(path, os.path.getmtime(path))
     if cfg.chat_template is not None:
+        tok = copy.deepcopy(tok)  # the cached one stays as the model ships it
         tok.chat_template = _read_template(cfg.chat_template)
     return tok
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(path: str, mtime: float):
+    # converting a GGUF vocabulary takes seconds: engines of one process share the result
+    from transformers import AutoTokenizer
+    if path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _read_template(value: str) -> str:

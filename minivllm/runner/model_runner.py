@@ -114,24 +114,24 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> RunnerOutput:
         states = [self.requests[r].sampling for r in req_ids]
         batch = SamplingBatch.build(states, logits.shape[-1], self.device, self.generator)
-        result = self.sampler(logits, batch)
-        sampled = result.sampled_token_ids.tolist()  # the step's one device-to-host copy
+        host = self.sampler(logits, batch).to_host()  # the step's one device-to-host copy
+        sampled = host.sampled_token_ids
         for state, tok in zip(states, sampled):
             state.output_token_ids.append(tok)
         logprobs = None
-        if result.logprobs is not None:
-            ids, lps, ranks = (result.logprob_token_ids.tolist(), result.logprobs.tolist(),
-                               result.sampled_ranks.tolist())
-            logprobs = [TokenLogprobs(ids[i][:1 + (s.params.logprobs or 0)], lps[i][:1 + (s.params.logprobs or 0)],
-                                      ranks[i]) if s.params.logprobs is not None else None
-                        for i, s in enumerate(states)]
+        if host.logprobs is not None:
+            logprobs = []
+            for i, s in enumerate(states):
+                k = s.params.logprobs
+                logprobs.append(None if k is None else TokenLogprobs(
+                    host.logprob_token_ids[i][:1 + k], host.logprobs[i][:1 + k], host.sampled_ranks[i]))
         return RunnerOutput(req_ids, sampled, logprobs)
 
     # ---- profiling helpers ----------------------------------------------------------------
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int, num_seqs: int) -> None:
-        """A forward pass over num_tokens tokens split into num_seqs prompts, with no KV written
-        (slots -1); used to measure peak activation memory before the cache exists."""
+        """A forward pass (and sampling) over num_tokens tokens split into num_seqs prompts, on a
+        temporary KV cache; measures peak activation memory before the real cache exists."""
         from minivllm.runner.profile import dummy_step_inputs
         inputs = dummy_step_inputs(num_tokens, num_seqs, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)

@@ -1,0 +1,5 @@
+import sys
+
+from minivllm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,41 @@
+"""Engine options as command-line flags, shared by `generate`, `chat`, `serve` and `bench`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory or GGUF file (default: the model's)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--seed", type=int, default=None, help="engine seed; also the sampling seed of generate/chat")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+
+
+_KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_model_len", "block_size",
+         "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
+         "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
+         "enforce_eager", "attention_backend", "chat_template"]
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = {k: getattr(args, k) for k in _KEYS if hasattr(args, k)}
+    if kwargs.get("seed") is None:
+        kwargs["seed"] = 0
+    return kwargs

