@@ -151,8 +151,10 @@ class Scheduler:
             self._admit(req, num_cached, out)
             self._add_scheduled(out, req, n, new_blocks)
             budget -= n
-        for req in skipped:
-            self.waiting.push(req)
+        # back to the front, in their order: a sibling that had to wait keeps its FCFS place
+        # (push() would append it behind requests that arrived later)
+        for req in reversed(skipped):
+            self.waiting.push_front(req)
 
     def _admit(self, req: Request, num_cached: int, out: SchedulerOutput) -> None:
         req.status = RequestStatus.RUNNING
