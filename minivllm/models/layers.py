@@ -9,6 +9,7 @@ from torch import nn
 
 from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.metadata import AttentionMetadata
+from minivllm.kernels.fused_ops import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -18,15 +19,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm step."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        orig_dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = xf.to(orig_dtype) * self.weight
-        return out if residual is None else (out, residual)
+        """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm step.
+
+        Triton kernels on CUDA, the same torch math as Hugging Face elsewhere (kernels/fused_ops.py)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -59,14 +57,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, Hq, D], k: [T, Hk, D]
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        # q: [T, Hq, D], k: [T, Hk, D]; on CUDA rotated in place: use the returned tensors
+        return apply_rotary(positions, q, k, self.cos_sin)
 
 
 class Attention(nn.Module):
@@ -111,5 +103,4 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up

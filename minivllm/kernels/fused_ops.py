@@ -1,0 +1,319 @@
+"""Small fused Triton kernels for the per-token layers: RMSNorm (+ residual add), rotary, SwiGLU.
+
+Each public wrapper (`rms_norm`, `fused_add_rms_norm`, `apply_rotary`, `silu_and_mul`) runs the
+Triton kernel when its tensors are on CUDA and Triton is importable, and otherwise the plain
+torch math (`*_torch`), which is exactly the math the layers always had: CPU results are
+bit-identical to before. The `*_triton` launchers take the kernel path unconditionally (the
+interpreter tests call them on CPU tensors under TRITON_INTERPRET=1).
+
+The kernels round where torch rounds, so on the GPU they match the torch ops up to fp32
+reduction order / FMA contraction (at most one ulp of the output dtype, and rarely):
+  rms_norm      y = (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype) * weight       (HF order)
+  fused add     s = (x + residual) in dtype; y = rms_norm(s); returns (y, s)
+  rotary        neox layout, x = [x1 | x2]: [x1 cos - x2 sin | x2 cos + x1 sin] in fp32, then dtype
+  silu_and_mul  [gate | up] -> silu(gate).to(dtype) * up
+
+Layout: one program per token row (the norms: a row is [H], or for q/k-norm a few heads of
+[D] each); the last dim must be contiguous, the row (token) and head strides are free, so q/k
+views of the fused qkv matmul output are processed without a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: every wrapper takes the torch path
+    triton = tl = None
+
+MAX_NORM_BLOCK = 32768  # widest row the norm kernel keeps in registers; wider rows use torch
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+def _on_triton(*tensors: torch.Tensor) -> bool:
+    return triton is not None and all(t.is_cuda for t in tensors)
+
+
+# ------------------------------------------------------------------ torch math (the reference)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    orig_dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(orig_dtype) * weight
+
+
+def fused_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x + residual
+    return rms_norm_torch(x, weight, eps), x
+
+
+def apply_rotary_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
+# ------------------------------------------------------------------ public wrappers
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H] or [T, heads, H] (e.g. q/k-norm on a strided q view) -> new tensor, x's shape.
+
+    The output dtype is torch's promotion of x and weight (x's dtype when they agree)."""
+    if _on_triton(x, weight) and _norm_supported(x, weight):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [T, H] -> (rms_norm(x + residual), x + residual), in one pass on the GPU.
+
+    With inplace=True (GPU path only) the results are written into x and residual themselves
+    and those two tensors are returned: use it only where the caller no longer needs the inputs.
+    The default allocates two new tensors (same bytes moved; only memory footprint differs)."""
+    if (_on_triton(x, residual, weight) and _norm_supported(x, weight) and x.dim() == 2
+            and residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+            and x.data_ptr() != residual.data_ptr()):
+        return fused_add_rms_norm_triton(x, residual, weight, eps, inplace=inplace)
+    return fused_add_rms_norm_torch(x, residual, weight, eps)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T] int; q: [T, Hq, D]; k: [T, Hk, D]; cos_sin: [max_pos, D] fp32 = cat(cos, sin).
+
+    Returns the rotated (q, k). On the GPU q and k are rotated IN PLACE (one launch for both)
+    and returned; on the CPU new tensors are returned. Either way: use the return values and
+    treat the inputs as consumed. Positions must be < max_pos (not checked on the GPU)."""
+    if (_on_triton(positions, q, k, cos_sin) and q.stride(-1) == 1 and k.stride(-1) == 1
+            and q.dtype == k.dtype and cos_sin.stride(-1) == 1 and cos_sin.dtype == torch.float32):
+        return apply_rotary_triton(positions, q, k, cos_sin)
+    return apply_rotary_torch(positions, q, k, cos_sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I] (gate first) -> silu(gate) * up: [T, I], a new tensor."""
+    if _on_triton(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        return silu_and_mul_triton(gate_up)
+    return silu_and_mul_torch(gate_up)
+
+
+def _norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dim() in (2, 3) and x.stride(-1) == 1 and weight.dim() == 1 and weight.is_contiguous()
+            and weight.shape[0] == x.shape[-1] and x.shape[-1] <= MAX_NORM_BLOCK)
+
+
+# ------------------------------------------------------------------ kernels
+
+
+@_jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, heads, H] (heads = 1 for hidden states), last dim contiguous
+    res_ptr,  # [T, H] residual (read only if HAS_RESIDUAL)
+    w_ptr,  # [H]
+    out_ptr,  # [T, heads, H]
+    res_out_ptr,  # [T, H] x + residual (written only if HAS_RESIDUAL)
+    stride_xt, stride_xh, stride_rt, stride_ot, stride_oh, stride_st,
+    num_heads, eps,
+    H: tl.constexpr,
+    BLOCK: tl.constexpr,  # next_pow2(H)
+    ROWS: tl.constexpr,  # heads per program
+    HAS_RESIDUAL: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    d = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+    mask = (h < num_heads) & (d < H)
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # s = x + residual rounded to the input dtype, as torch's add does
+        r = tl.load(res_ptr + t * stride_rt + d, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + t * stride_st + d, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / H + eps)  # [ROWS]
+    y = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty)  # HF: cast back before the weight
+    w = tl.load(w_ptr + d, mask=d < H, other=0.0)
+    out = y.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _rotate_heads(base_ptr, stride_h, num_heads, blk, cos, sin, d, d_mask,
+                  HALF: tl.constexpr, ROWS: tl.constexpr):
+    # one token's heads [blk * ROWS, (blk + 1) * ROWS) of q or k, rotated in place
+    h = blk * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    mask = (h < num_heads) & d_mask
+    p1 = base_ptr + h * stride_h + d  # first half; the second half is HALF further
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    tl.store(p1, o1.to(base_ptr.dtype.element_ty), mask=mask)
+    tl.store(p1 + HALF, o2.to(base_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _rotary_kernel(
+    pos_ptr,  # [T] int32/int64
+    q_ptr,  # [T, Hq, D], last dim contiguous
+    k_ptr,  # [T, Hk, D]
+    cs_ptr,  # [max_pos, D] fp32: cos | sin
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    num_q_heads, num_k_heads, q_blocks,  # programs 0..q_blocks-1 along axis 1 do q, the rest k
+    HALF: tl.constexpr,  # D / 2
+    HALF_PAD: tl.constexpr,  # next_pow2(HALF)
+    ROWS: tl.constexpr,  # heads per program
+):
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)[None, :]
+    d_mask = d < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)
+    if blk < q_blocks:
+        _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, cos, sin, d, d_mask, HALF, ROWS)
+    else:
+        _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, cos, sin, d, d_mask,
+                      HALF, ROWS)
+
+
+@_jit
+def _silu_and_mul_kernel(
+    in_ptr,  # [T, 2I]: gate | up, last dim contiguous
+    out_ptr,  # [T, I]
+    stride_it, stride_ot,
+    I: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < I
+    g = tl.load(in_ptr + t * stride_it + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(in_ptr + t * stride_it + I + c, mask=mask, other=0.0)
+    act = (g / (1.0 + tl.exp(-g))).to(in_ptr.dtype.element_ty)  # torch's silu, rounded like torch
+    out = act.to(tl.float32) * u.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + c, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------ launchers (no fallback)
+
+
+def _norm_warps(elements: int) -> int:
+    return max(1, min(16, elements // 256))  # ~8 elements (one 16-byte bf16 vector) per thread
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Kernel path of `rms_norm`; `out` (x's shape, last dim contiguous) may be given."""
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)  # [T, heads, H]
+    num_tokens, num_heads, hidden = x3.shape
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    o3 = out if out.dim() == 3 else out.unsqueeze(1)
+    assert o3.shape == x3.shape and o3.stride(-1) == 1 and x3.stride(-1) == 1, (out.shape, x.shape)
+    if num_tokens == 0 or num_heads == 0:
+        return out
+    block = triton.next_power_of_2(hidden)
+    rows = min(triton.next_power_of_2(num_heads), max(1, 2048 // block))
+    grid = (num_tokens, triton.cdiv(num_heads, rows))
+    _rms_norm_kernel[grid](
+        x3, x3, weight, o3, o3,
+        x3.stride(0), x3.stride(1), 0, o3.stride(0), o3.stride(1), 0,
+        num_heads, eps,
+        H=hidden, BLOCK=block, ROWS=rows, HAS_RESIDUAL=False, num_warps=_norm_warps(rows * block),
+    )
+    return out
+
+
+def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                              inplace: bool = False, out: torch.Tensor | None = None,
+                              residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel path of `fused_add_rms_norm`: x, residual [T, H]; inplace writes into x, residual.
+
+    Each program reads its whole row before writing it, so out/residual_out may alias x/residual
+    row for row (that is what inplace does)."""
+    num_tokens, hidden = x.shape
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype, x.dtype)
+    if inplace:
+        assert weight.dtype == x.dtype, "inplace needs the output dtype to equal the input dtype"
+        out, residual_out = x, residual
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if residual_out is None:
+        residual_out = torch.empty_like(x)
+    for t in (x, residual, out, residual_out):
+        assert t.shape == x.shape and t.stride(-1) == 1, (t.shape, t.stride())
+    if num_tokens == 0:
+        return out, residual_out
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(num_tokens, 1)](
+        x, residual, weight, out, residual_out,
+        x.stride(0), 0, residual.stride(0), out.stride(0), 0, residual_out.stride(0),
+        1, eps,
+        H=hidden, BLOCK=block, ROWS=1, HAS_RESIDUAL=True, num_warps=_norm_warps(block),
+    )
+    return out, residual_out
+
+
+def apply_rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                        cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel path of `apply_rotary`: rotates q and k in place and returns them."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert k.shape == (num_tokens, num_k_heads, head_dim) and head_dim % 2 == 0, (q.shape, k.shape)
+    assert cos_sin.shape[1] == head_dim and positions.shape[0] >= num_tokens, (cos_sin.shape, positions.shape)
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1
+    if num_tokens == 0:
+        return q, k
+    half = head_dim // 2
+    half_pad = triton.next_power_of_2(half)
+    rows = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, 2048 // half_pad))
+    q_blocks = triton.cdiv(num_q_heads, rows)
+    grid = (num_tokens, q_blocks + triton.cdiv(num_k_heads, rows))
+    _rotary_kernel[grid](
+        positions, q, k, cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+        num_q_heads, num_k_heads, q_blocks,
+        HALF=half, HALF_PAD=half_pad, ROWS=rows, num_warps=_norm_warps(rows * half_pad),
+    )
+    return q, k
+
+
+def silu_and_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Kernel path of `silu_and_mul`: gate_up [T, 2I] -> out [T, I]."""
+    num_tokens, two_i = gate_up.shape
+    assert two_i % 2 == 0 and gate_up.stride(-1) == 1, (gate_up.shape, gate_up.stride())
+    inter = two_i // 2
+    if out is None:
+        out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
+    assert out.shape == (num_tokens, inter) and out.stride(-1) == 1, (out.shape, out.stride())
+    if num_tokens == 0:
+        return out
+    block = min(triton.next_power_of_2(inter), 2048)
+    grid = (num_tokens, triton.cdiv(inter, block))
+    _silu_and_mul_kernel[grid](
+        gate_up, out, gate_up.stride(0), out.stride(0),
+        I=inter, BLOCK=block, num_warps=max(1, min(8, block // 512)),
+    )
+    return out
