@@ -1,0 +1,179 @@
+"""The FastAPI app factory: routes, API-key check, error mapping, lifespan (engine shutdown)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+
+from fastapi import APIRouter, FastAPI, Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from minivllm import __version__
+from minivllm.engine.async_engine import AsyncEngine, EngineDeadError
+from minivllm.server.errors import JSONResponse, OpenAIError, bad_request, error_response, install_error_handlers
+from minivllm.server.metrics import ServerMetrics
+from minivllm.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from minivllm.server.serving_chat import ServingChat, chat_prompt_ids
+from minivllm.server.serving_common import ServerSettings, ServingBase
+from minivllm.server.serving_completions import ServingCompletion
+
+logger = logging.getLogger(__name__)
+
+_OPEN_PATHS = ("/health", "/metrics", "/version", "/ping", "/openapi.json", "/docs", "/redoc")
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 500, 503)}
+
+
+class ApiKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>`; health, metrics, version and docs stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"].startswith(_OPEN_PATHS) or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        got = dict(scope["headers"]).get(b"authorization", b"")
+        if not secrets.compare_digest(got, self.expected):
+            err = OpenAIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                              code="invalid_api_key")
+            await error_response(err)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    yield
+    state: ServerState = app.state.minivllm
+    state.metrics.close()
+    if state.settings.own_engine:
+        await asyncio.to_thread(state.engine.shutdown, state.settings.shutdown_grace_s)
+
+
+class ServerState:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.base = ServingBase(engine, settings)
+        self.completions = ServingCompletion(engine, settings)
+        self.chat = ServingChat(engine, settings)
+        self.metrics = ServerMetrics(engine, self.base.model_name)
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.minivllm
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    app = FastAPI(title="minivllm OpenAI-compatible server", version=__version__, lifespan=_lifespan)
+    app.state.minivllm = ServerState(engine, settings)
+    install_error_handlers(app)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.include_router(_openai_router())
+    app.include_router(_utility_router())
+    return app
+
+
+def _openai_router() -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _state(request).completions.create(body, request)
+
+    @r.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _state(request).chat.create(body, request)
+
+    @r.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models(request: Request) -> Response:
+        s = _state(request)
+        cards = [ModelCard(id=name, root=s.engine.config.model.source_path, max_model_len=s.engine.max_model_len)
+                 for name in s.base.model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    return r
+
+
+def _utility_router() -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/health", responses=_ERRORS)
+    async def health(request: Request) -> Response:
+        try:
+            _state(request).engine.check_health()
+        except EngineDeadError as e:
+            return error_response(OpenAIError(503, str(e), code="engine_dead"))
+        return Response(status_code=200)
+
+    @r.get("/version", response_model=VersionResponse)
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+    @r.get("/metrics", response_class=Response)
+    async def metrics(request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @r.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+        s = _state(request)
+        s.base.check_model(body.model)
+        tokens = _tokenize(s, body)
+        return JSONResponse({"count": len(tokens), "max_model_len": s.engine.max_model_len, "tokens": tokens})
+
+    @r.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+        s = _state(request)
+        s.base.check_model(body.model)
+        return JSONResponse({"prompt": _detokenize(s, body.tokens)})
+
+    return r
+
+
+def _tokenize(s: ServerState, body: TokenizeRequest) -> list[int]:
+    tok = s.engine.tokenizer
+    if tok is None:
+        raise bad_request("the server runs without a tokenizer")
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt (text) or messages (a conversation)", "prompt")
+    if body.messages is not None:
+        return chat_prompt_ids(tok, body.messages, body.add_generation_prompt, body.continue_final_message)
+    try:
+        return list(tok(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+    except Exception as e:  # noqa: BLE001 - e.g. text the tokenizer cannot encode
+        raise bad_request(f"could not tokenize the prompt: {type(e).__name__}: {e}", "prompt") from None
+
+
+def _detokenize(s: ServerState, tokens: list[int]) -> str:
+    tok = s.engine.tokenizer
+    if tok is None:
+        raise bad_request("the server runs without a tokenizer")
+    limit = min(s.engine.config.model.arch.vocab_size, len(tok))
+    bad = next((t for t in tokens if not 0 <= t < limit), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of range: token ids must be in [0, {limit})", "tokens")
+    try:
+        return tok.decode(tokens)
+    except Exception as e:  # noqa: BLE001
+        raise bad_request(f"could not decode the tokens: {type(e).__name__}: {e}", "tokens") from None

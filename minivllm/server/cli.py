@@ -1,0 +1,94 @@
+"""`minivllm serve`: the OpenAI-compatible HTTP server on uvicorn.
+
+SIGTERM (or a first Ctrl-C): uvicorn stops accepting connections; the engine stops accepting
+requests and lets the in-flight ones run up to --shutdown-timeout seconds, then aborts them
+(each client still gets a terminal response); the lifespan joins the engine thread; exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+import uvicorn
+
+from minivllm.engine.args import add_engine_args, engine_kwargs
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
+    add_server_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on the API routes (default: $MINIVLLM_API_KEY)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the API accepts as `model`; the first is reported (default: the model's)")
+    g.add_argument("--max-queue", type=int, default=None,
+                   help="refuse new requests with 503 + Retry-After while N requests are already waiting")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def server_settings(args: argparse.Namespace):
+    from minivllm.server.serving_common import ServerSettings
+    return ServerSettings(served_model_names=list(args.served_model_name or []), api_key=args.api_key or None,
+                          max_queue=args.max_queue, shutdown_grace_s=args.shutdown_timeout)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from minivllm.engine.async_engine import AsyncEngine
+    from minivllm.server.app import create_app
+
+    settings = server_settings(args)  # bad flag values fail before the model loads
+    kwargs = engine_kwargs(args)
+    if args.model_tag is not None:
+        kwargs["model"] = args.model_tag
+    if settings.served_model_names:
+        kwargs["served_model_name"] = settings.served_model_names[0]
+    engine = AsyncEngine.from_kwargs(**kwargs)
+    app = create_app(engine, settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10, lifespan="on")
+    server = DrainingServer(config, on_exit=lambda: engine.begin_drain(settings.shutdown_grace_s))
+    # uvicorn re-raises a caught SIGTERM once it has shut down; a no-op handler makes that a
+    # clean exit (status 0) instead of death by signal
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        engine.shutdown(0.0)  # no-op if the lifespan already did it
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server that also starts the engine's drain when a shutdown signal arrives."""
+
+    def __init__(self, config, on_exit) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self._loop is not None:  # in a signal handler: hand the work to the event loop
+            self._loop.call_soon_threadsafe(self._on_exit)

@@ -1,0 +1,138 @@
+"""Prometheus metrics under vLLM's names, so existing vLLM dashboards work unchanged.
+
+Each app gets its own CollectorRegistry (no global state: tests run several servers in one
+process). Two sources:
+- per-request histograms and the request_success counter, fed by an observer that runs on the
+  engine thread after every step (so requests whose clients left are counted too);
+- engine totals and gauges (running, waiting, KV usage, prefix cache, preemptions, tokens),
+  read from the engine's stats snapshot when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from minivllm.engine.async_engine import AsyncEngine
+from minivllm.outputs import RequestOutput
+
+# vLLM's buckets
+_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+         40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+            480.0, 960.0, 1920.0, 7680.0]
+
+
+def _1_2_5_buckets(limit: int) -> list[float]:
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10**exp
+            if v > limit:
+                return out
+            out.append(float(v))
+        exp += 1
+
+
+@dataclass(slots=True)
+class _Progress:
+    num_tokens: int = 0
+    last_token_time: float | None = None
+    first_seen: bool = False
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._progress: dict[str, _Progress] = {}  # engine thread only
+        self._make_request_metrics(engine.max_model_len)
+        self.registry.register(_EngineStatsCollector(engine, model_name))
+        engine.add_output_observer(self.observe)
+
+    def _make_request_metrics(self, max_model_len: int) -> None:
+        reg, lbl, name = self.registry, ["model_name"], self.model_name
+
+        def hist(metric: str, doc: str, buckets: list[float]):
+            return Histogram(metric, doc, lbl, buckets=buckets, registry=reg).labels(name)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL)
+        self.tpot = hist("vllm:time_per_output_token_seconds",
+                         "Histogram of time per output token in seconds (deprecated alias of "
+                         "vllm:inter_token_latency_seconds).", _ITL)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+                        _LATENCY)
+        self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                          _LATENCY)
+        tokens = _1_2_5_buckets(max_model_len)
+        self.req_prompt = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.req_gen = hist("vllm:request_generation_tokens", "Number of generation tokens processed.", tokens)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               ["model_name", "finished_reason"], registry=reg)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def close(self) -> None:
+        self.engine.remove_output_observer(self.observe)
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def observe(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            p = self._progress.setdefault(out.request_id, _Progress())
+            n = sum(len(o.token_ids) for o in out.outputs)
+            if n > p.num_tokens:
+                m = out.metrics
+                if p.last_token_time is None and m is not None and m.first_token_time is not None:
+                    self.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))
+                elif p.last_token_time is not None:
+                    self.itl.observe(now - p.last_token_time)
+                    self.tpot.observe(now - p.last_token_time)
+                p.num_tokens, p.last_token_time = n, now
+            if out.finished:
+                self._finish(out, now)
+
+    def _finish(self, out: RequestOutput, now: float) -> None:
+        self._progress.pop(out.request_id, None)
+        m = out.metrics
+        if m is not None:
+            self.e2e.observe(max((m.finished_time or now) - m.arrival_time, 0.0))
+            if m.first_scheduled_time is not None:
+                self.queue.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+        self.req_prompt.observe(len(out.prompt_token_ids))
+        for o in out.outputs:  # one count per sample, as vLLM counts each of the n child requests
+            self.req_gen.observe(len(o.token_ids))
+            self.success.labels(self.model_name, o.finish_reason or "abort").inc()
+
+
+class _EngineStatsCollector:
+    """Engine-wide totals as counters, and gauges, from the latest stats snapshot."""
+
+    _COUNTERS = [("vllm:prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens."),
+                 ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens."),
+                 ("vllm:num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
+                 ("vllm:prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
+                 ("vllm:generation_tokens", "generation_tokens", "Number of generation tokens processed.")]
+    _GAUGES = [("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),
+               ("vllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
+               ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage.")]
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        stats = self.engine.get_stats()
+        for metric, attr, doc in self._COUNTERS:
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(getattr(stats, attr)))
+            yield c
+        for metric, attr, doc in self._GAUGES:
+            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(getattr(stats, attr)))
+            yield g

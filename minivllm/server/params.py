@@ -1,0 +1,82 @@
+"""Request fields -> SamplingParams, with the checks that need the model (vocab size)."""
+
+from __future__ import annotations
+
+from minivllm.sampling_params import SamplingParams
+from minivllm.server.errors import OpenAIError, bad_request, from_value_error
+from minivllm.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not raw:
+        return None
+    out: dict[int, float] = {}
+    for key, bias in raw.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                              "logit_bias") from None
+        if not 0 <= tid < vocab_size:
+            raise bad_request(f"logit_bias token id {tid} is out of range: token ids must be in [0, {vocab_size})",
+                              "logit_bias")
+        out[tid] = float(bias)
+    return out
+
+
+def _common(req: SamplingFields, vocab_size: int) -> dict:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    return dict(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k in (None, -1) else req.top_k,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        logit_bias=_logit_bias(req.logit_bias, vocab_size),
+    )
+
+
+def _build(kwargs: dict) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
+def completion_params(req: CompletionRequest, vocab_size: int) -> SamplingParams:
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(f"best_of must equal n ({req.n}) when given: ranking samples is not supported, "
+                          f"got best_of={req.best_of}", "best_of")
+    kwargs = _common(req, vocab_size)
+    return _build({**kwargs, "max_tokens": req.max_tokens, "logprobs": req.logprobs})
+
+
+def chat_params(req: ChatCompletionRequest, vocab_size: int) -> SamplingParams:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(f"response_format type {req.response_format.type!r} is not supported "
+                          f"(only 'text')", "response_format")
+    if req.tools and req.tool_choice != "none":
+        raise bad_request("tool calling is not supported: leave tools out or set tool_choice to 'none'", "tools")
+    kwargs = _common(req, vocab_size)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return _build({**kwargs, "max_tokens": max_tokens, "logprobs": logprobs})
+
+
+__all__ = ["OpenAIError", "chat_params", "completion_params"]

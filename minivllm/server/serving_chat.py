@@ -1,0 +1,139 @@
+"""POST /v1/chat/completions: messages, formatted with the model's chat template."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from starlette.responses import Response, StreamingResponse
+
+from minivllm.engine.tokenizer import apply_chat_template
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.server import logprobs as lp_fmt
+from minivllm.server.errors import JSONResponse, OpenAIError, bad_request
+from minivllm.server.params import chat_params
+from minivllm.server.protocol import ChatCompletionRequest, ChatMessage
+from minivllm.server.serving_common import (
+    SSE_DONE,
+    ServingBase,
+    check_no_internal_error,
+    collect_or_abort,
+    new_id,
+    sse,
+    sse_error,
+    usage,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """Plain dicts for the template; content parts are joined (text only)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}].content: unsupported content part of type {part.type!r} "
+                                      f"(only {{'type': 'text', 'text': ...}} parts are supported)", "messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        d = {"role": m.role, "content": content}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool) -> list[int]:
+    """Token ids of the formatted conversation; any template failure is the input's fault: 400."""
+    if tokenizer is None:
+        raise bad_request("chat needs a tokenizer (the server runs without one)", "messages")
+    if continue_final_message and add_generation_prompt:
+        add_generation_prompt = False  # continuing the last (assistant) message adds no new turn
+    msgs = message_dicts(messages)
+    kwargs = {"continue_final_message": True} if continue_final_message else {}
+    try:
+        return apply_chat_template(tokenizer, msgs, add_generation_prompt, **kwargs)
+    except OpenAIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - jinja errors, role checks raised by the template, ...
+        logger.info("chat template refused the conversation: %r", e)
+        raise bad_request(f"the chat template could not format these messages: {type(e).__name__}: {e}",
+                          "messages") from None
+
+
+class ServingChat(ServingBase):
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        model = self.check_model(req.model)
+        params = chat_params(req, self.engine.config.model.arch.vocab_size)
+        ids = chat_prompt_ids(self.engine.tokenizer, req.messages, req.add_generation_prompt,
+                              req.continue_final_message)
+        rid = new_id("chatcmpl")
+        streams = await self.submit(rid, [{"prompt_token_ids": ids}], params, req.priority, "messages")
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(self._stream(req, streams[0], rid, model, created),
+                                     media_type="text/event-stream")
+        finals = await collect_or_abort(raw, streams)
+        if finals is None:
+            return Response(status_code=499)
+        check_no_internal_error(finals)
+        return JSONResponse(self._response(req, finals[0], rid, model, created))
+
+    def _logprobs(self, req: ChatCompletionRequest, o: CompletionOutput, start: int) -> dict | None:
+        if not req.logprobs:
+            return None
+        content = lp_fmt.chat_logprobs(o.token_ids[start:], (o.logprobs or [])[start:], req.top_logprobs or 0,
+                                       self.engine.tokenizer)
+        return {"content": [c.model_dump() for c in content]}
+
+    def _response(self, req: ChatCompletionRequest, out: RequestOutput, rid: str, model: str, created: int) -> dict:
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": self._logprobs(req, o, 0), "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason} for o in out.outputs]
+        n_gen = sum(len(o.token_ids) for o in out.outputs)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+                "usage": usage(len(out.prompt_token_ids), n_gen)}
+
+    async def _stream(self, req: ChatCompletionRequest, stream, rid: str, model: str,
+                      created: int) -> AsyncIterator[str]:
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        sent_text = [0] * req.n
+        sent_tokens = [0] * req.n
+        done = [False] * req.n
+        last: RequestOutput | None = None
+        try:
+            for i in range(req.n):  # OpenAI opens each choice with the role
+                yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+            async for out in stream:
+                last = out
+                for o in out.outputs:
+                    k = o.index
+                    text, new = o.text[sent_text[k]:], len(o.token_ids) - sent_tokens[k]
+                    if done[k] or not (text or new > 0 or o.finish_reason):
+                        continue
+                    choice = {"index": k, "delta": {"content": text} if text else {},
+                              "logprobs": self._logprobs(req, o, sent_tokens[k]), "finish_reason": o.finish_reason}
+                    if o.finish_reason is not None:
+                        choice["stop_reason"] = o.stop_reason
+                    sent_text[k], sent_tokens[k], done[k] = len(o.text), len(o.token_ids), o.finish_reason is not None
+                    yield sse({**head, "choices": [choice]})
+            if req.stream_options is not None and req.stream_options.include_usage and last is not None:
+                n_gen = sum(len(o.token_ids) for o in last.outputs)
+                yield sse({**head, "choices": [], "usage": usage(len(last.prompt_token_ids), n_gen)})
+            yield SSE_DONE
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
+            yield sse_error(e)
+            yield SSE_DONE
+        finally:
+            stream.abort()

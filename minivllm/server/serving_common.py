@@ -1,0 +1,184 @@
+"""What completions and chat share: settings, model check, admission, submission, waiting
+for results while watching for a client disconnect, merging streams, and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from minivllm.engine.async_engine import AsyncEngine, RequestStream
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.server.errors import OpenAIError, dumps, from_value_error
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str] = field(default_factory=list)  # empty: the engine's served name
+    api_key: str | None = None
+    max_queue: int | None = None  # refuse new requests while this many are already waiting
+    retry_after_s: int = 1
+    shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long, then are aborted
+    own_engine: bool = True  # the app's lifespan shuts the engine down
+
+    def __post_init__(self) -> None:
+        if self.max_queue is not None and self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1 (or None for no limit), got {self.max_queue}")
+
+
+class ServingBase:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.model_names = settings.served_model_names or [engine.config.model.served_name]
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: str | None) -> str:
+        """The name to echo back; 404 if the client asked for a model this server doesn't serve."""
+        if name is None or name in self.model_names:
+            return name or self.model_name
+        raise OpenAIError(404, f"The model `{name}` does not exist. This server serves: "
+                          f"{', '.join(self.model_names)}.", "model", "model_not_found")
+
+    def check_admission(self, num_new: int = 1) -> None:
+        limit = self.settings.max_queue
+        if limit is None:
+            return
+        waiting = self.engine.get_stats().num_waiting + self.engine.num_pending_adds
+        if waiting >= limit:
+            raise OpenAIError(503, f"the server is overloaded: {waiting} requests are waiting "
+                              f"(--max-queue {limit}); retry later", code="server_overloaded",
+                              headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    async def submit(self, base_id: str, prompts: list, params: SamplingParams, priority: int,
+                     param_name: str) -> list[RequestStream]:
+        """Adds one engine request per prompt; all or nothing (a refused prompt aborts the rest)."""
+        self.check_admission()
+        arrival = time.time()
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(await self.engine.add_request(rid, p, params, arrival, priority))
+        except ValueError as e:
+            _abort_all(streams)
+            raise from_value_error(e, param_name) from None
+        except (OpenAIError, RuntimeError, asyncio.CancelledError):
+            _abort_all(streams)
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. the tokenizer refusing odd text: still input
+            _abort_all(streams)
+            logger.info("prompt refused: %r", e)
+            raise OpenAIError(400, f"could not process the prompt: {type(e).__name__}: {e}", param_name) from None
+        return streams
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _abort_all(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.abort()
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None and last.finished  # a stream ends with its finished output or raises
+    return last
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body was already read by FastAPI)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect_or_abort(request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
+    """Final outputs of all streams, or None if the client disconnected first (then every
+    request is aborted, which frees its KV blocks at the engine's next step)."""
+    work = asyncio.ensure_future(asyncio.gather(*(_last(s) for s in streams)))
+    watch = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        logger.info("client disconnected; aborting %s", [s.request_id for s in streams])
+        return None
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        _abort_all(streams)
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from several streams as they come; the first error is raised."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, None, e))
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def sse(payload: dict) -> str:
+    return f"data: {dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(e: Exception) -> str:
+    status = e.status if isinstance(e, OpenAIError) else 500
+    message = e.message if isinstance(e, OpenAIError) else f"generation failed: {e}"
+    return sse(OpenAIError(status, message).body())
+
+
+def check_no_internal_error(outputs: list[RequestOutput]) -> None:
+    """A sample that ended with finish_reason 'error' hit an engine failure, not bad input."""
+    for out in outputs:
+        if any(o.finish_reason == "error" for o in out.outputs):
+            raise OpenAIError(500, "the engine failed while generating this request")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

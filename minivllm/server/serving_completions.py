@@ -1,0 +1,146 @@
+"""POST /v1/completions: prompts (text, token ids, or lists of either) -> text completions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from starlette.responses import Response, StreamingResponse
+
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.server import logprobs as lp_fmt
+from minivllm.server.errors import JSONResponse, bad_request
+from minivllm.server.params import completion_params
+from minivllm.server.protocol import CompletionRequest
+from minivllm.server.serving_common import (
+    SSE_DONE,
+    ServingBase,
+    check_no_internal_error,
+    collect_or_abort,
+    merge,
+    new_id,
+    sse,
+    sse_error,
+    usage,
+)
+
+
+def engine_prompts(prompt) -> list:
+    """The request's prompt field as a list of engine prompts (one request each)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": list(prompt)}]
+    return [{"prompt_token_ids": list(p)} for p in prompt]
+
+
+@dataclass
+class _ChoiceState:
+    text_len: int = 0  # characters of the choice's text already sent
+    num_tokens: int = 0  # tokens already sent
+    offset: int = 0  # text_offset of the next token (legacy logprobs)
+    started: bool = False
+    finished: bool = False
+
+
+class ServingCompletion(ServingBase):
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        model = self.check_model(req.model)
+        params = completion_params(req, self.engine.config.model.arch.vocab_size)
+        prompts = engine_prompts(req.prompt)
+        rid = new_id("cmpl")
+        streams = await self.submit(rid, prompts, params, req.priority, "prompt")
+        created = int(time.time())
+        if req.stream:
+            body = self._stream(req, streams, rid, model, created)
+            return StreamingResponse(body, media_type="text/event-stream")
+        finals = await collect_or_abort(raw, streams)
+        if finals is None:
+            return Response(status_code=499)  # nobody is listening any more
+        check_no_internal_error(finals)
+        return JSONResponse(self._response(req, finals, rid, model, created))
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        tok = self.engine.tokenizer
+        return tok.decode(out.prompt_token_ids) if tok is not None else ""
+
+    def _choice(self, req: CompletionRequest, out: RequestOutput, o: CompletionOutput, index: int) -> dict:
+        prefix = self._prompt_text(out) if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            tok = self.engine.tokenizer
+            gen = lp_fmt.completion_logprobs(o.token_ids, o.logprobs or [], len(prefix), tok)
+            if req.echo:
+                gen = lp_fmt.concat(lp_fmt.prompt_logprobs_placeholder(out.prompt_token_ids, tok), gen)
+            logprobs = gen.model_dump()
+        return {"index": index, "text": prefix + o.text, "logprobs": logprobs, "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason}
+
+    def _response(self, req: CompletionRequest, finals: list[RequestOutput], rid: str, model: str,
+                  created: int) -> dict:
+        choices = [self._choice(req, out, o, i * req.n + o.index) for i, out in enumerate(finals) for o in out.outputs]
+        n_prompt = sum(len(out.prompt_token_ids) for out in finals)
+        n_gen = sum(len(o.token_ids) for out in finals for o in out.outputs)
+        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+                "usage": usage(n_prompt, n_gen)}
+
+    def _delta(self, req: CompletionRequest, out: RequestOutput, o: CompletionOutput, st: _ChoiceState,
+               index: int) -> dict | None:
+        """The next chunk's choice for one sample, or None if nothing new."""
+        if st.finished:
+            return None
+        prefix = self._prompt_text(out) if req.echo and not st.started else ""
+        new_ids = o.token_ids[st.num_tokens:]
+        text = o.text[st.text_len:]
+        if not (prefix or text or new_ids or o.finish_reason or not st.started):
+            return None
+        logprobs = None
+        if req.logprobs is not None:
+            tok = self.engine.tokenizer
+            gen = lp_fmt.completion_logprobs(new_ids, (o.logprobs or [])[st.num_tokens:],
+                                             st.offset + len(prefix), tok)
+            if prefix:
+                gen = lp_fmt.concat(lp_fmt.prompt_logprobs_placeholder(out.prompt_token_ids, tok), gen)
+            st.offset = gen.text_offset[-1] + len(gen.tokens[-1]) if gen.tokens else st.offset + len(prefix)
+            logprobs = gen.model_dump()
+        st.started, st.text_len, st.num_tokens = True, len(o.text), len(o.token_ids)
+        st.finished = o.finish_reason is not None
+        return {"index": index, "text": prefix + text, "logprobs": logprobs, "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason}
+
+    async def _stream(self, req: CompletionRequest, streams, rid: str, model: str,
+                      created: int) -> AsyncIterator[str]:
+        states: dict[int, _ChoiceState] = {}
+        prompt_lens: dict[int, int] = {}
+        n_gen: dict[int, int] = {}
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        try:
+            async for i, out in merge(streams):
+                prompt_lens[i] = len(out.prompt_token_ids)
+                for o in out.outputs:
+                    index = i * req.n + o.index
+                    n_gen[index] = len(o.token_ids)
+                    choice = self._delta(req, out, o, states.setdefault(index, _ChoiceState()), index)
+                    if choice is not None:
+                        yield sse({**head, "choices": [choice]})
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield sse({**head, "choices": [], "usage": usage(sum(prompt_lens.values()), sum(n_gen.values()))})
+            yield SSE_DONE
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
+            yield sse_error(e)
+            yield SSE_DONE
+        finally:
+            for s in streams:
+                s.abort()

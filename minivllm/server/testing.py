@@ -1,0 +1,47 @@
+"""Helpers for tests and benchmarks: run an app on uvicorn in a background thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread (no signal handling:
+    only the main thread may install handlers, and uvicorn skips it elsewhere)."""
+
+    def __init__(self, app, port: int | None = None, log_level: str = "warning") -> None:
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level=log_level, lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on port {self.port}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
