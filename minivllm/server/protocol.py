@@ -69,7 +69,7 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(OpenAIModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: str  # only "text" is supported; other part types are a 400 naming the type
     text: str | None = None
 
 

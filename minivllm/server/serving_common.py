@@ -124,7 +124,13 @@ async def collect_or_abort(request: Request, streams: list[RequestStream]) -> li
         watch.cancel()
         if not work.done():
             work.cancel()
+            work.add_done_callback(_retrieve)  # no "exception was never retrieved" noise
         _abort_all(streams)
+
+
+def _retrieve(f: asyncio.Future) -> None:
+    if not f.cancelled():
+        f.exception()
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
