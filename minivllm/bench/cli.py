@@ -1,0 +1,32 @@
+"""`minivllm bench ...`: registered into the main CLI by minivllm.cli.
+
+    minivllm bench throughput --workload W1|W1-8B|W4 [--no-prefix-caching] [--enforce-eager] ...
+    minivllm bench latency --workload W2 [--model-config llama-3.1-8b]
+    minivllm bench startup [--model-config qwen3-0.6b]
+    minivllm bench cpu
+
+Every sub-command prints one JSON object (see minivllm.bench.common). The peers run through
+their own modules (python -m minivllm.bench.peers.vllm_runner / hf_runner) and the GPU driver
+is python -m minivllm.bench.compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    from minivllm.bench import cpu_bench, run_minivllm, startup
+    b = subparsers.add_parser("bench", help="benchmarks: throughput, latency, startup, cpu",
+                              description="The standard workloads of BENCHMARKS.md on minivllm.")
+    sub = b.add_subparsers(dest="bench_command", required=True)
+    run_minivllm.add_parsers(sub)
+    s = sub.add_parser("startup", help="W6: seconds from process start to the first generated token")
+    startup.add_startup_args(s)
+    s.set_defaults(bench_func=lambda a: startup.cmd_startup(a, "minivllm"))
+    cpu_bench.add_parser(sub)
+    b.set_defaults(func=_dispatch)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    return args.bench_func(args)

@@ -1,0 +1,337 @@
+"""The GPU benchmark driver: minivllm and its peers on the standard workloads, one subprocess per
+job (never two engines in one process or on the GPU at once), each under a timeout, results
+collected as JSON lines, and a table of ratios at the end.
+
+    python3 -m minivllm.bench.compare --list
+    python3 -m minivllm.bench.compare --only ours:W1,vllm:W1 [--out $OUT] [--budget-s 560]
+    python3 -m minivllm.bench.compare --only 'ours:*' --smoke        # CPU plumbing check, tiny model
+    python3 -m minivllm.bench.compare --collect DIR_OR_FILE ...       # the table from earlier runs
+
+Jobs are named ENGINE:WORKLOAD[-VARIANT]; --only takes names and fnmatch patterns, comma-
+separated ('ours:*', '*:W4*'). One device command may run at most 10 minutes, so the driver
+keeps a budget (--budget-s, default 560 s): a job whose expected time no longer fits is skipped
+and listed, for the next call. Output (few files, the device returns at most 8):
+OUT/results.jsonl (one line per job, appended), OUT/driver.log (every child's stderr) and
+OUT/summary.txt (the table). vLLM runs with PYTHONPATH=<--vllm-site>:<repo>, minivllm and HF
+with PYTHONPATH=<repo>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from minivllm.bench.common import LAUNCH_ENV
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OURS = ["-m", "minivllm", "bench"]
+VLLM = ["-m", "minivllm.bench.peers.vllm_runner"]
+HF = ["-m", "minivllm.bench.peers.hf_runner"]
+
+
+@dataclass
+class Job:
+    name: str
+    engine: str  # ours | vllm | hf
+    argv: list[str]  # after `python`
+    expected_s: int  # rough H100 wall time, start-up included (budget planning)
+    timeout_s: int
+    smoke: list[str] = field(default_factory=list)  # extra flags for --smoke (tiny model, CPU)
+    produces: list[str] = field(default_factory=list)  # result names, in the order the runner prints them
+
+    def __post_init__(self) -> None:
+        self.produces = self.produces or [self.name]
+
+
+_TINY_W4 = ["--model-config", "tiny-llama", "--num-requests", "4", "--max-output", "8"]  # keeps the shared prefix
+_TINY = _TINY_W4 + ["--max-prompt", "64"]
+_CPU = ["--device", "cpu", "--kv-cache-memory-bytes", "8000000"]
+_LAT_TINY = ["--model-config", "tiny-llama", "--max-output", "8"]
+
+
+def _pair(name: str, ours_args: list[str], vllm_args: list[str], exp_ours: int, exp_vllm: int, smoke: list[str],
+          produces: list[str] | None = None) -> list[Job]:
+    """The same measurement on minivllm and on vLLM."""
+    return [Job(f"ours:{name}", "ours", OURS + ours_args, exp_ours, 540, smoke + _CPU,
+                [f"ours:{p}" for p in produces or [name]]),
+            Job(f"vllm:{name}", "vllm", VLLM + vllm_args, exp_vllm, 570, smoke + ["--dry-run"],
+                [f"vllm:{p}" for p in produces or [name]])]
+
+
+def _jobs() -> list[Job]:
+    j: list[Job] = []
+    tp = ["throughput", "--repeats", "2", "--workload"]
+    j += _pair("W1", tp + ["W1"], tp + ["W1"], 120, 160, _TINY)
+    j += _pair("W1-8B", tp + ["W1-8B"], tp + ["W1-8B"], 170, 220, _TINY)
+    j += _pair("W4", tp + ["W4"], tp + ["W4"], 140, 190, _TINY_W4)
+    # one engine (Qwen3-8B, prefix caching on) for both: saves a start-up (~100 s for vLLM)
+    j += _pair("W4+W1-8B", tp + ["W4,W1-8B"], tp + ["W4,W1-8B"], 210, 250, _TINY, ["W4", "W1-8B"])
+    nopc = ["throughput", "--workload", "W4", "--no-prefix-caching"]
+    j += _pair("W4-nopc", nopc, nopc, 140, 190, _TINY_W4)
+    j += _pair("W2", ["latency", "--model-config", "llama-3.1-8b"], ["latency", "--model-config", "llama-3.1-8b"],
+               120, 170, _LAT_TINY)
+    j += _pair("W2-0.6b", ["latency", "--model-config", "qwen3-0.6b"], ["latency", "--model-config", "qwen3-0.6b"],
+               60, 110, _LAT_TINY)
+    j.append(Job("hf:W1", "hf", HF + ["throughput", "--workload", "W1"], 330, 570,
+                 _TINY + ["--device", "cpu", "--batch-size", "2"]))
+    j.append(Job("hf:decode-0.6b", "hf", HF + ["decode", "--model-config", "qwen3-0.6b"], 90, 300,
+                 ["--model-config", "tiny-llama", "--max-output", "8", "--device", "cpu"]))
+    # dedicated W6 runs (W1 and W2 runs already report launch_to_first_token_s in passing)
+    for variant, cfg, exp_ours, exp_vllm in (("-0.6b", "qwen3-0.6b", 60, 110), ("-llama8b", "llama-3.1-8b", 100, 170)):
+        j.append(Job(f"ours:W6{variant}", "ours", OURS + ["startup", "--model-config", cfg], exp_ours, 400,
+                     ["--model-config", "tiny-llama", "--device", "cpu"]))
+        j.append(Job(f"vllm:W6{variant}", "vllm", VLLM + ["startup", "--model-config", cfg], exp_vllm, 400, []))
+    return j
+
+
+JOBS = {job.name: job for job in _jobs()}
+# BENCHMARKS.md's comparison set; longer than one 10-minute device command: split it with --only
+DEFAULT_ORDER = ["ours:W1", "vllm:W1", "ours:W2", "vllm:W2", "ours:W4+W1-8B", "vllm:W4+W1-8B", "ours:W4-nopc",
+                 "vllm:W4-nopc", "hf:W1"]
+
+
+def select(only: str | None) -> list[Job]:
+    if not only:
+        return [JOBS[n] for n in DEFAULT_ORDER]
+    out: list[Job] = []
+    for pat in (p.strip() for p in only.split(",") if p.strip()):
+        hits = [j for n, j in JOBS.items() if fnmatch.fnmatchcase(n, pat)]
+        if not hits:
+            raise SystemExit(f"--only: no job matches {pat!r}; jobs: {', '.join(JOBS)}")
+        out += [h for h in hits if h not in out]
+    return out
+
+
+# ---- running ---------------------------------------------------------------------------------------------
+def job_env(job: Job, vllm_site: str) -> dict:
+    env = dict(os.environ)
+    paths = [REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    if job.engine == "vllm":
+        paths.insert(0, vllm_site)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def run_job(job: Job, args, timeout: float, tmpdir: str, log_f) -> dict:
+    out_json = os.path.join(tmpdir, job.name.replace(":", "_") + ".json")
+    argv = list(job.argv) + (job.smoke if args.smoke else []) + ["--output", out_json]
+    cmd = [args.python] + argv
+    rec = {"job": job.name, "engine": job.engine, "command": " ".join(cmd), "started": time.strftime("%H:%M:%S")}
+    if job.engine == "vllm" and not args.smoke and not os.path.isdir(args.vllm_site):
+        return dict(rec, rc=None, error=f"skipped: no vLLM at {args.vllm_site} (see scripts/vllm_carry.md)")
+    if args.smoke and job.engine == "vllm" and "--dry-run" not in job.smoke:
+        return dict(rec, rc=None, error="skipped: no smoke form (needs vLLM)")
+    log_f.write(f"\n===== {job.name}: {rec['command']}\n")
+    log_f.flush()
+    t = time.perf_counter()
+    env = job_env(job, args.vllm_site)
+    env[LAUNCH_ENV] = repr(time.time())  # W6: the runner reports launch -> first token
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log_f, text=True,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        stdout, _ = proc.communicate()
+        rc = "timeout"
+    _kill_group(proc.pid)  # leftovers of the job (vLLM's engine-core process) must not hold the GPU
+    rec.update(rc=rc, elapsed_s=round(time.perf_counter() - t, 1))
+    result = None
+    if os.path.isfile(out_json):
+        with open(out_json) as f:
+            result = json.load(f)
+    else:
+        try:
+            from minivllm.bench.common import last_json_line
+            result = last_json_line(stdout or "")
+        except ValueError:
+            pass
+    rec["result"] = result
+    if rc != 0 or result is None:
+        rec["error"] = f"rc={rc}; see driver.log"
+    return rec
+
+
+def split_record(job: Job, rec: dict) -> list[dict]:
+    """One record per result name the job produces (a runner may print several workloads)."""
+    result = rec.get("result")
+    results = result if isinstance(result, list) else [result]
+    out = []
+    for i, name in enumerate(job.produces):
+        r = results[i] if i < len(results) else None
+        err = rec.get("error") or (None if r is not None else "no result for this workload")
+        out.append(dict(rec, job=name, from_job=job.name, result=r, error=err))
+    return out
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(path: str, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+# ---- the table ---------------------------------------------------------------------------------------------
+# (row label, result-name suffixes tried in order, figure key, lower is better)
+ROWS = [
+    ("W1 output tok/s", ["W1"], "output_tok_per_s", False),
+    ("W1 output tok/s, best of the repeats", ["W1"], "best_output_tok_per_s", False),
+    ("W1 LLM() startup s", ["W1"], "startup_s", True),
+    ("W1-8B output tok/s", ["W1-8B"], "output_tok_per_s", False),
+    ("W1-8B output tok/s, best of the repeats", ["W1-8B"], "best_output_tok_per_s", False),
+    ("W2 decode tok/s", ["W2"], "decode_tok_per_s", False),
+    ("W2 ms per token", ["W2"], "ms_per_token", True),
+    ("W2 TTFT s", ["W2"], "ttft_s", True),
+    ("W2 roofline share", ["W2"], "roofline_share", False),
+    ("W2 roofline share (all weights)", ["W2"], "roofline_share_all_weights", False),
+    ("batch-1 decode tok/s, Qwen3-0.6B", ["W2-0.6b"], "decode_tok_per_s", False),
+    ("W4 output tok/s, prefix caching on", ["W4"], "output_tok_per_s", False),
+    ("W4 mean TTFT s, prefix caching on", ["W4"], "mean_ttft_s", True),
+    ("W4 prefix hit rate (cached / prompt tokens)", ["W4"], "prefix_hit_rate_cached_tokens", False),
+    ("W4 output tok/s, prefix caching off", ["W4-nopc"], "output_tok_per_s", False),
+    ("W4 mean TTFT s, prefix caching off", ["W4-nopc"], "mean_ttft_s", True),
+    ("W6 launch to first token s, Qwen3-0.6B", ["W6-0.6b", "W1"], "launch_to_first_token_s", True),
+    ("W6 launch to first token s, Llama-3.1-8B", ["W6-llama8b", "W2"], "launch_to_first_token_s", True),
+]
+HF_ROWS = {("W1", "output_tok_per_s"): "hf:W1", ("W2-0.6b", "decode_tok_per_s"): "hf:decode-0.6b"}
+
+
+def _first(results: dict, engine: str, suffixes: list[str], key: str):
+    for suf in suffixes:
+        v = _fig(results, f"{engine}:{suf}", key)
+        if v is not None:
+            return v, suf
+    return None, None
+
+
+def _fig(results: dict, job: str, key: str):
+    rec = results.get(job)
+    if not rec or not rec.get("result"):
+        return None
+    return (rec["result"].get("figures") or {}).get(key)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v)
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.3g}"
+
+
+def table(results: dict) -> str:
+    lines = [f"{'metric':<60} {'minivllm':>10} {'vLLM':>10} {'ours/vLLM':>10} {'HF':>10} {'ours/HF':>8}"]
+    for label, suffixes, key, lower in ROWS:
+        ours, suffix = _first(results, "ours", suffixes, key)
+        vllm, _ = _first(results, "vllm", suffixes, key)
+        hf_job = HF_ROWS.get((suffix or suffixes[0], key))
+        hf = _fig(results, hf_job, key) if hf_job else None
+        if ours is None and vllm is None and hf is None:
+            continue
+        r_v = ours / vllm if ours is not None and vllm else None
+        r_h = ours / hf if ours is not None and hf else None
+        lines.append(f"{label + (' (lower=better)' if lower else ''):<60} {_fmt(ours):>10} {_fmt(vllm):>10} "
+                     f"{_fmt(r_v):>10} {_fmt(hf):>10} {_fmt(r_h):>8}")
+    bad = [f"{n}: {r.get('error')}" for n, r in results.items() if r.get("error")]
+    if bad:
+        lines.append("not measured / failed:")
+        lines += [f"  {b}" for b in bad]
+    devices = sorted({r["result"].get("device") for r in results.values() if r.get("result")} - {None})
+    lines.append(f"devices: {', '.join(devices) or '-'}")
+    return "\n".join(lines)
+
+
+def load_results(paths: list[str]) -> dict:
+    """The latest record of each job from results.jsonl files (or directories holding them)."""
+    recs: dict = {}
+    for p in paths:
+        files = [os.path.join(p, "results.jsonl")] if os.path.isdir(p) else [p]
+        for fpath in files:
+            if not os.path.isfile(fpath):
+                continue
+            with open(fpath) as f:
+                for line in f:
+                    if line.strip():
+                        rec = json.loads(line)
+                        if rec.get("result") or rec["job"] not in recs:
+                            recs[rec["job"]] = rec
+    return recs
+
+
+# ---- main --------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minivllm.bench.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=None, help="comma-separated job names or patterns (default: the main set)")
+    p.add_argument("--list", action="store_true", help="list the jobs and exit")
+    p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/minivllm-bench")
+    p.add_argument("--budget-s", type=float, default=560, help="wall budget of this call; 0 = none")
+    p.add_argument("--vllm-site", default="/tmp/vllm-site", help="where install.sh put vLLM")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU; vLLM jobs as --dry-run")
+    p.add_argument("--collect", nargs="*", default=None, help="print the table from these results, run nothing")
+    args = p.parse_args(argv)
+    if args.list:
+        for j in JOBS.values():
+            print(f"{j.name:<18} ~{j.expected_s:>4} s  timeout {j.timeout_s:>4} s  python {' '.join(j.argv)}")
+        return 0
+    if args.collect is not None:
+        print(table(load_results(args.collect or [args.out])))
+        return 0
+    return run_all(args, select(args.only))
+
+
+def run_all(args, jobs: list[Job]) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    log_path = os.path.join(args.out, "driver.log")
+    t0 = time.perf_counter()
+    results: dict = {}
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="minivllm-bench-") as tmpdir, open(log_path, "a") as log_f:
+        for job in jobs:
+            left = args.budget_s - (time.perf_counter() - t0) if args.budget_s else float("inf")
+            if not args.smoke and job.expected_s > left:
+                rec = {"job": job.name, "engine": job.engine, "rc": None,
+                       "error": f"skipped: expected ~{job.expected_s} s, {left:.0f} s of the budget left"}
+            else:
+                print(f"[compare] {job.name} ... (timeout {min(job.timeout_s, left):.0f} s)", flush=True)
+                rec = run_job(job, args, min(job.timeout_s, left), tmpdir, log_f)
+            with open(os.path.join(args.out, "results.jsonl"), "a") as f:
+                for r in split_record(job, rec):
+                    results[r["job"]] = r
+                    f.write(json.dumps(r, default=str) + "\n")
+            status = "ok" if not rec.get("error") else rec["error"]
+            print(f"[compare] {job.name}: {status} ({rec.get('elapsed_s', 0)} s)", flush=True)
+            if rec.get("error") and not str(rec["error"]).startswith("skipped"):
+                failed = True
+                log_f.flush()
+                print(_tail(log_path), flush=True)
+    summary = table(results)
+    with open(os.path.join(args.out, "summary.txt"), "w") as f:
+        f.write(summary + "\n")
+    print(summary, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Model-config directories for dummy-weight benchmarks, and the byte counts of a model.
+
+The exact Hugging Face config.json files of ../shared/model-configs are bundled in
+minivllm/bench/configs/<name>/config.json (plus `tiny-llama` for CPU smoke tests), because
+../shared does not travel to the GPU machine. `write_model_dir(name)` copies one into a fresh
+temporary directory, which minivllm, vLLM (`load_format="dummy"`, `skip_tokenizer_init=True`)
+and transformers (`AutoConfig.from_pretrained`) all accept as a model directory.
+
+Pure Python: importable from the vLLM process without torch or the minivllm engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def bundled_names() -> list[str]:
+    return sorted(d for d in os.listdir(CONFIGS_DIR) if os.path.isfile(os.path.join(CONFIGS_DIR, d, "config.json")))
+
+
+def config_path(name_or_path: str) -> str:
+    """A bundled config name (qwen3-0.6b, qwen3-8b, qwen3-32b, llama-3.1-8b, tiny-llama), a
+    directory holding config.json, or a config.json file."""
+    if os.path.isfile(os.path.join(CONFIGS_DIR, name_or_path, "config.json")):
+        return os.path.join(CONFIGS_DIR, name_or_path, "config.json")
+    if os.path.isdir(name_or_path) and os.path.isfile(os.path.join(name_or_path, "config.json")):
+        return os.path.join(name_or_path, "config.json")
+    if os.path.isfile(name_or_path) and name_or_path.endswith(".json"):
+        return name_or_path
+    raise ValueError(f"model config {name_or_path!r} is neither a bundled name ({', '.join(bundled_names())}) "
+                     "nor a directory holding config.json nor a .json file")
+
+
+def load_config(name_or_path: str) -> dict:
+    with open(config_path(name_or_path)) as f:
+        return json.load(f)
+
+
+def config_name(name_or_path: str) -> str:
+    """A short label for reports: the bundled name, or the directory's name."""
+    p = config_path(name_or_path)
+    return os.path.basename(os.path.dirname(p)) or name_or_path
+
+
+def write_model_dir(name_or_path: str, dest: str | None = None) -> str:
+    """Writes config.json (only) into dest or a new temporary directory and returns its path."""
+    cfg = load_config(name_or_path)
+    d = dest or tempfile.mkdtemp(prefix=f"minivllm-bench-{config_name(name_or_path)}-")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return d
+
+
+# ---- sizes ---------------------------------------------------------------------------------------
+def _dims(cfg: dict) -> tuple[int, int, int, int, int, int, int]:
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    return h, inter, layers, heads, kv, hd, cfg["vocab_size"]
+
+
+def param_counts(cfg: dict) -> dict[str, int]:
+    """Parameters of a Llama/Qwen2/Qwen3 decoder by part (biases and q/k norms included)."""
+    h, inter, layers, heads, kv, hd, vocab = _dims(cfg)
+    qwen3 = cfg.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in (cfg.get("architectures") or [])
+    bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
+    if bias:
+        attn += heads * hd + 2 * kv * hd
+    if qwen3:
+        attn += 2 * hd  # q_norm, k_norm
+    mlp = 3 * h * inter
+    per_layer = attn + mlp + 2 * h  # + input and post-attention RMSNorm
+    embed = vocab * h
+    lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
+    return {"embedding": embed, "layers": layers * per_layer, "final_norm": h, "lm_head": lm_head,
+            "total": embed + layers * per_layer + h + lm_head}
+
+
+def weight_bytes(cfg: dict, dtype_bytes: int = 2) -> dict[str, int]:
+    """total: every parameter; read_per_decode_step: what one decode step streams from memory
+    (all but the embedding table, of which it reads one row a token; a tied table is read whole
+    by the LM head)."""
+    c = param_counts(cfg)
+    read = c["layers"] + c["final_norm"] + (c["lm_head"] if c["lm_head"] else c["embedding"])
+    return {"total": c["total"] * dtype_bytes, "read_per_decode_step": read * dtype_bytes}
+
+
+def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
+    h, inter, layers, heads, kv, hd, vocab = _dims(cfg)
+    return 2 * layers * kv * hd * dtype_bytes  # K and V, every layer
+
+
+def decode_roofline(cfg: dict, prompt_len: int, output_len: int, bandwidth_bytes_per_s: float,
+                    dtype_bytes: int = 2) -> dict:
+    """The memory roofline of one batch-1 decode step of W2: (weight bytes read + the KV bytes of
+    the mean context over the decode steps) / measured copy bandwidth (read + write bytes / s)."""
+    wb = weight_bytes(cfg, dtype_bytes)
+    # decode steps produce tokens 2..output_len; the step producing token j attends to prompt + j - 1
+    steps = max(output_len - 1, 1)
+    mean_ctx = prompt_len + (output_len) / 2
+    kv = kv_bytes_per_token(cfg, dtype_bytes) * mean_ctx
+    return {
+        "weight_bytes_total": wb["total"], "weight_bytes_read_per_step": wb["read_per_decode_step"],
+        "kv_bytes_per_step_mean": kv, "decode_steps": steps, "copy_bandwidth_Bps": bandwidth_bytes_per_s,
+        "roofline_ms": 1e3 * (wb["read_per_decode_step"] + kv) / bandwidth_bytes_per_s,
+        "roofline_ms_all_weights": 1e3 * (wb["total"] + kv) / bandwidth_bytes_per_s,
+    }
