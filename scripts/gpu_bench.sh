@@ -12,6 +12,11 @@ set -u
 cd "$(dirname "$0")/.."
 BUDGET=${BENCH_BUDGET_S:-560}
 export PYTHONUNBUFFERED=1
+# wheels carried in .whl (e.g. gguf) for minivllm: installed into /tmp/site, on PYTHONPATH
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if [ -d .vllm ]; then bash scripts/vllm_stage.sh || echo "gpu_bench: vLLM staging failed (vLLM jobs will be skipped or fail)"; fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 left=$((BUDGET - SECONDS))
