@@ -63,6 +63,8 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str = "torch"
     compile_model: bool = False  # torch.compile the model's forward (GPU)
+    # schedule step N+1 while step N runs on the device (default: on for CUDA)
+    async_scheduling: bool = False
 
     @staticmethod
     def create(**kwargs) -> EngineConfig:

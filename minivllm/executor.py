@@ -18,6 +18,13 @@ class UniProcExecutor:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(sched)
 
+    def launch(self, sched: SchedulerOutput):
+        """Queue a step without waiting (async scheduling); pass the result to finish()."""
+        return self.runner.launch(sched)
+
+    def finish(self, launched) -> RunnerOutput:
+        return self.runner.finish(launched)
+
     def shutdown(self) -> None:
         pass
 

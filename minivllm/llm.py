@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.input_processor import PromptInput
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict]
 
@@ -69,6 +69,8 @@ class LLM:
         engine, ids = self.llm_engine, []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
+                sp = sp.clone()
+                sp.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, at the end
                 rid = engine.next_request_id()
                 engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
                 ids.append(rid)

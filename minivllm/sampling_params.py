@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output holds all text and tokens so far (streaming default)
+    DELTA = 1  # every output holds only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes (offline batches)
 
 
 @dataclass
@@ -29,6 +36,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

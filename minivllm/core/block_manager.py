@@ -184,7 +184,10 @@ class BlockManager:
         table = self.req_blocks.get(req.request_id)
         if not table:
             return
-        num_full = min(req.num_computed_tokens // self.block_size, len(table))
+        # full blocks that are computed (or being computed by a step in flight, which runs before
+        # any step that could hit them) and whose tokens are all known (no pending token)
+        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        num_full = min(num_full, len(table))
         start = self.num_registered.get(req.request_id, 0)
         if num_full <= start:
             return

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from minivllm.sampling_params import SamplingParams
 
+# Stands for a token sampled by the step still running on the device (async scheduling): the
+# runner fills it in on the device from that step's sampled ids.
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass(slots=True)
 class NewRequestData:
@@ -22,7 +26,8 @@ class NewRequestData:
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute `token_ids` at positions
-    num_computed_tokens .. num_computed_tokens + len(token_ids) - 1."""
+    num_computed_tokens .. num_computed_tokens + len(token_ids) - 1. The last id may be
+    PLACEHOLDER_TOKEN: the token the previous step is sampling."""
 
     req_id: str
     token_ids: list[int]

@@ -48,7 +48,9 @@ class Request:
     group: PromptGroup | None = None
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or scheduled into it this step)
+    # tokens sampled by a step still running on the device (async scheduling): counted, not yet known
+    num_pending_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache (-1: not yet scheduled)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
@@ -62,6 +64,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

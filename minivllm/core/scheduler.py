@@ -6,6 +6,11 @@ Every step hands out a token budget so num_computed_tokens catches up with num_t
 running requests first (decodes and unfinished prefill chunks, in admission order), then
 waiting requests fill what is left. When blocks run out, the lowest-priority running request
 is preempted: its blocks are freed and it is recomputed later (its output so far is kept).
+
+num_computed_tokens advances when tokens are scheduled, so the next step can be scheduled while
+this one runs (async scheduling): a token the running step will sample counts as pending
+(num_pending_tokens) and goes to the runner as PLACEHOLDER_TOKEN; update() later turns it into
+a real token and checks the stop conditions, one step late.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.interfaces import (
+    PLACEHOLDER_TOKEN,
     NewRequestData,
     RunnerOutput,
     ScheduledRequest,
@@ -114,7 +120,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            if n <= 0 or self._finishes_with_pending(req):
+                i += 1
+                continue
             new_blocks = self.block_manager.allocate(req, n)
             while new_blocks is None:
                 victim = self._pick_victim()
@@ -130,6 +139,13 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _finishes_with_pending(self, req: Request) -> bool:
+        """The pending token is sure to be its last (length limit): computing more is waste."""
+        if req.num_pending_tokens == 0:
+            return False
+        return (req.num_output_tokens + req.num_pending_tokens >= req.max_tokens
+                or req.num_tokens_with_pending >= self.limits.max_model_len)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []
@@ -176,13 +192,13 @@ class Scheduler:
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int, new_blocks: list[int]) -> None:
         start = req.num_computed_tokens
-        out.scheduled.append(ScheduledRequest(
-            req_id=req.request_id,
-            token_ids=req.all_token_ids[start:start + n],
-            num_computed_tokens=start,
-            new_block_ids=new_blocks,
-            samples=start + n == req.num_tokens,
-        ))
+        token_ids = req.all_token_ids[start:start + n]
+        token_ids += [PLACEHOLDER_TOKEN] * (n - len(token_ids))  # tokens the running step samples
+        samples = start + n == req.num_tokens_with_pending
+        out.scheduled.append(ScheduledRequest(req.request_id, token_ids, start, new_blocks, samples))
+        req.num_computed_tokens += n
+        if samples:
+            req.num_pending_tokens += 1
 
     def _pick_victim(self) -> Request:
         """FCFS: the most recently admitted request; priority: the least important one."""
@@ -197,6 +213,7 @@ class Scheduler:
         self.block_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_pending_tokens = 0  # a token still in flight is dropped and sampled again later
         req.num_preemptions += 1
         self.num_preemptions += 1
         if req.request_id in self._sent_to_runner:
@@ -217,14 +234,14 @@ class Scheduler:
         for s in sched.scheduled:
             req = self.requests.get(s.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
-                continue  # finished (aborted) while the step ran
-            req.num_computed_tokens += len(s.token_ids)
+                continue  # finished, aborted or preempted while the step ran
             self.block_manager.register_computed_blocks(req)
             if req.group is not None and req.num_computed_tokens >= req.num_prompt_tokens:
                 req.group.prompt_computed = True
             if s.req_id not in sampled:
                 continue
             token = sampled[s.req_id]
+            req.num_pending_tokens -= 1
             req.append_output_token(token)
             lp = logprobs.get(s.req_id)
             finished = self._check_stop(req, token)

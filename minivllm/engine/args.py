@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the current one runs (default: on for CUDA)")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
 
@@ -31,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_model_len", "block_size",
          "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
-         "enforce_eager", "attention_backend", "chat_template"]
+         "enforce_eager", "attention_backend", "chat_template", "async_scheduling"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -66,6 +66,7 @@ def build_engine_config(
     skip_tokenizer_init: bool = False,
     chat_template: str | None = None,
     served_model_name: str | None = None,
+    async_scheduling: bool | None = None,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
@@ -101,5 +102,6 @@ def build_engine_config(
         chat_template=chat_template, seed=seed)
     cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill)
+    async_scheduling = on_gpu if async_scheduling is None else async_scheduling
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
-                        enforce_eager or not on_gpu, attention_backend, compile_model)
+                        enforce_eager or not on_gpu, attention_backend, compile_model, async_scheduling)

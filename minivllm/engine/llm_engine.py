@@ -56,6 +56,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self._aborted_outputs: list[RequestOutput] = []
+        # async scheduling: the next step is scheduled and launched while this one runs
+        self.async_scheduling = config.async_scheduling
+        self._inflight = None  # (SchedulerOutput, launched step) still running on the device
+        self._penalty_reqs: set[str] = set()  # child ids whose sampling needs exact past tokens
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -95,6 +99,8 @@ class LLMEngine:
                                     priority, arrival_time)
         self.output_processor.add_request(request_id, parsed.text, parsed.token_ids, params,
                                           [r.request_id for r in reqs], reqs[0].arrival_time)
+        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+            self._penalty_reqs.update(r.request_id for r in reqs)
         for r in reqs:
             self.scheduler.add_request(r)
 
@@ -104,31 +110,63 @@ class LLMEngine:
         for rid in ids:
             children = self.output_processor.child_ids(rid)
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            self._penalty_reqs.difference_update(children)
             self._aborted_outputs += self.output_processor.finish_children(children, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.states) or bool(self._aborted_outputs)
+        return bool(self.output_processor.states) or bool(self._aborted_outputs) or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step; with async scheduling, while it runs on the device, take
+        in the results of the step launched before it (one step in flight at most)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self.scheduler.schedule()
+        if self._inflight is not None and self._needs_sync(sched):
+            outputs += self._complete(self._inflight)
+            self._inflight = None
+        launched = self._launch(sched)
+        if self._inflight is not None:
+            outputs += self._complete(self._inflight)
+        self._inflight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._complete(launched)
+            self._inflight = None
+        return outputs
+
+    def _needs_sync(self, sched) -> bool:
+        """Penalties need the previous step's token values on the host before sampling."""
+        return not self.async_scheduling or any(s.req_id in self._penalty_reqs for s in sched.scheduled)
+
+    def _launch(self, sched):
         if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
-            return outputs
+            return None
         try:
-            result = self.executor.execute(sched)
+            return sched, self.executor.launch(sched)
         except Exception:
             logger.exception("model step failed; failing the step's requests")
-            return outputs + self._fail_scheduled(sched)
+            self._aborted_outputs += self._fail_scheduled(sched)
+            return None
+
+    def _complete(self, inflight) -> list[RequestOutput]:
+        sched, launched = inflight
+        try:
+            result = self.executor.finish(launched)
+        except Exception:
+            logger.exception("model step failed; failing the step's requests")
+            return self._fail_scheduled(sched)
         updates = self.scheduler.update(sched, result)
         self._count_tokens(updates)
         new_outputs, stopped = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return outputs + new_outputs
+        for u in updates:
+            if u.finished:
+                self._penalty_reqs.discard(u.request.request_id)
+        return new_outputs
 
     def _count_tokens(self, updates) -> None:
         for u in updates:

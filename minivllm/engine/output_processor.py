@@ -9,7 +9,7 @@ from minivllm.core.interfaces import TokenLogprobs
 from minivllm.core.request import Request
 from minivllm.core.scheduler import RequestUpdate
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -24,6 +24,8 @@ class SampleState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""  # released text (the detokenizer holds back a possible stop-string start)
+    num_tokens_sent: int = 0  # for DELTA outputs
+    num_text_sent: int = 0
 
 
 @dataclass
@@ -75,7 +77,13 @@ class OutputProcessor:
             if self._append(state, sample, u, now):
                 stopped.append(u.request.request_id)
             touched[parent_id] = state
-        return [self._emit(s) for s in touched.values()], stopped
+        return self._emit_all(touched.values()), stopped
+
+    def _emit_all(self, states) -> list[RequestOutput]:
+        # FINAL_ONLY requests (offline batches) build no output until they finish: building a
+        # cumulative output for every running request every step would cost O(tokens^2)
+        return [self._emit(s) for s in states
+                if s.finished or s.params.output_kind != RequestOutputKind.FINAL_ONLY]
 
     def _append(self, state: RequestState, sample: SampleState, u: RequestUpdate, now: float) -> bool:
         m = state.metrics
@@ -131,23 +139,30 @@ class OutputProcessor:
             if state.samples[idx].finish_reason is None:
                 self._finish_sample(state, state.samples[idx], reason, None, now)
                 touched[parent_id] = state
-        return [self._emit(s) for s in touched.values()]
+        return self._emit_all(touched.values())
 
     def _emit(self, state: RequestState) -> RequestOutput:
         finished = state.finished
         outs = []
+        delta = state.params.output_kind == RequestOutputKind.DELTA
         for s in state.samples:
             if s.detok is not None:
                 s.text += s.detok.get_next_output_text(s.finish_reason is not None, delta=True)
-            outs.append(CompletionOutput(
-                index=s.index, text=s.text, token_ids=list(s.token_ids),
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+            outs.append(self._completion(s, delta))
         if finished:
             self._drop(state)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished,
                              metrics=state.metrics, num_cached_tokens=state.metrics.num_cached_tokens)
+
+    @staticmethod
+    def _completion(s: SampleState, delta: bool) -> CompletionOutput:
+        start, text_start = (s.num_tokens_sent, s.num_text_sent) if delta else (0, 0)
+        s.num_tokens_sent, s.num_text_sent = len(s.token_ids), len(s.text)
+        return CompletionOutput(
+            index=s.index, text=s.text[text_start:], token_ids=s.token_ids[start:],
+            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+            logprobs=s.logprobs[start:] if s.logprobs is not None else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason)
 
     def _drop(self, state: RequestState) -> None:
         for cid in self.child_ids(state.request_id):

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
-from minivllm.core.interfaces import ScheduledRequest
+from minivllm.core.interfaces import PLACEHOLDER_TOKEN, ScheduledRequest
 
 
 @dataclass
@@ -18,6 +18,9 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampling] int64: last token of each sampling request
     sampling_req_ids: list[str]  # requests that sample this step, in logits order
+    # flat positions whose token is PLACEHOLDER_TOKEN, and the request each belongs to
+    placeholder_positions: list[int]
+    placeholder_req_ids: list[str]
 
 
 def build_step_inputs(
@@ -64,5 +67,6 @@ def build_step_inputs(
         query_start_loc_cpu=cu.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
     )
+    holes = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN).tolist()
     return StepInputs(to_dev(input_ids), to_dev(positions), meta, to_dev(logits_indices),
-                      [scheduled[i].req_id for i in sampling])
+                      [scheduled[i].req_id for i in sampling], holes, [scheduled[seq_idx[h]].req_id for h in holes])

@@ -22,11 +22,22 @@ from minivllm.runner.input_batch import StepInputs, build_step_inputs
 from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block
 from minivllm.runner.memory import plan_num_blocks
 from minivllm.sample.batch import SamplingBatch, SamplingRequestState
-from minivllm.sample.sampler import Sampler
+from minivllm.sample.sampler import HostSamplerOutput, Sampler
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued; `finish` waits for it."""
+
+    req_ids: list[str]  # requests that sample, in row order
+    states: list[SamplingRequestState]
+    host: HostSamplerOutput | None = None  # already on the host (blocking path)
+    host_buf: torch.Tensor | None = None  # pinned [B] int64, filled by an async copy
+    event: torch.cuda.Event | None = None  # recorded after that copy
 
 
 @dataclass
@@ -49,6 +60,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.graphs = None  # CudaGraphRunner once captured
+        # sampled ids of the last launched step (device) and each request's row in them
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.timings: dict[str, float] = {}
 
     # ---- startup --------------------------------------------------------------------------
@@ -94,16 +107,39 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.finish(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Queue the step's device work (forward, sampling, copy of the sampled ids to the host)
+        and return without waiting for it."""
         self._update_states(sched)
         if sched.is_empty:
-            return RunnerOutput([], [])
+            return LaunchedStep([], [])
         block_ids = {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled}
         inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
                                    pin=self.device.type == "cuda")
+        self._fill_placeholders(inputs)
         logits = self._forward_logits(inputs)
         if not inputs.sampling_req_ids:
-            return RunnerOutput([], [])
-        return self._sample(logits, inputs.sampling_req_ids)
+            return LaunchedStep([], [])
+        return self._launch_sampling(logits, inputs.sampling_req_ids)
+
+    def _fill_placeholders(self, inputs: StepInputs) -> None:
+        """Tokens the previous step sampled are not on the host yet: copy them on the device."""
+        if not inputs.placeholder_positions:
+            return
+        sampled, rows = self._last_sampled
+        src = self._to_device([rows[r] for r in inputs.placeholder_req_ids])
+        dst = self._to_device(inputs.placeholder_positions)
+        inputs.input_ids[dst] = sampled[src]
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """Host ints to the device without waiting for queued work (pinned, non-blocking)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs):
@@ -111,21 +147,33 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
-    def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> RunnerOutput:
+    def _launch_sampling(self, logits: torch.Tensor, req_ids: list[str]) -> LaunchedStep:
         states = [self.requests[r].sampling for r in req_ids]
         batch = SamplingBatch.build(states, logits.shape[-1], self.device, self.generator)
-        host = self.sampler(logits, batch).to_host()  # the step's one device-to-host copy
-        sampled = host.sampled_token_ids
-        for state, tok in zip(states, sampled):
+        out = self.sampler(logits, batch)
+        for state in states:
+            state.num_pending += 1
+        self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(req_ids)})
+        if out.logprobs is not None or self.device.type != "cuda":
+            return LaunchedStep(req_ids, states, host=out.to_host())  # one blocking copy
+        host_buf = torch.empty(len(req_ids), dtype=torch.int64, pin_memory=True)
+        host_buf.copy_(out.sampled_token_ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedStep(req_ids, states, host_buf=host_buf, event=event)
+
+    def finish(self, step: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step and return its sampled tokens (and logprobs) as plain data."""
+        if not step.req_ids:
+            return RunnerOutput([], [])
+        if step.host is None:
+            step.event.synchronize()
+            step.host = HostSamplerOutput(step.host_buf.tolist())
+        host = step.host
+        for state, tok in zip(step.states, host.sampled_token_ids):
             state.output_token_ids.append(tok)
-        logprobs = None
-        if host.logprobs is not None:
-            logprobs = []
-            for i, s in enumerate(states):
-                k = s.params.logprobs
-                logprobs.append(None if k is None else TokenLogprobs(
-                    host.logprob_token_ids[i][:1 + k], host.logprobs[i][:1 + k], host.sampled_ranks[i]))
-        return RunnerOutput(req_ids, sampled, logprobs)
+            state.num_pending -= 1
+        return RunnerOutput(step.req_ids, host.sampled_token_ids, _token_logprobs(step.states, host))
 
     # ---- profiling helpers ----------------------------------------------------------------
     @torch.inference_mode()
@@ -138,6 +186,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         states = [SamplingRequestState(_profile_params(), [0], [], frozenset(), 0) for _ in range(num_seqs)]
         self.sampler(logits, SamplingBatch.build(states, logits.shape[-1], self.device, self.generator))
+
+
+def _token_logprobs(states: list[SamplingRequestState], host: HostSamplerOutput) -> list[TokenLogprobs] | None:
+    if host.logprobs is None:
+        return None
+    out = []
+    for i, s in enumerate(states):
+        k = s.params.logprobs
+        out.append(None if k is None else TokenLogprobs(
+            host.logprob_token_ids[i][:1 + k], host.logprobs[i][:1 + k], host.sampled_ranks[i]))
+    return out
 
 
 def _sampling_state(new: NewRequestData) -> SamplingRequestState:

@@ -54,6 +54,7 @@ class SamplingRequestState:
     output_token_ids: list[int] = field(default_factory=list)  # generated so far; grows
     eos_token_ids: Collection[int] = ()  # the model's eos tokens
     sample_index: int = 0  # which of the n samples; a seeded sample uses seed + sample_index
+    num_pending: int = 0  # tokens sampled by launched steps, not yet appended (async scheduling)
     row: RowParams = field(init=False, repr=False)
     # host-side caches, filled on first use: the step-to-step cost is then a concatenation
     _prompt_ids: torch.Tensor | None = field(init=False, default=None, repr=False)
@@ -62,6 +63,12 @@ class SamplingRequestState:
 
     def __post_init__(self) -> None:
         self.row = _row_params(self.params, self.sample_index)
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens sampled so far, including those of steps still running (their values may be
+        unknown; penalties, which need the values, are only used with none pending)."""
+        return len(self.output_token_ids) + self.num_pending
 
     def unique_prompt_ids(self) -> torch.Tensor:
         """Distinct prompt token ids as a CPU int64 tensor, computed once (repetition penalty)."""
@@ -237,7 +244,7 @@ def _build_seeds(states: Sequence[SamplingRequestState], flags: list[int],
                  device: torch.device) -> SeedTensors:
     rows = [i for i, f in enumerate(flags) if f & F_SEED]
     seeds = [states[i].row.seed for i in rows]
-    counters = [len(states[i].output_token_ids) for i in rows]  # the request's step
+    counters = [states[i].num_generated for i in rows]  # the request's step
     packed = _to_device([seeds, counters], "q", torch.int64, device)  # [2, R]
     return SeedTensors(rows=_rows_index(rows, len(states), device),
                        seeds=packed[0], counters=packed[1])
@@ -255,7 +262,7 @@ def _fill_logit_adds(batch: SamplingBatch, states: Sequence[SamplingRequestState
             rows.extend([i] * len(bias_toks))
             toks.extend(bias_toks)
             vals.extend(bias_vals)
-        if f & F_MIN_TOKENS and len(states[i].output_token_ids) < states[i].params.min_tokens:
+        if f & F_MIN_TOKENS and states[i].num_generated < states[i].params.min_tokens:
             stops = _stop_tokens(states[i], batch.vocab_size)
             rows.extend([i] * len(stops))
             toks.extend(stops)
