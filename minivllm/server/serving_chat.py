@@ -43,7 +43,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
                                       f"(only {{'type': 'text', 'text': ...}} parts are supported)", "messages")
                 texts.append(part.text)
             content = "\n".join(texts)
-        d = {"role": m.role, "content": content}
+        d = {"role": m.role, "content": "" if content is None else content}  # templates expect a str
         if m.name is not None:
             d["name"] = m.name
         out.append(d)

@@ -28,6 +28,8 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> ServerThread:
+        if self.thread.is_alive():
+            return self
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
