@@ -109,8 +109,9 @@ class _Commands:
 class AsyncEngine:
     """Thread-safe, asyncio-facing wrapper of one LLMEngine (see the module docstring)."""
 
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 1.0) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 1.0, own_engine: bool = True) -> None:
         self.engine = engine
+        self._own_engine = own_engine  # shutdown() also shuts the LLMEngine down
         self._cond = threading.Condition()
         self._commands: deque[_Add | tuple[str, str]] = deque()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
@@ -242,7 +243,7 @@ class AsyncEngine:
             self._cond.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(join_timeout_s)
-        if not self._thread.is_alive():
+        if not self._thread.is_alive() and self._own_engine:
             self.engine.shutdown()
 
     def _check_open(self) -> None:

@@ -16,7 +16,7 @@ from minivllm.server.testing import free_port
 
 KEY = "sk-lifecycle"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-GRACE_S = 10
+GRACE_S = 4
 
 
 @pytest.fixture(scope="module")
