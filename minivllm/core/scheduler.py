@@ -199,6 +199,11 @@ class Scheduler:
         req.num_computed_tokens += n
         if samples:
             req.num_pending_tokens += 1
+        # findable at once: a request admitted later in this very step may share these blocks,
+        # since every layer stores the step's K/V before any of its attention reads them
+        self.block_manager.register_computed_blocks(req)
+        if req.group is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+            req.group.prompt_computed = True
 
     def _pick_victim(self) -> Request:
         """FCFS: the most recently admitted request; priority: the least important one."""
@@ -235,9 +240,7 @@ class Scheduler:
             req = self.requests.get(s.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted while the step ran
-            self.block_manager.register_computed_blocks(req)
-            if req.group is not None and req.num_computed_tokens >= req.num_prompt_tokens:
-                req.group.prompt_computed = True
+            self.block_manager.register_computed_blocks(req)  # blocks a decode token completed
             if s.req_id not in sampled:
                 continue
             token = sampled[s.req_id]

@@ -81,7 +81,10 @@ class FakeRunner:
         req_ids, tokens = [], []
         for s in out.scheduled:
             st_ = self.state[s.req_id]
+            first_fresh = len(st_.table) if st_.num_computed is not None else s.num_computed_tokens // self.bs
             st_.table += s.new_block_ids
+            for b in st_.table[first_fresh:]:  # fresh blocks (not prefix hits) hold nothing yet
+                self.kv[b] = [None] * self.bs
             if st_.num_computed is None:  # first chunk: the cached prefix must hold our tokens
                 st_.num_computed = s.num_computed_tokens
                 assert st_.num_computed % self.bs == 0 and st_.num_computed < len(st_.tokens)
@@ -93,7 +96,10 @@ class FakeRunner:
             assert len(st_.table) * self.bs >= st_.num_computed + len(s.token_ids), "KV slots without a block"
             for i in range(st_.num_computed, st_.num_computed + len(s.token_ids)):
                 blk = self.sched.block_manager.blocks[st_.table[i // self.bs]]
-                assert blk.ref_cnt == 1 and blk.block_hash is None, "writing into a shared or cached block"
+                if blk.ref_cnt > 1 or blk.block_hash is not None:
+                    # registered (and maybe shared) in the step that computes it: the content
+                    # written must be what the hash promises, never different tokens
+                    assert self.kv[blk.block_id][i % self.bs] in (None, st_.tokens[i]), "overwriting cached KV"
                 self.kv[blk.block_id][i % self.bs] = st_.tokens[i]
             st_.num_computed += len(s.token_ids)
             assert st_.table == self.sched.block_manager.block_ids(s.req_id)
@@ -497,11 +503,11 @@ def test_siblings_wait_for_first_sample_then_share_its_prompt_blocks(caching):
     out, _ = runner.step()
     assert [s.req_id for s in out.scheduled] == ["p#0"] and not group.prompt_computed
     assert sched.num_waiting == 2
-    out, _ = runner.step()  # p#0's second chunk; siblings still wait for it
-    assert [s.req_id for s in out.scheduled] == ["p#0"] and out.scheduled[0].samples
-    assert group.prompt_computed
+    # p#0's last chunk completes the prompt, so the siblings join in the same step, sharing its
+    # full blocks (registered as they are scheduled: every layer stores K/V before attending)
     out, _ = runner.step()
-    assert [s.req_id for s in out.scheduled] == ["p#0", "p#1", "p#2"]
+    assert [s.req_id for s in out.scheduled] == ["p#0", "p#1", "p#2"] and out.scheduled[0].samples
+    assert group.prompt_computed
     leader_blocks = sched.block_manager.block_ids("p#0")
     for s in out.scheduled[1:]:
         assert s.num_computed_tokens == 12 and s.token_ids == prompt[12:]
@@ -524,8 +530,8 @@ def test_siblings_do_not_wait_for_an_aborted_leader():
 
 
 def test_waiting_sibling_keeps_its_fcfs_place():
-    """A sibling waiting for its leader's prompt may let later requests past while it cannot run,
-    but must not lose its place in the queue to them for good."""
+    """A sibling waiting for its leader's prompt must not lose its place in the queue to
+    requests that arrived after it."""
     sched = make_sched(budget=8, max_num_seqs=2)
     runner = FakeRunner(sched)
     g = PromptGroup(2)
@@ -539,8 +545,8 @@ def test_waiting_sibling_keeps_its_fcfs_place():
         admitted += [n.req_id for n in out.new_requests]
         if not sched.has_unfinished_requests():
             break
-    # step 2: q#0's last chunk, q#1 waits for it, x is admitted; then q#1 is first in line again
-    assert admitted == ["q#0", "x", "q#1", "y"]
+    # step 2: q#0's last chunk completes the prompt and q#1 joins at once, ahead of x and y
+    assert admitted == ["q#0", "q#1", "x", "y"]
 
 
 # ---- random workloads ---------------------------------------------------------------------
