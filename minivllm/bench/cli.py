@@ -17,7 +17,8 @@ import argparse
 
 def register(subparsers) -> None:
     from minivllm.bench import cpu_bench, run_minivllm, startup
-    b = subparsers.add_parser("bench", help="benchmarks: throughput, latency, startup, cpu",
+    from minivllm.server.bench_serve import register_bench_serve
+    b = subparsers.add_parser("bench", help="benchmarks: throughput, latency, startup, cpu, serve",
                               description="The standard workloads of BENCHMARKS.md on minivllm.")
     sub = b.add_subparsers(dest="bench_command", required=True)
     run_minivllm.add_parsers(sub)
@@ -25,6 +26,7 @@ def register(subparsers) -> None:
     startup.add_startup_args(s)
     s.set_defaults(bench_func=lambda a: startup.cmd_startup(a, "minivllm"))
     cpu_bench.add_parser(sub)
+    register_bench_serve(sub)  # W3, against any OpenAI-compatible server
     b.set_defaults(func=_dispatch)
 
 

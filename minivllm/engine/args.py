@@ -28,12 +28,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the current one runs (default: on for CUDA)")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
 
 _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_model_len", "block_size",
          "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
-         "enforce_eager", "attention_backend", "chat_template", "async_scheduling"]
+         "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
+         "skip_tokenizer_init"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

