@@ -12,10 +12,10 @@ MODEL=$(mktemp -d /tmp/w3-qwen3-8b-XXXX)
 cp minivllm/bench/configs/qwen3-8b/config.json "$MODEL/"
 if [ "$ENGINE" = ours ]; then
   python3 -m minivllm serve --model "$MODEL" --load-format dummy --max-model-len 4096 --port 8000 \
-    --served-model-name qwen3-8b --uvicorn-log-level warning > "$OUTDIR/server_$ENGINE.log" 2>&1 &
+    --served-model-name qwen3-8b --uvicorn-log-level warning ${OURS_FLAGS:-} > "$OUTDIR/server_$ENGINE.log" 2>&1 &
 else
   python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --load-format dummy --max-model-len 4096 \
-    --port 8000 --served-model-name qwen3-8b --skip-tokenizer-init --disable-log-requests \
+    --port 8000 --served-model-name qwen3-8b --skip-tokenizer-init --no-enable-log-requests \
     > "$OUTDIR/server_$ENGINE.log" 2>&1 &
 fi
 SERVER=$!
