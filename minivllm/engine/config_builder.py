@@ -67,6 +67,7 @@ def build_engine_config(
     chat_template: str | None = None,
     served_model_name: str | None = None,
     async_scheduling: bool | None = None,
+    serving: bool = False,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
@@ -84,9 +85,11 @@ def build_engine_config(
           f"must be in (0, 1], got {gpu_memory_utilization}")
     if num_kv_blocks is not None:
         check(num_kv_blocks >= 1, "num_kv_blocks", f"must be >= 1, got {num_kv_blocks}")
-    max_num_seqs = max_num_seqs or (256 if on_gpu else 64)
+    # GPU defaults as vLLM's: 256 sequences / 16,384 tokens a step offline; the server admits up
+    # to 1,024 sequences with 8,192-token steps (W3: queueing dominated TTFT at 256)
+    max_num_seqs = max_num_seqs or ((1024 if serving else 256) if on_gpu else 64)
     check(max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {max_num_seqs}")
-    max_num_batched_tokens = max_num_batched_tokens or (16384 if on_gpu else 2048)
+    max_num_batched_tokens = max_num_batched_tokens or ((8192 if serving else 16384) if on_gpu else 2048)
     check(max_num_batched_tokens >= 1, "max_num_batched_tokens", f"must be >= 1, got {max_num_batched_tokens}")
     if not enable_chunked_prefill:
         check(max_num_batched_tokens >= max_model_len, "max_num_batched_tokens",

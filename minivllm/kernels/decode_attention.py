@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.paged_checks import check_paged_shapes
+
 LOG2E = math.log2(math.e)
 MIN_CHUNK = 128  # fewest keys per split: below this the merge costs more than it saves
 MAX_SPLITS = 64  # most chunks per sequence
@@ -222,7 +224,7 @@ def decode_attention(
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
-    _check_shapes(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    check_paged_shapes(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     if out is None:
         out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
@@ -285,13 +287,3 @@ def _launch_merge(out, ws: DecodeWorkspace, query_start_loc, num_seqs: int, num_
         num_warps=4 if head_dim >= 128 else 2,
     )
 
-
-def _check_shapes(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = k_cache.shape[2]
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
-    assert k_cache.shape[3] == head_dim, (k_cache.shape, query.shape)
-    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert query_start_loc.shape[0] == seq_lens.shape[0] + 1
-    assert block_tables.shape[0] >= seq_lens.shape[0] and block_tables.stride(1) == 1
-    assert query_start_loc.dtype == seq_lens.dtype == block_tables.dtype == torch.int32

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.paged_checks import check_paged_shapes
+
 LOG2E = math.log2(math.e)
 
 
@@ -194,7 +196,7 @@ def prefill_attention(
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    _check_shapes(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    check_paged_shapes(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     if out is None:
         out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]
@@ -214,13 +216,3 @@ def prefill_attention(
     )
     return out
 
-
-def _check_shapes(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = k_cache.shape[2]
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
-    assert k_cache.shape[3] == head_dim, (k_cache.shape, query.shape)
-    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert query_start_loc.shape[0] == seq_lens.shape[0] + 1
-    assert block_tables.shape[0] >= seq_lens.shape[0] and block_tables.stride(1) == 1
-    assert query_start_loc.dtype == seq_lens.dtype == block_tables.dtype == torch.int32

@@ -56,6 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = server_settings(args)  # bad flag values fail before the model loads
     kwargs = engine_kwargs(args)
+    kwargs["serving"] = True  # serving defaults for the scheduler limits (as vLLM's API server)
     if args.model_tag is not None:
         kwargs["model"] = args.model_tag
     if settings.served_model_names:
