@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,13 +16,12 @@ from minivllm.server.errors import JSONResponse, OpenAIError, bad_request
 from minivllm.server.params import chat_params
 from minivllm.server.protocol import ChatCompletionRequest, ChatMessage
 from minivllm.server.serving_common import (
-    SSE_DONE,
     ServingBase,
     check_no_internal_error,
     collect_or_abort,
     new_id,
     sse,
-    sse_error,
+    sse_body,
     usage,
 )
 
@@ -79,7 +77,7 @@ class ServingChat(ServingBase):
         streams = await self.submit(rid, [{"prompt_token_ids": ids}], params, req.priority, "messages")
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(self._stream(req, streams[0], rid, model, created),
+            return StreamingResponse(sse_body(self._stream(req, streams[0], rid, model, created), streams),
                                      media_type="text/event-stream")
         finals = await collect_or_abort(raw, streams)
         if finals is None:
@@ -109,31 +107,22 @@ class ServingChat(ServingBase):
         sent_tokens = [0] * req.n
         done = [False] * req.n
         last: RequestOutput | None = None
-        try:
-            for i in range(req.n):  # OpenAI opens each choice with the role
-                yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
-            async for out in stream:
-                last = out
-                for o in out.outputs:
-                    k = o.index
-                    text, new = o.text[sent_text[k]:], len(o.token_ids) - sent_tokens[k]
-                    if done[k] or not (text or new > 0 or o.finish_reason):
-                        continue
-                    choice = {"index": k, "delta": {"content": text} if text else {},
-                              "logprobs": self._logprobs(req, o, sent_tokens[k]), "finish_reason": o.finish_reason}
-                    if o.finish_reason is not None:
-                        choice["stop_reason"] = o.stop_reason
-                    sent_text[k], sent_tokens[k], done[k] = len(o.text), len(o.token_ids), o.finish_reason is not None
-                    yield sse({**head, "choices": [choice]})
-            if req.stream_options is not None and req.stream_options.include_usage and last is not None:
-                n_gen = sum(len(o.token_ids) for o in last.outputs)
-                yield sse({**head, "choices": [], "usage": usage(len(last.prompt_token_ids), n_gen)})
-            yield SSE_DONE
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
-            yield sse_error(e)
-            yield SSE_DONE
-        finally:
-            stream.abort()
+        for i in range(req.n):  # OpenAI opens each choice with the role
+            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        async for out in stream:
+            last = out
+            for o in out.outputs:
+                k = o.index
+                text, new = o.text[sent_text[k]:], len(o.token_ids) - sent_tokens[k]
+                if done[k] or not (text or new > 0 or o.finish_reason):
+                    continue
+                choice = {"index": k, "delta": {"content": text} if text else {},
+                          "logprobs": self._logprobs(req, o, sent_tokens[k]), "finish_reason": o.finish_reason}
+                if o.finish_reason is not None:
+                    choice["stop_reason"] = o.stop_reason
+                sent_text[k], sent_tokens[k], done[k] = len(o.text), len(o.token_ids), o.finish_reason is not None
+                yield sse({**head, "choices": [choice]})
+        if req.stream_options is not None and req.stream_options.include_usage and last is not None:
+            n_gen = sum(len(o.token_ids) for o in last.outputs)
+            yield sse({**head, "choices": [], "usage": usage(len(last.prompt_token_ids), n_gen)})

@@ -93,6 +93,23 @@ def _abort_all(streams: list[RequestStream]) -> None:
         s.abort()
 
 
+async def sse_body(chunks: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:
+    """How every SSE response ends: `[DONE]` after the chunks; an error raised once the status line
+    is sent goes into the stream; the requests are aborted whatever happens (a no-op when they
+    finished), so a client that disconnects frees its blocks."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+        yield SSE_DONE
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
+        yield sse_error(e)
+        yield SSE_DONE
+    finally:
+        _abort_all(streams)
+
+
 async def _last(stream: RequestStream) -> RequestOutput:
     last = None
     async for out in stream:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,14 +15,13 @@ from minivllm.server.errors import JSONResponse, bad_request
 from minivllm.server.params import completion_params
 from minivllm.server.protocol import CompletionRequest
 from minivllm.server.serving_common import (
-    SSE_DONE,
     ServingBase,
     check_no_internal_error,
     collect_or_abort,
     merge,
     new_id,
     sse,
-    sse_error,
+    sse_body,
     usage,
 )
 
@@ -59,7 +57,7 @@ class ServingCompletion(ServingBase):
         streams = await self.submit(rid, prompts, params, req.priority, "prompt")
         created = int(time.time())
         if req.stream:
-            body = self._stream(req, streams, rid, model, created)
+            body = sse_body(self._stream(req, streams, rid, model, created), streams)
             return StreamingResponse(body, media_type="text/event-stream")
         finals = await collect_or_abort(raw, streams)
         if finals is None:
@@ -124,23 +122,13 @@ class ServingCompletion(ServingBase):
         prompt_lens: dict[int, int] = {}
         n_gen: dict[int, int] = {}
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-        try:
-            async for i, out in merge(streams):
-                prompt_lens[i] = len(out.prompt_token_ids)
-                for o in out.outputs:
-                    index = i * req.n + o.index
-                    n_gen[index] = len(o.token_ids)
-                    choice = self._delta(req, out, o, states.setdefault(index, _ChoiceState()), index)
-                    if choice is not None:
-                        yield sse({**head, "choices": [choice]})
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(sum(prompt_lens.values()), sum(n_gen.values()))})
-            yield SSE_DONE
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
-            yield sse_error(e)
-            yield SSE_DONE
-        finally:
-            for s in streams:
-                s.abort()
+        async for i, out in merge(streams):
+            prompt_lens[i] = len(out.prompt_token_ids)
+            for o in out.outputs:
+                index = i * req.n + o.index
+                n_gen[index] = len(o.token_ids)
+                choice = self._delta(req, out, o, states.setdefault(index, _ChoiceState()), index)
+                if choice is not None:
+                    yield sse({**head, "choices": [choice]})
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(sum(prompt_lens.values()), sum(n_gen.values()))})
