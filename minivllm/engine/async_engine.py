@@ -263,9 +263,12 @@ class AsyncEngine:
                 self._abort_after_deadline()
                 if commands.adds:
                     self._stats = self.engine.get_stats()  # new requests count as waiting at once
-                if not self._paused and self.engine.has_unfinished_requests():
-                    self._publish(self.engine.step())
+                stepped = not self._paused and self.engine.has_unfinished_requests()
+                outputs = self.engine.step() if stepped else None
+                # refreshed before publishing: whoever sees an output sees stats at least as new
                 self._stats = self.engine.get_stats()
+                if stepped:
+                    self._publish(outputs)
         except BaseException as e:  # noqa: BLE001 - the thread must report, whatever happened
             logger.exception("engine thread died")
             self.dead_error = e
