@@ -14,6 +14,12 @@ class TorchAttentionBackend:
     name = "torch"
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        if slot_mapping.device.type == "cpu" and bool((slot_mapping >= 0).all()):
+            # no padding slots (the CPU runs no CUDA graphs): one index_copy_ per cache instead
+            # of the reference's boolean-mask gathers
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+            return
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(self, query: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float):
@@ -40,9 +46,9 @@ def _decode(query, k_cache, v_cache, meta, rows: list[int], qsl: list[int], scal
     q = query if all_rows and len(token_rows) == query.shape[0] else query[token_rows]
     b, num_kv, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
     num_blocks = -(-int(max(meta.seq_lens_cpu[i] for i in rows) if meta.seq_lens_cpu else seq_lens.max()) // k_cache.shape[1])
-    tables = tables[:, :num_blocks].long()
-    k = k_cache[tables].view(b, -1, num_kv, d).transpose(1, 2)  # [B, Hk, L, D]
-    v = v_cache[tables].view(b, -1, num_kv, d).transpose(1, 2)
+    tables = tables[:, :num_blocks].reshape(-1)
+    k = k_cache.index_select(0, tables).view(b, -1, num_kv, d).transpose(1, 2)  # [B, Hk, L, D]
+    v = v_cache.index_select(0, tables).view(b, -1, num_kv, d).transpose(1, 2)
     valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale,
                                        enable_gqa=True)  # [B, Hq, 1, D]
