@@ -83,6 +83,11 @@ class SamplingParams:
             _check(isinstance(t, int) and t >= 0, "stop_token_ids", f"must hold token ids >= 0, got {t!r}")
 
     @property
+    def uses_penalties(self) -> bool:
+        """Penalties depend on the exact tokens generated so far."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 

@@ -59,7 +59,6 @@ class LLMEngine:
         # async scheduling: the next step is scheduled and launched while this one runs
         self.async_scheduling = config.async_scheduling
         self._inflight = None  # (SchedulerOutput, launched step) still running on the device
-        self._penalty_reqs: set[str] = set()  # child ids whose sampling needs exact past tokens
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -99,8 +98,6 @@ class LLMEngine:
                                     priority, arrival_time)
         self.output_processor.add_request(request_id, parsed.text, parsed.token_ids, params,
                                           [r.request_id for r in reqs], reqs[0].arrival_time)
-        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-            self._penalty_reqs.update(r.request_id for r in reqs)
         for r in reqs:
             self.scheduler.add_request(r)
 
@@ -110,7 +107,6 @@ class LLMEngine:
         for rid in ids:
             children = self.output_processor.child_ids(rid)
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
-            self._penalty_reqs.difference_update(children)
             self._aborted_outputs += self.output_processor.finish_children(children, "abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -139,7 +135,9 @@ class LLMEngine:
 
     def _needs_sync(self, sched) -> bool:
         """Penalties need the previous step's token values on the host before sampling."""
-        return not self.async_scheduling or any(s.req_id in self._penalty_reqs for s in sched.scheduled)
+        reqs = self.scheduler.requests
+        return not self.async_scheduling or any(
+            s.req_id in reqs and reqs[s.req_id].sampling_params.uses_penalties for s in sched.scheduled)
 
     def _launch(self, sched):
         if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
@@ -163,9 +161,6 @@ class LLMEngine:
         new_outputs, stopped = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        for u in updates:
-            if u.finished:
-                self._penalty_reqs.discard(u.request.request_id)
         return new_outputs
 
     def _count_tokens(self, updates) -> None:

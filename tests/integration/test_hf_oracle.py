@@ -125,3 +125,8 @@ def test_async_scheduling_with_preemption_equals_hf(chat_token_ids, hf_greedy):
     a = llm.generate(_prompts(chat_token_ids[:3]), params, use_tqdm=False)
     b = sync.generate(_prompts(chat_token_ids[:3]), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    # penalties need every past token on the host: those steps run synchronously, same tokens
+    penalized = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.5)
+    a = llm.generate(_prompts(chat_token_ids[:3]), penalized, use_tqdm=False)
+    b = sync.generate(_prompts(chat_token_ids[:3]), penalized, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
