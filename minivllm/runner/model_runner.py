@@ -69,9 +69,18 @@ class ModelRunner:
         t = time.perf_counter()
         backend = get_attention_backend(self.config.attention_backend)
         self.model = build_model(self.config.model, backend, self.device, self.dtype)
+        self._setup_cpu_model()
         self.timings["load_model_s"] = time.perf_counter() - t
         logger.info("loaded %s (%s, %s) in %.1f s", self.config.model.served_name, self.config.model.dtype,
                     self.device, self.timings["load_model_s"])
+
+    def _setup_cpu_model(self) -> None:
+        """CPU float32 only: linear layers on prepacked oneDNN weights (models/cpu_linear.py)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return
+        from minivllm.models.cpu_linear import pack_linears, packed_linear_available
+        if packed_linear_available():
+            logger.info("CPU: %d linear layers on prepacked oneDNN weights", pack_linears(self.model))
 
     def init_kv_cache(self) -> int:
         """Size the KV cache from the memory budget, allocate it and hand it to the layers."""

@@ -1,0 +1,47 @@
+"""PackedLinear (oneDNN-prepacked CPU weights) against the plain nn.Linear it replaces."""
+
+import pytest
+import torch
+from torch import nn
+
+from minivllm.models.cpu_linear import MIN_PACKED_ROWS, PackedLinear, pack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, MIN_PACKED_ROWS - 1, MIN_PACKED_ROWS, 7, 32, 129])
+def test_packed_matches_linear(rows, bias):
+    torch.manual_seed(rows)
+    lin = nn.Linear(1536, 576, bias=bias)
+    x = torch.randn(rows, 1536)
+    packed = PackedLinear(lin)
+    with torch.inference_mode():
+        ref, out = lin(x), packed(x)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_path_is_taken_and_can_differ_from_a_wrong_weight():
+    # the packed copy is what runs from MIN_PACKED_ROWS rows: corrupt the plain weight and the
+    # packed result must still equal the original layer (and the unpacked path must not)
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=False)
+    packed = PackedLinear(lin)
+    x_big, x_small = torch.randn(MIN_PACKED_ROWS + 1, 64), torch.randn(1, 64)
+    with torch.inference_mode():
+        ref_big, ref_small = lin(x_big), lin(x_small)
+        packed.weight.data.mul_(2)
+        torch.testing.assert_close(packed(x_big), ref_big, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(packed(x_small), ref_small)
+
+
+def test_pack_linears_keeps_tied_weights_and_skips_non_fp32():
+    model = nn.Module()
+    model.embed = nn.Embedding(100, 32)
+    model.head = nn.Linear(32, 100, bias=False)
+    model.head.weight = model.embed.weight
+    model.inner = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32).to(torch.bfloat16))
+    assert pack_linears(model) == 2
+    assert isinstance(model.head, PackedLinear) and model.head.weight is model.embed.weight
+    assert isinstance(model.inner[0], PackedLinear) and type(model.inner[1]) is nn.Linear
