@@ -1,7 +1,13 @@
 """The plain-PyTorch backend: the CPU path. Decode rows are batched into one SDPA call over
-the gathered blocks; prefill rows run one SDPA call each. Tested against reference.py."""
+the gathered blocks; prefill rows run one SDPA call each. Tested against reference.py.
+
+Everything that depends only on the step's metadata (which rows decode, the gather indices, the
+length mask) is worked out once per step, at the first layer, and reused by the other layers:
+the runner builds one AttentionMetadata per step and every layer gets that same object."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -10,52 +16,84 @@ from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.reference import gather_kv, store_kv_reference
 
 
+@dataclass
+class _StepPlan:
+    block_size: int
+    decode_rows: int  # number of decode rows (one query token each)
+    decode_tokens: torch.Tensor | None  # their token rows; None: every token is a decode row
+    gather: torch.Tensor | None  # [B * num_blocks] block ids of the decode rows, row-major
+    kv_len: int  # gathered keys per decode row are sliced to this
+    mask: torch.Tensor | None  # [B, 1, 1, kv_len] valid keys; None: every row has kv_len keys
+    prefills: list[tuple[int, int, int, int]]  # (row, start, end, seq_len) of multi-token rows
+
+
+def _plan_step(meta: AttentionMetadata, block_size: int, num_tokens: int, device) -> _StepPlan:
+    qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
+    lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+    rows = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+    prefills = [(i, qsl[i], qsl[i + 1], lens[i]) for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
+    if not rows:
+        return _StepPlan(block_size, 0, None, None, 0, None, prefills)
+    all_rows = len(rows) == len(lens)
+    idx = None if all_rows else torch.tensor(rows, device=device)
+    tables = meta.block_tables if all_rows else meta.block_tables[idx]
+    row_lens = [lens[i] for i in rows]
+    kv_len = max(row_lens)
+    num_blocks = -(-kv_len // block_size)
+    gather = tables[:, :num_blocks].reshape(-1)
+    mask = None
+    if min(row_lens) != kv_len:
+        seq_lens = meta.seq_lens if all_rows else meta.seq_lens[idx]
+        mask = (torch.arange(kv_len, device=device)[None, :] < seq_lens[:, None])[:, None, None, :]
+    token_rows = [qsl[i] for i in rows]
+    decode_tokens = None if len(rows) == num_tokens else torch.tensor(token_rows, device=device)
+    return _StepPlan(block_size, len(rows), decode_tokens, gather, kv_len, mask, prefills)
+
+
 class TorchAttentionBackend:
     name = "torch"
 
+    def __init__(self) -> None:
+        self._slots: tuple[torch.Tensor, bool] | None = None  # (slot_mapping, has no padding)
+        self._plan: tuple[AttentionMetadata, _StepPlan] | None = None
+
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        if slot_mapping.device.type == "cpu" and bool((slot_mapping >= 0).all()):
-            # no padding slots (the CPU runs no CUDA graphs): one index_copy_ per cache instead
-            # of the reference's boolean-mask gathers
-            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
-            return
+        if slot_mapping.device.type == "cpu":
+            if self._slots is None or self._slots[0] is not slot_mapping:
+                self._slots = (slot_mapping, bool((slot_mapping >= 0).all()))
+            if self._slots[1]:
+                # no padding slots (the CPU runs no CUDA graphs): one index_copy_ per cache instead
+                # of the reference's boolean-mask gathers
+                k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+                v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+                return
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
+    def _step_plan(self, meta: AttentionMetadata, block_size: int, query: torch.Tensor) -> _StepPlan:
+        if self._plan is None or self._plan[0] is not meta or self._plan[1].block_size != block_size:
+            self._plan = (meta, _plan_step(meta, block_size, query.shape[0], query.device))
+        return self._plan[1]
+
     def attend(self, query: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
-        lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+        plan = self._step_plan(meta, k_cache.shape[1], query)
+        if plan.decode_rows and plan.decode_tokens is None:
+            return _decode(query, k_cache, v_cache, plan, scale)  # a decode-only step
         out = torch.empty_like(query)
-        decode_rows = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-        if decode_rows:
-            _decode(query, k_cache, v_cache, meta, decode_rows, qsl, scale, out)
-        for i, seq_len in enumerate(lens):
-            start, end = qsl[i], qsl[i + 1]
-            if end - start > 1:
-                out[start:end] = _prefill_one(query[start:end], k_cache, v_cache, meta.block_tables[i], seq_len, scale)
+        if plan.decode_rows:
+            out[plan.decode_tokens] = _decode(query[plan.decode_tokens], k_cache, v_cache, plan, scale)
+        for row, start, end, seq_len in plan.prefills:
+            out[start:end] = _prefill_one(query[start:end], k_cache, v_cache, meta.block_tables[row], seq_len, scale)
         return out
 
 
-def _decode(query, k_cache, v_cache, meta, rows: list[int], qsl: list[int], scale: float, out) -> None:
+def _decode(q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
     """One query token per row: gather each row's blocks, mask past its length, one SDPA call."""
-    all_rows = len(rows) == meta.num_seqs
-    idx = None if all_rows else torch.tensor(rows, device=query.device)
-    tables = meta.block_tables if all_rows else meta.block_tables[idx]
-    seq_lens = meta.seq_lens if all_rows else meta.seq_lens[idx]
-    token_rows = [qsl[i] for i in rows]
-    q = query if all_rows and len(token_rows) == query.shape[0] else query[token_rows]
     b, num_kv, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
-    num_blocks = -(-int(max(meta.seq_lens_cpu[i] for i in rows) if meta.seq_lens_cpu else seq_lens.max()) // k_cache.shape[1])
-    tables = tables[:, :num_blocks].reshape(-1)
-    k = k_cache.index_select(0, tables).view(b, -1, num_kv, d).transpose(1, 2)  # [B, Hk, L, D]
-    v = v_cache.index_select(0, tables).view(b, -1, num_kv, d).transpose(1, 2)
-    valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale,
+    k = k_cache.index_select(0, plan.gather).view(b, -1, num_kv, d)[:, :plan.kv_len].transpose(1, 2)
+    v = v_cache.index_select(0, plan.gather).view(b, -1, num_kv, d)[:, :plan.kv_len].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=plan.mask, scale=scale,
                                        enable_gqa=True)  # [B, Hq, 1, D]
-    if all_rows and len(token_rows) == query.shape[0]:
-        out.copy_(o.squeeze(2))
-    else:
-        out[token_rows] = o.squeeze(2)
+    return o.squeeze(2)
 
 
 def _prefill_one(q, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:

@@ -55,10 +55,24 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_pos, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.float())  # [max_pos, head_dim / 2]
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
+        self._step_cos_sin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [T, Hq, D], k: [T, Hk, D]; on CUDA rotated in place: use the returned tensors
         return apply_rotary(positions, q, k, self.cos_sin)
+
+    def rotate_qk_cpu(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """CPU float32: q and k heads side by side, qk: [T, Hq + Hk, D] -> rotated, a new tensor.
+
+        The same math as apply_rotary's torch path (bit-identical) in 7 ops for q and k together;
+        cos/sin are looked up once per step (every layer shares this module and the positions
+        tensor of the step)."""
+        if self._step_cos_sin is None or self._step_cos_sin[0] is not positions:
+            cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+            self._step_cos_sin = (positions, cos, sin)
+        _, cos, sin = self._step_cos_sin
+        x1, x2 = qk.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class Attention(nn.Module):
@@ -82,13 +96,20 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        if qkv.device.type == "cpu" and qkv.dtype == torch.float32 and self.q_norm is None:
+            # CPU fast path: rotate q and k in one go (fewer small ops per layer, same numbers)
+            qk = self.rotary.rotate_qk_cpu(positions, qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim))
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))

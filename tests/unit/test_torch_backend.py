@@ -60,3 +60,24 @@ def test_store_kv_matches_reference(with_padding):
     store_kv_reference(key, value, k_ref, v_ref, slots)
     TorchAttentionBackend().store_kv(key, value, k_out, v_out, slots)
     assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
+
+
+def test_one_backend_over_successive_steps():
+    """The per-step plan is cached on the metadata object: a new step's metadata (new lengths,
+    uniform decode lengths without a mask, a single row) must not reuse the previous plan."""
+    backend = TorchAttentionBackend()
+    rng = random.Random(99)
+    torch.manual_seed(99)
+    bs, kv_heads, d = 4, 3, 64
+    layouts = [_random_layout(rng, bs) for _ in range(8)]
+    layouts.append(([1, 1, 1], [9, 9, 9], torch.arange(9, dtype=torch.int32).view(3, 3), [0, 1, 2, 3], 9))
+    layouts.append(([1], [7], torch.tensor([[4, 2]], dtype=torch.int32), [0, 1], 6))
+    for q_lens, seq_lens, tables, qsl, num_blocks in layouts:
+        k_cache, v_cache = torch.randn(num_blocks, bs, kv_heads, d), torch.randn(num_blocks, bs, kv_heads, d)
+        q = torch.randn(qsl[-1], kv_heads * 3, d)
+        meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), torch.tensor(qsl, dtype=torch.int32),
+                                 torch.tensor(seq_lens, dtype=torch.int32), tables, max(q_lens), max(seq_lens),
+                                 qsl, seq_lens)
+        ref = paged_attention_reference(q, k_cache, v_cache, qsl, seq_lens, tables, 0.125)
+        for _ in range(2):  # a second layer of the same step reuses the plan
+            assert (backend.attend(q, k_cache, v_cache, meta, 0.125) - ref).abs().max() < 1e-4
