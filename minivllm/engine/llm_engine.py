@@ -115,6 +115,9 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.output_processor.states)
+
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step; with async scheduling, while it runs on the device, take

@@ -2,7 +2,8 @@
 
 SIGTERM (or a first Ctrl-C): uvicorn stops accepting connections; the engine stops accepting
 requests and lets the in-flight ones run up to --shutdown-timeout seconds, then aborts them
-(each client still gets a terminal response); the lifespan joins the engine thread; exit 0.
+(each client still gets a terminal response); the lifespan joins the engine (thread, or with --engine-process, the default, the
+engine-core process); exit 0.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="refuse new requests with 503 + Retry-After while N requests are already waiting")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in its own process (default), so the HTTP process's GIL "
+                        "serves clients only; --no-engine-process runs it on a thread of this process")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -52,6 +56,7 @@ def server_settings(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from minivllm.engine.async_engine import AsyncEngine
+    from minivllm.engine.mp_async_engine import MPAsyncEngine
     from minivllm.server.app import create_app
 
     settings = server_settings(args)  # bad flag values fail before the model loads
@@ -61,7 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kwargs["model"] = args.model_tag
     if settings.served_model_names:
         kwargs["served_model_name"] = settings.served_model_names[0]
-    engine = AsyncEngine.from_kwargs(**kwargs)
+    engine = (MPAsyncEngine if args.engine_process else AsyncEngine).from_kwargs(**kwargs)
     app = create_app(engine, settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10, lifespan="on")

@@ -15,7 +15,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from minivllm.engine.async_engine import AsyncEngine
+from minivllm.engine.mp_async_engine import MPAsyncEngine
 from minivllm.server.app import create_app
 from minivllm.server.serving_common import ServerSettings
 from minivllm.server.testing import ServerThread
@@ -26,7 +26,7 @@ API_KEY = "sk-test-key"
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = AsyncEngine.from_kwargs(dtype="float32", device="cpu", max_model_len=MAX_LEN,
+    eng = MPAsyncEngine.from_kwargs(dtype="float32", device="cpu", max_model_len=MAX_LEN,
                                   kv_cache_memory_bytes=128 << 20)
     yield eng
     eng.shutdown()
@@ -248,7 +248,7 @@ def test_schemathesis_finds_no_server_errors(server, model, tmp_path):
            "--phases", "examples,coverage,fuzzing", "--request-timeout", "60",
            "--suppress-health-check", "all", "--report", "ndjson", "--report-dir", str(tmp_path)]
     t0 = time.monotonic()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=tmp_path, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
     calls = [line.rsplit(" ", 1) for line in status_log.read_text().splitlines()]

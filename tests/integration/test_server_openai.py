@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.async_engine import AsyncEngine
+from minivllm.engine.mp_async_engine import MPAsyncEngine
 from minivllm.engine.tokenizer import apply_chat_template
 from minivllm.server.app import create_app
 from minivllm.server.serving_common import ServerSettings
@@ -39,15 +40,23 @@ class Served:
     offline_fixed: list[list[int]]  # greedy ids of PROMPTS, CONCURRENT_NEW tokens, ignore_eos
 
 
-@pytest.fixture(scope="module")
-def served():
-    llm = LLM(dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+ENGINE_KW = dict(dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+
+
+@pytest.fixture(scope="module", params=["engine_process", "engine_thread"])
+def served(request):
+    """Every test runs against both engines: the engine core in its own process (the server's
+    default) and the in-process engine thread over the oracle's own LLMEngine."""
+    llm = LLM(**ENGINE_KW)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
     offline = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
     offline_chat = llm.chat(CHAT, greedy, use_tqdm=False)[0].outputs[0].token_ids
     fixed = SamplingParams(temperature=0.0, max_tokens=CONCURRENT_NEW, ignore_eos=True)
     offline_fixed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, fixed, use_tqdm=False)]
-    engine = AsyncEngine(llm.llm_engine)  # from here on only the engine thread touches the engine
+    if request.param == "engine_process":
+        engine = MPAsyncEngine.from_kwargs(**ENGINE_KW)
+    else:
+        engine = AsyncEngine(llm.llm_engine)  # from here on only the engine thread touches the engine
     server = ServerThread(create_app(engine, ServerSettings(own_engine=False))).start()
     try:
         yield Served(server.base_url, engine, engine.config.model.served_name, llm.get_tokenizer(), offline,

@@ -1,0 +1,189 @@
+"""The engine core in its own process (the server's default): the LLMEngine steps there, so
+the HTTP process's GIL serves clients only. The client side is mp_async_engine.MPAsyncEngine.
+
+    HTTP process                                engine-core process (this module)
+    ────────────                                ─────────────────────────────────
+    MPAsyncEngine ── cmd pipe ─────────────►   inbox thread: recv() into a deque
+      add / abort / pause / drain / stop        main thread: apply commands, step(), send
+    receiver thread ◄── out pipe ───────────   ("added", results, stats), ("out", outputs, stats)
+
+Invariants:
+- Requests run with RequestOutputKind.DELTA: each step sends only what is new, as compact
+  tuples (see `pack_output`); the client rebuilds the cumulative outputs.
+- An add is acknowledged ("added") before any output of that request is sent.
+- The process ignores SIGINT/SIGTERM: the HTTP process decides when it stops (drain, then
+  "stop"). If the HTTP process dies, the command pipe reaches EOF and everything is aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import deque
+
+from minivllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# one request's new state after a step:
+#   (request_id, finished, samples, metrics, num_cached_tokens)
+#   samples: [(index, new_text, new_token_ids, cumulative_logprob, new_logprobs, finish_reason, stop_reason)]
+#   metrics: (arrival, first_scheduled, first_token, last_token, finished) times or None
+PackedOutput = tuple
+
+
+def pack_output(out: RequestOutput) -> PackedOutput:
+    m = out.metrics
+    metrics = None if m is None else (m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                                      m.last_token_time, m.finished_time)
+    samples = [(o.index, o.text, o.token_ids, o.cumulative_logprob, o.logprobs, o.finish_reason, o.stop_reason)
+               for o in out.outputs]
+    return out.request_id, out.finished, samples, metrics, out.num_cached_tokens
+
+
+def portable_error(e: BaseException) -> BaseException:
+    """An exception that survives pickling: ValueError stays a ValueError (bad input -> 400)."""
+    if isinstance(e, ValueError):
+        return ValueError(str(e))
+    return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def engine_core_main(config, cmd_conn, out_conn, log_level: int) -> None:
+    """Process entry point: build the engine, report ready (or the error), serve commands."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
+    from minivllm.engine.llm_engine import LLMEngine
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:  # noqa: BLE001 - the parent must hear why startup failed
+        logger.exception("engine startup failed")
+        out_conn.send(("failed", portable_error(e)))
+        return
+    EngineCore(engine, cmd_conn, out_conn).run()
+
+
+class _Inbox:
+    """Reads the command pipe on its own thread, so the parent's sends never block on a step."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._cond = threading.Condition()
+        self._items: deque = deque()
+        threading.Thread(target=self._read, name="engine-core-inbox", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                msg = ("parent_gone",)
+            with self._cond:
+                self._items.append(msg)
+                self._cond.notify()
+            if msg[0] in ("parent_gone", "stop"):
+                return
+
+    def take(self, timeout: float | None) -> list:
+        """All queued commands; waits up to `timeout` s for one (0: don't wait)."""
+        with self._cond:
+            if not self._items and timeout:
+                self._cond.wait(timeout)
+            items = list(self._items)
+            self._items.clear()
+        return items
+
+
+class EngineCore:
+    """The command/step loop around one LLMEngine (the engine thread of AsyncEngine, as a process)."""
+
+    IDLE_WAIT_S = 1.0
+
+    def __init__(self, engine, cmd_conn, out_conn) -> None:
+        self.engine = engine
+        self.inbox = _Inbox(cmd_conn)
+        self.out = out_conn
+        self.paused = False
+        self.stopping = False
+        self.drain_deadline: float | None = None  # monotonic; abort everything left after it
+
+    def run(self) -> None:
+        self.out.send(("ready", self.engine.startup_s, self.engine.get_stats()))
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests() and not self.paused
+                added = self._apply(self.inbox.take(0 if busy else self._wait_s()))
+                self._abort_after_deadline()
+                if self.stopping and not self.engine.has_unfinished_requests():
+                    break
+                if added:
+                    self.out.send(("added", added, self.engine.get_stats()))
+                if self.engine.has_unfinished_requests() and not self.paused:
+                    outputs = self.engine.step()
+                    self.out.send(("out", [pack_output(o) for o in outputs], self.engine.get_stats()))
+        except BaseException as e:  # noqa: BLE001 - report whatever killed the loop
+            logger.exception("engine core died")
+            self._try_send(("dead", f"{type(e).__name__}: {e}"))
+            return
+        finally:
+            self.engine.shutdown()
+        self._try_send(("exited",))
+
+    def _wait_s(self) -> float:
+        if self.drain_deadline is None:
+            return self.IDLE_WAIT_S
+        return max(0.001, min(self.IDLE_WAIT_S, self.drain_deadline - time.monotonic()))
+
+    def _apply(self, commands: list) -> list[tuple[str, BaseException | None]]:
+        """Applies commands in order; returns the adds' results [(request_id, error or None)]."""
+        added = []
+        for cmd in commands:
+            kind = cmd[0]
+            if kind == "add":
+                added.append((cmd[1], self._add(*cmd[1:])))
+            elif kind == "abort":
+                self.engine.abort_request(cmd[1])
+            elif kind == "pause":
+                self.paused = True
+            elif kind == "resume":
+                self.paused = False
+            elif kind == "drain":
+                self._begin_drain(cmd[1])
+            elif kind == "stop":
+                self._begin_drain(cmd[1])
+                self.stopping = True
+            elif kind == "parent_gone":  # nobody can read the outputs any more
+                self.engine.abort_request(self.engine.unfinished_request_ids())
+                self._begin_drain(0.0)
+                self.stopping = True
+        return added
+
+    def _add(self, request_id, prompt_text, prompt_ids, params, arrival_time, priority) -> BaseException | None:
+        try:
+            self.engine.add_request(request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params,
+                                    arrival_time, priority)
+        except Exception as e:  # noqa: BLE001 - bad input goes back to the caller
+            return portable_error(e)
+        return None
+
+    def _begin_drain(self, grace_s: float) -> None:
+        deadline = time.monotonic() + max(grace_s, 0.0)
+        if self.drain_deadline is None or deadline < self.drain_deadline:
+            self.drain_deadline = deadline
+        self.paused = False
+
+    def _abort_after_deadline(self) -> None:
+        if self.drain_deadline is None or time.monotonic() < self.drain_deadline:
+            return
+        ids = self.engine.unfinished_request_ids()
+        if ids:
+            logger.warning("drain deadline reached: aborting %d request(s)", len(ids))
+            self.engine.abort_request(ids)
+
+    def _try_send(self, msg) -> None:
+        try:
+            self.out.send(msg)
+        except (OSError, EOFError):
+            pass
