@@ -47,7 +47,19 @@ def _minivllm(args) -> tuple[dict, workloads.Workload]:
                             wl.params[0]["max_tokens"], args.reps, llm.reset_prefix_cache)
     log(f"minivllm single-stream decode {single['decode_tok_per_s']:.1f} tok/s")
     return {"startup_s": startup, "output_tokens": n_out, "wall_s": wall, "output_tok_per_s": n_out / wall,
-            "output_tokens_ok": n_out == wl.expected_output_tokens, "single_stream": single}, wl
+            "output_tokens_ok": n_out == wl.expected_output_tokens, "single_stream": single,
+            "weight_bytes_per_token": _weight_bytes(llm.llm_engine.executor.runner.model)}, wl
+
+
+def _weight_bytes(model) -> int:
+    """Bytes of distinct parameters (a tied embedding counts once: as the lm_head it is read
+    whole every token, as the embedding only one row)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
 
 
 def _single_stream(run, make_params, n: int, reps: int, reset=None) -> dict:
@@ -128,6 +140,14 @@ def run_cpu_bench(args) -> int:
                "output_tokens_ok": ours["output_tokens_ok"],
                "minivllm_single_decode_tok_per_s": ours["single_stream"]["decode_tok_per_s"]}
     details = {"minivllm": ours, "torch_threads": torch.get_num_threads()}
+    bw = read_bandwidth_gb_s()
+    weight_bytes = ours.get("weight_bytes_per_token")
+    figures["read_bandwidth_gb_s"] = bw
+    if weight_bytes:
+        # single-stream fp32 decode reads every weight once per token (lm_head included)
+        figures["single_stream_ceiling_tok_per_s"] = bw * 1e9 / weight_bytes
+        figures["single_stream_share_of_ceiling"] = (ours["single_stream"]["decode_tok_per_s"]
+                                                     / figures["single_stream_ceiling_tok_per_s"])
     if not args.skip_hf:
         hf = _hf(wl, args)
         details["hf"] = hf
@@ -150,6 +170,20 @@ def run_cpu_bench(args) -> int:
     emit(envelope("W5", "minivllm", _version(), "SmolLM2-135M-Instruct (bundled GGUF)", cpu_name(),
                   {"dtype": "float32", "device": "cpu", "reps": args.reps}, summary, figures, details), args.output)
     return 0 if figures["output_tokens_ok"] else 1
+
+
+def read_bandwidth_gb_s(size_bytes: int = 1 << 30, reps: int = 5) -> float:
+    """This machine's memory read bandwidth now, with torch's threads: the best of `reps` sums
+    over a float32 buffer much larger than the caches."""
+    import torch
+    buf = torch.ones(size_bytes // 4, dtype=torch.float32)
+    buf.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return size_bytes / best / 1e9
 
 
 def _version() -> str:

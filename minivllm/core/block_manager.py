@@ -146,6 +146,10 @@ class BlockManager:
     def allocate(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = ()) -> list[int] | None:
         """Give the request blocks for `num_new_tokens` more tokens (after taking `cached`
         prefix blocks). Returns the ids of the blocks added to its table, or None if they don't fit."""
+        if not cached:  # fast path, most decode steps: the last block still has room
+            table = self.req_blocks.get(req.request_id)
+            if table is not None and len(table) * self.block_size >= req.num_computed_tokens + num_new_tokens:
+                return []
         if not self.can_allocate(req, num_new_tokens, cached):
             return None
         table = self.req_blocks.setdefault(req.request_id, [])
@@ -179,6 +183,10 @@ class BlockManager:
 
     def register_computed_blocks(self, req: Request) -> None:
         """Make the request's full, computed blocks findable by later requests."""
+        # cheap exit first (called for every scheduled request, twice per step): no new full block
+        if min(req.num_computed_tokens, len(req.all_token_ids)) // self.block_size <= \
+                self.num_registered.get(req.request_id, 0):
+            return
         if not self._uses_cache(req):
             return
         table = self.req_blocks.get(req.request_id)

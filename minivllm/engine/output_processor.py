@@ -36,10 +36,11 @@ class RequestState:
     params: SamplingParams
     samples: list[SampleState]
     metrics: RequestMetrics
+    num_finished: int = 0  # samples with a finish_reason (kept by _finish_sample)
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        return self.num_finished == len(self.samples)
 
 
 class OutputProcessor:
@@ -122,6 +123,8 @@ class OutputProcessor:
         return out
 
     def _finish_sample(self, state: RequestState, sample: SampleState, reason: str, stop_reason, now: float) -> None:
+        if sample.finish_reason is None:
+            state.num_finished += 1
         sample.finish_reason = reason
         sample.stop_reason = stop_reason
         if state.finished:
