@@ -62,7 +62,6 @@ class EngineConfig:
     device: str = "cpu"
     enforce_eager: bool = False
     attention_backend: str = "torch"
-    compile_model: bool = False  # torch.compile the model's forward (GPU)
     # schedule step N+1 while step N runs on the device (default: on for CUDA)
     async_scheduling: bool = False
 

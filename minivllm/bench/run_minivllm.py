@@ -77,7 +77,7 @@ class MinivllmAdapter:
         runner = getattr(getattr(eng, "executor", None), "runner", None)
         out = {"llm_init_s": self.startup_s, "engine_startup_s": getattr(eng, "startup_s", None),
                "device": cfg.device, "dtype": cfg.model.dtype, "enforce_eager": cfg.enforce_eager,
-               "attention_backend": cfg.attention_backend, "compile_model": getattr(cfg, "compile_model", None),
+               "attention_backend": cfg.attention_backend,
                "block_size": cfg.cache.block_size, "enable_prefix_caching": cfg.cache.enable_prefix_caching,
                "max_num_seqs": cfg.scheduler.max_num_seqs,
                "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
@@ -103,7 +103,6 @@ def add_minivllm_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--compile-model", action="store_true", help="torch.compile the model's forward")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="explicit KV budget (CPU default 1 GiB)")
 
 
@@ -115,8 +114,6 @@ def engine_kwargs(args) -> dict:
     for k in ("attention_backend", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
         if getattr(args, k, None) is not None:
             kw[k] = getattr(args, k)
-    if args.compile_model:
-        kw["compile_model"] = True
     return kw
 
 

@@ -62,7 +62,6 @@ def build_engine_config(
     tensor_parallel_size: int = 1,
     enforce_eager: bool = False,
     attention_backend: str | None = None,
-    compile_model: bool = False,
     skip_tokenizer_init: bool = False,
     chat_template: str | None = None,
     served_model_name: str | None = None,
@@ -107,4 +106,4 @@ def build_engine_config(
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill)
     async_scheduling = on_gpu if async_scheduling is None else async_scheduling
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
-                        enforce_eager or not on_gpu, attention_backend, compile_model, async_scheduling)
+                        enforce_eager or not on_gpu, attention_backend, async_scheduling)
