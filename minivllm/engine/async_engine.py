@@ -106,23 +106,72 @@ class _Commands:
     aborts: list[str] = field(default_factory=list)
 
 
-class AsyncEngine:
+class EngineClient:
+    """What AsyncEngine and MPAsyncEngine share around their own add_request/abort: the output
+    iterator, the stats snapshot, acceptance, and the output observers."""
+
+    def __init__(self, stats: EngineStats) -> None:
+        self._stats = stats  # replaced whole by the engine side; read from any thread
+        self._observers: list[OutputObserver] = []
+        self._observers_lock = threading.Lock()
+        self._accepting = True
+        self.dead_error: BaseException | None = None
+
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+                          arrival_time: float | None = None, priority: int = 0) -> RequestStream:
+        raise NotImplementedError
+
+    async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
+                       arrival_time: float | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs until the finished one; closing the iterator early aborts."""
+        stream = await self.add_request(request_id, prompt, params, arrival_time, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def get_stats(self) -> EngineStats:
+        """The engine's counters as of its last step (a snapshot; never blocks on a step)."""
+        return self._stats
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._accepting and self.dead_error is None
+
+    def add_output_observer(self, fn: OutputObserver) -> None:
+        """fn(outputs, now) runs after each step, before the streams see the outputs (e.g.
+        metrics); must be quick. AsyncEngine calls it on its engine thread, MPAsyncEngine on
+        the requests' event loop."""
+        with self._observers_lock:
+            self._observers = [*self._observers, fn]  # copy on write: the caller iterates unlocked
+
+    def remove_output_observer(self, fn: OutputObserver) -> None:
+        with self._observers_lock:
+            self._observers = [f for f in self._observers if f != fn]
+
+    def _notify_observers(self, outputs: list[RequestOutput], now: float) -> None:
+        for fn in self._observers:
+            try:
+                fn(outputs, now)
+            except Exception:  # noqa: BLE001 - an observer bug must not kill serving
+                logger.exception("output observer failed")
+
+
+class AsyncEngine(EngineClient):
     """Thread-safe, asyncio-facing wrapper of one LLMEngine (see the module docstring)."""
 
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 1.0, own_engine: bool = True) -> None:
+        super().__init__(engine.get_stats())
         self.engine = engine
         self._own_engine = own_engine  # shutdown() also shuts the LLMEngine down
         self._cond = threading.Condition()
         self._commands: deque[_Add | tuple[str, str]] = deque()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._stats: EngineStats = engine.get_stats()
-        self._observers: list[OutputObserver] = []
-        self._accepting = True
         self._drain_deadline: float | None = None  # monotonic; abort everything left after it
         self._stop = False
         self._paused = False
         self._idle_wait_s = idle_wait_s
-        self.dead_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
 
@@ -165,16 +214,6 @@ class AsyncEngine:
             raise
         return stream
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
-                       arrival_time: float | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs until the finished one; closing the iterator early aborts."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time, priority)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
     def abort(self, request_id: str) -> None:
         """Aborts a request from any thread; its KV blocks are freed when the engine thread
         applies the command (before its next step). Unknown or finished ids are ignored."""
@@ -184,28 +223,11 @@ class AsyncEngine:
             self._commands.append(("abort", request_id))
             self._cond.notify()
 
-    def get_stats(self) -> EngineStats:
-        """The engine's counters as of its last step (a snapshot; never blocks on a step)."""
-        return self._stats
-
-    def add_output_observer(self, fn: OutputObserver) -> None:
-        """fn(outputs, now) runs on the engine thread after each step (e.g. metrics); must be quick."""
-        with self._cond:
-            self._observers = [*self._observers, fn]  # copy on write: the engine thread iterates
-
-    def remove_output_observer(self, fn: OutputObserver) -> None:
-        with self._cond:
-            self._observers = [f for f in self._observers if f != fn]
-
     def check_health(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine thread died: {self.dead_error!r}")
         if not self._thread.is_alive():
             raise EngineDeadError("the engine is shut down")
-
-    @property
-    def is_accepting(self) -> bool:
-        return self._accepting and self.dead_error is None
 
     @property
     def num_pending_adds(self) -> int:
@@ -336,12 +358,7 @@ class AsyncEngine:
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
             return
-        now = time.time()
-        for fn in self._observers:
-            try:
-                fn(outputs, now)
-            except Exception:  # noqa: BLE001 - an observer bug must not kill serving
-                logger.exception("output observer failed")
+        self._notify_observers(outputs, time.time())
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)

@@ -23,14 +23,13 @@ import logging
 import multiprocessing
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from minivllm.engine.async_engine import (
+    EngineClient,
     EngineClosedError,
     EngineDeadError,
-    OutputObserver,
     RequestStream,
     _call_soon,
     _resolve,
@@ -52,7 +51,7 @@ class _Tracked:
     future: asyncio.Future | None  # the add's acknowledgement, until it arrives
 
 
-class MPAsyncEngine:
+class MPAsyncEngine(EngineClient):
     """Drop-in for AsyncEngine (same public methods) over a spawned engine-core process."""
 
     def __init__(self, config, startup_timeout_s: float | None = None) -> None:
@@ -72,11 +71,9 @@ class MPAsyncEngine:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards _requests (loop threads and the receiver thread)
         self._requests: dict[str, _Tracked] = {}
-        self._observers: list[OutputObserver] = []
-        self._accepting = True
         self._stopped = False
-        self.dead_error: BaseException | None = None
-        self.startup_s, self._stats = self._wait_ready(startup_timeout_s)
+        self.startup_s, stats = self._wait_ready(startup_timeout_s)
+        super().__init__(stats)
         self._receiver = threading.Thread(target=self._receive, name="minivllm-engine-receiver", daemon=True)
         self._receiver.start()
 
@@ -135,15 +132,6 @@ class MPAsyncEngine:
             raise
         return stream
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
-                       arrival_time: float | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params, arrival_time, priority)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
     def abort(self, request_id: str) -> None:
         """From any thread; the engine core frees the blocks before its next step and sends
         the final output (finish_reason 'abort')."""
@@ -152,25 +140,11 @@ class MPAsyncEngine:
         except EngineDeadError:
             pass
 
-    def get_stats(self):
-        return self._stats
-
-    def add_output_observer(self, fn: OutputObserver) -> None:
-        """fn(outputs, now) runs on the event loop of the requests after each step."""
-        self._observers = [*self._observers, fn]
-
-    def remove_output_observer(self, fn: OutputObserver) -> None:
-        self._observers = [f for f in self._observers if f != fn]
-
     def check_health(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine core died: {self.dead_error}")
         if not self._proc.is_alive():
             raise EngineDeadError("the engine is shut down")
-
-    @property
-    def is_accepting(self) -> bool:
-        return self._accepting and self.dead_error is None
 
     @property
     def num_pending_adds(self) -> int:
@@ -267,12 +241,7 @@ class MPAsyncEngine:
     def _apply_outputs(self, items: list[tuple[_Tracked, PackedOutput]]) -> None:
         """On the requests' event loop: fold the deltas in, notify observers, feed the streams."""
         snapshots = [_fold(t.output, p) for t, p in items]
-        now = time.time()
-        for fn in self._observers:
-            try:
-                fn(snapshots, now)
-            except Exception:  # noqa: BLE001 - an observer bug must not kill serving
-                logger.exception("output observer failed")
+        self._notify_observers(snapshots, time.time())
         for (t, _), snap in zip(items, snapshots):
             t.stream._put(snap)
 
