@@ -101,6 +101,12 @@ def emit(result: dict, output: str | None = None) -> None:
     sys.stdout.flush()
 
 
+def param_bytes(model) -> int:
+    """Bytes of the model's parameters, each counted once (`parameters()` yields a tied
+    embedding / lm_head weight once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 

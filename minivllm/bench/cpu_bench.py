@@ -16,7 +16,7 @@ import statistics
 import time
 
 from minivllm.bench import workloads
-from minivllm.bench.common import cpu_name, emit, envelope, log
+from minivllm.bench.common import cpu_name, emit, envelope, log, param_bytes
 
 
 def _decode_rate(t1s: list[float], tns: list[float], n: int) -> dict:
@@ -48,18 +48,8 @@ def _minivllm(args) -> tuple[dict, workloads.Workload]:
     log(f"minivllm single-stream decode {single['decode_tok_per_s']:.1f} tok/s")
     return {"startup_s": startup, "output_tokens": n_out, "wall_s": wall, "output_tok_per_s": n_out / wall,
             "output_tokens_ok": n_out == wl.expected_output_tokens, "single_stream": single,
-            "weight_bytes_per_token": _weight_bytes(llm.llm_engine.executor.runner.model)}, wl
-
-
-def _weight_bytes(model) -> int:
-    """Bytes of distinct parameters (a tied embedding counts once: as the lm_head it is read
-    whole every token, as the embedding only one row)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+            # SmolLM2 ties its embedding to the lm_head: every parameter is read once per token
+            "weight_bytes_per_token": param_bytes(llm.llm_engine.executor.runner.model)}, wl
 
 
 def _single_stream(run, make_params, n: int, reps: int, reset=None) -> dict:

@@ -18,6 +18,7 @@ import argparse
 import time
 
 from minivllm.bench import drive
+from minivllm.bench.common import param_bytes
 from minivllm.bench.procedures import GenResult
 
 
@@ -69,7 +70,7 @@ class MinivllmAdapter:
         model = getattr(runner, "model", None)
         if model is None:
             return {}
-        return {"model_param_bytes_measured": sum(p.numel() * p.element_size() for p in model.parameters())}
+        return {"model_param_bytes_measured": param_bytes(model)}
 
     def info(self) -> dict:
         eng = self.engine_obj
