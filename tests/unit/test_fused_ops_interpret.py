@@ -9,13 +9,10 @@ bf16 conversions do not round like the GPU's (bf16 is covered by the GPU tests).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from interpreter_child import run_under_interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ROOT / "tests" / "gpu" / "test_fused_ops.py"
@@ -23,37 +20,24 @@ CHECKS = ROOT / "tests" / "gpu" / "test_fused_ops.py"
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 CHILD = r"""
-import importlib.util, json, sys
-import torch
-
-spec = importlib.util.spec_from_file_location("fused_ops_checks", sys.argv[1])
-fc = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = fc
-spec.loader.exec_module(fc)
-f32, f16 = torch.float32, torch.float16
 res = {}
 for dt, name in ((f32, "fp32"), (f16, "fp16")):
     # hidden 96: BLOCK 128 with a masked tail; 64: exact power of two
-    res[f"rms_norm {name} T5 H96"] = fc.check_rms_norm(5, 96, dt, "cpu", seed=1)
-    res[f"rms_norm {name} T3 H64"] = fc.check_rms_norm(3, 64, dt, "cpu", seed=2)
-    res[f"head_norm {name} T4 h6 d32"] = fc.check_head_norm(4, 6, 32, dt, "cpu", seed=3)
-    res[f"fused_add {name} T5 H96"] = fc.check_fused_add_rms_norm(5, 96, dt, "cpu", seed=4)
-    res[f"rotary {name} T5 q4 k2 d32"] = fc.check_rotary(5, 4, 2, 32, dt, "cpu", seed=5, max_pos=64)
-    res[f"rotary {name} T3 q3 k3 d16"] = fc.check_rotary(3, 3, 3, 16, dt, "cpu", seed=6, max_pos=64)
-    res[f"silu_and_mul {name} T4 I100"] = fc.check_silu_and_mul(4, 100, dt, "cpu", seed=7)
-res["dispatch cpu"] = fc.check_dispatch("cpu")
+    res[f"rms_norm {name} T5 H96"] = checks.check_rms_norm(5, 96, dt, "cpu", seed=1)
+    res[f"rms_norm {name} T3 H64"] = checks.check_rms_norm(3, 64, dt, "cpu", seed=2)
+    res[f"head_norm {name} T4 h6 d32"] = checks.check_head_norm(4, 6, 32, dt, "cpu", seed=3)
+    res[f"fused_add {name} T5 H96"] = checks.check_fused_add_rms_norm(5, 96, dt, "cpu", seed=4)
+    res[f"rotary {name} T5 q4 k2 d32"] = checks.check_rotary(5, 4, 2, 32, dt, "cpu", seed=5, max_pos=64)
+    res[f"rotary {name} T3 q3 k3 d16"] = checks.check_rotary(3, 3, 3, 16, dt, "cpu", seed=6, max_pos=64)
+    res[f"silu_and_mul {name} T4 I100"] = checks.check_silu_and_mul(4, 100, dt, "cpu", seed=7)
+res["dispatch cpu"] = checks.check_dispatch("cpu")
 print("RESULT " + json.dumps(res))
 """
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, list[str]]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(CHECKS)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_under_interpreter(CHILD, CHECKS, timeout_s=300)
 
 
 @pytest.mark.parametrize("kernel", ["rms_norm", "head_norm", "fused_add", "rotary", "silu_and_mul", "dispatch"])

@@ -10,13 +10,10 @@ JSON object {case name: [overall error, worst-row error, ok]}. The interpreter m
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from interpreter_child import run_under_interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ROOT / "tests" / "gpu" / "test_triton_kernels.py"
@@ -25,53 +22,38 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 # Run in the child. (q_len, seq_len) per sequence; heads as (num_heads, num_kv_heads).
 CHILD = r"""
-import importlib.util, json, sys
-import torch
-
-spec = importlib.util.spec_from_file_location("triton_kernel_checks", sys.argv[1])
-tk = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = tk
-spec.loader.exec_module(tk)
-f32, f16 = torch.float32, torch.float16
 
 def case(specs, heads, head_dim, block_size, dtype, seed, pad_tokens=0):
-    return tk.make_case(specs, heads[0], heads[1], head_dim, block_size, dtype, "cpu", seed, pad_tokens)
+    return checks.make_case(specs, heads[0], heads[1], head_dim, block_size, dtype, "cpu", seed, pad_tokens)
 
 res = {}  # name -> [overall relative error, worst row relative error, within tolerance]
 
 def record(name, dtype, errs):
-    res[name] = [errs[0], errs[1], tk.ok(errs, dtype)]
+    res[name] = [errs[0], errs[1], checks.ok(errs, dtype)]
 
 # (10, 72): the tile's first row sees key 62 but not 63, right at a BLOCK_N boundary
 mixed = [(37, 60), (1, 45), (20, 20), (5, 90), (1, 1), (10, 72), (64, 64)]
 decode = [(1, 60), (1, 1), (1, 97), (1, 17), (1, 300)]
-record("store_kv fp16 bs16", f16, tk.check_store_kv(case(mixed, (8, 4), 64, 16, f16, 1)))
-record("store_kv fp32 bs32", f32, tk.check_store_kv(case(mixed, (8, 2), 128, 32, f32, 2)))
+record("store_kv fp16 bs16", f16, checks.check_store_kv(case(mixed, (8, 4), 64, 16, f16, 1)))
+record("store_kv fp32 bs32", f32, checks.check_store_kv(case(mixed, (8, 2), 128, 32, f32, 2)))
 record("prefill fp32 d64 gqa1 bs16", f32,
-       tk.check_prefill(case(mixed + [(150, 230)], (4, 4), 64, 16, f32, 3, pad_tokens=3)))
-record("prefill fp16 d128 gqa4 bs32", f16, tk.check_prefill(case(mixed, (8, 2), 128, 32, f16, 4)))
-record("prefill fp32 d128 gqa4 decode-only", f32, tk.check_prefill(case(decode, (8, 2), 128, 16, f32, 5)))
-record("decode fp32 d64 gqa1 bs16 auto", f32, tk.check_decode(case(decode, (4, 4), 64, 16, f32, 6)))
-record("decode fp16 d128 gqa4 bs32 auto", f16, tk.check_decode(case(decode, (8, 2), 128, 32, f16, 7)))
-record("decode fp32 d128 gqa4 1 split", f32, tk.check_decode(case(decode, (8, 2), 128, 16, f32, 8), num_splits=1))
+       checks.check_prefill(case(mixed + [(150, 230)], (4, 4), 64, 16, f32, 3, pad_tokens=3)))
+record("prefill fp16 d128 gqa4 bs32", f16, checks.check_prefill(case(mixed, (8, 2), 128, 32, f16, 4)))
+record("prefill fp32 d128 gqa4 decode-only", f32, checks.check_prefill(case(decode, (8, 2), 128, 16, f32, 5)))
+record("decode fp32 d64 gqa1 bs16 auto", f32, checks.check_decode(case(decode, (4, 4), 64, 16, f32, 6)))
+record("decode fp16 d128 gqa4 bs32 auto", f16, checks.check_decode(case(decode, (8, 2), 128, 32, f16, 7)))
+record("decode fp32 d128 gqa4 1 split", f32, checks.check_decode(case(decode, (8, 2), 128, 16, f32, 8), num_splits=1))
 record("decode fp32 d64 gqa4 3 splits ws8", f32,
-       tk.check_decode(case(decode, (8, 2), 64, 16, f32, 9), num_splits=3, workspace_splits=8))
-record("backend fp32 mixed", f32, tk.check_backend(case(mixed, (8, 2), 64, 16, f32, 10)))
-record("backend fp32 decode", f32, tk.check_backend(case(decode, (8, 2), 64, 16, f32, 11)))
+       checks.check_decode(case(decode, (8, 2), 64, 16, f32, 9), num_splits=3, workspace_splits=8))
+record("backend fp32 mixed", f32, checks.check_backend(case(mixed, (8, 2), 64, 16, f32, 10)))
+record("backend fp32 decode", f32, checks.check_backend(case(decode, (8, 2), 64, 16, f32, 11)))
 print("RESULT " + json.dumps(res))
 """
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, list]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(KERNEL_TESTS)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_under_interpreter(CHILD, KERNEL_TESTS, timeout_s=600)
 
 
 @pytest.mark.parametrize("kernel", ["store_kv", "prefill", "decode", "backend"])
