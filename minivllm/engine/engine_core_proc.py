@@ -5,19 +5,26 @@ the HTTP process's GIL serves clients only. The client side is mp_async_engine.M
     ────────────                                ─────────────────────────────────
     MPAsyncEngine ── cmd pipe ─────────────►   inbox thread: recv() into a deque
       add / abort / pause / drain / stop        main thread: apply commands, step(), send
-    receiver thread ◄── out pipe ───────────   ("added", results, stats), ("out", outputs, stats)
+    receiver thread ◄── out pipe ───────────   outbox thread: ("added", results, stats),
+                                                 ("out", outputs, stats)
 
 Invariants:
 - Requests run with RequestOutputKind.DELTA: each step sends only what is new, as compact
   tuples (see `pack_output`); the client rebuilds the cumulative outputs.
-- An add is acknowledged ("added") before any output of that request is sent.
+- An add is acknowledged ("added") before any output of that request is sent: messages leave
+  in the order the loop queued them.
+- The step loop never blocks on the out pipe: an outbox thread sends, and when the HTTP process
+  falls behind, the "out" messages queued meanwhile leave merged into one (their deltas in
+  step order), so a busy client gets fewer, larger messages instead of stalling the GPU.
 - The process ignores SIGINT/SIGTERM: the HTTP process decides when it stops (drain, then
   "stop"). If the HTTP process dies, the command pipe reaches EOF and everything is aborted.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -96,6 +103,76 @@ class _Inbox:
         return items
 
 
+class _Outbox:
+    """Sends the loop's messages on its own thread, in order; adjacent "out" messages that queue
+    up while a send is under way are merged (deltas concatenated, newest stats kept)."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._cond = threading.Condition()
+        self._items: deque = deque()
+        self._closed = False
+        self._thread = threading.Thread(target=self._write, name="engine-core-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, msg) -> None:
+        with self._cond:
+            self._items.append(msg)
+            self._cond.notify()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Sends what is queued, then stops the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _write(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items and not self._closed:
+                    self._cond.wait()
+                if not self._items:
+                    return
+                batch = list(self._items)
+                self._items.clear()
+            try:
+                for msg in merge_outputs(batch):
+                    self._conn.send(msg)
+            except (OSError, EOFError, ValueError):
+                return  # the parent is gone: the inbox sees EOF and the loop winds down
+
+
+def merge_outputs(msgs: list) -> list:
+    """Adjacent ("out", outputs, stats) messages as one; every other message keeps its place."""
+    merged: list = []
+    for msg in msgs:
+        if msg[0] == "out" and merged and merged[-1][0] == "out":
+            merged[-1] = ("out", merged[-1][1] + msg[1], msg[2])
+        else:
+            merged.append(msg)
+    return merged
+
+
+class _StepLog:
+    """MINIVLLM_STEP_LOG=<path>: one JSON line per engine step (host phase seconds, sizes), for
+    finding where a served step's time goes. Off unless the variable is set."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "w", buffering=1 << 20)  # noqa: SIM115 - lives as long as the loop
+
+    @classmethod
+    def from_env(cls) -> _StepLog | None:
+        path = os.environ.get("MINIVLLM_STEP_LOG")
+        return cls(path) if path else None
+
+    def write(self, t_start: float, t_end: float, fields: dict) -> None:
+        self._file.write(json.dumps({"t": round(t_start, 6), "wall": round(t_end - t_start, 6), **fields}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class EngineCore:
     """The command/step loop around one LLMEngine (the engine thread of AsyncEngine, as a process)."""
 
@@ -104,13 +181,14 @@ class EngineCore:
     def __init__(self, engine, cmd_conn, out_conn) -> None:
         self.engine = engine
         self.inbox = _Inbox(cmd_conn)
-        self.out = out_conn
+        self.out = _Outbox(out_conn)
+        self.step_log = _StepLog.from_env()
         self.paused = False
         self.stopping = False
         self.drain_deadline: float | None = None  # monotonic; abort everything left after it
 
     def run(self) -> None:
-        self.out.send(("ready", self.engine.startup_s, self.engine.get_stats()))
+        self.out.put(("ready", self.engine.startup_s, self.engine.get_stats()))
         try:
             while True:
                 busy = self.engine.has_unfinished_requests() and not self.paused
@@ -119,17 +197,27 @@ class EngineCore:
                 if self.stopping and not self.engine.has_unfinished_requests():
                     break
                 if added:
-                    self.out.send(("added", added, self.engine.get_stats()))
+                    self.out.put(("added", added, self.engine.get_stats()))
                 if self.engine.has_unfinished_requests() and not self.paused:
-                    outputs = self.engine.step()
-                    self.out.send(("out", [pack_output(o) for o in outputs], self.engine.get_stats()))
+                    self._step()
         except BaseException as e:  # noqa: BLE001 - report whatever killed the loop
             logger.exception("engine core died")
-            self._try_send(("dead", f"{type(e).__name__}: {e}"))
+            self.out.put(("dead", f"{type(e).__name__}: {e}"))
             return
         finally:
             self.engine.shutdown()
-        self._try_send(("exited",))
+            if self.step_log is not None:
+                self.step_log.close()
+            self.out.put(("exited",))
+            self.out.close()
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        t1 = time.perf_counter()
+        self.out.put(("out", [pack_output(o) for o in outputs], self.engine.get_stats()))
+        if self.step_log is not None:
+            self.step_log.write(t0, time.perf_counter(), {"pack": time.perf_counter() - t1, **self.engine.last_step})
 
     def _wait_s(self) -> float:
         if self.drain_deadline is None:
@@ -181,9 +269,3 @@ class EngineCore:
         if ids:
             logger.warning("drain deadline reached: aborting %d request(s)", len(ids))
             self.engine.abort_request(ids)
-
-    def _try_send(self, msg) -> None:
-        try:
-            self.out.send(msg)
-        except (OSError, EOFError):
-            pass

@@ -11,6 +11,7 @@ from minivllm.config import EngineConfig
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler, SchedulerLimits
+from minivllm.engine.gc_heap import freeze_startup_heap
 from minivllm.engine.input_processor import (
     PromptInput,
     make_sample_requests,
@@ -62,6 +63,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # host seconds of the last step's phases (schedule, launch, wait = blocked on the device,
+        # update, outputs) and its size; cheap, always on (read by the probes and the step log)
+        self.last_step: dict[str, float] = {}
+        freeze_startup_heap()  # later full GC passes skip the model, the KV blocks, the imports
         self.startup_s = time.perf_counter() - t0
         logger.info("engine ready in %.1f s: %d KV blocks x %d = %d tokens", self.startup_s, num_blocks,
                     config.cache.block_size, num_blocks * config.cache.block_size)
@@ -123,7 +128,10 @@ class LLMEngine:
         """Schedule and launch a step; with async scheduling, while it runs on the device, take
         in the results of the step launched before it (one step in flight at most)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        t = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
+                          "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
         if self._inflight is not None and self._needs_sync(sched):
             outputs += self._complete(self._inflight)
             self._inflight = None
@@ -145,26 +153,38 @@ class LLMEngine:
     def _launch(self, sched):
         if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
             return None
+        t = time.perf_counter()
         try:
             return sched, self.executor.launch(sched)
         except Exception:
             logger.exception("model step failed; failing the step's requests")
             self._aborted_outputs += self._fail_scheduled(sched)
             return None
+        finally:
+            self._add_time("launch", t)
 
     def _complete(self, inflight) -> list[RequestOutput]:
         sched, launched = inflight
+        t = time.perf_counter()
         try:
             result = self.executor.finish(launched)
         except Exception:
             logger.exception("model step failed; failing the step's requests")
             return self._fail_scheduled(sched)
+        t = self._add_time("wait", t)
         updates = self.scheduler.update(sched, result)
         self._count_tokens(updates)
+        t = self._add_time("update", t)
         new_outputs, stopped = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._add_time("outputs", t)
         return new_outputs
+
+    def _add_time(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.last_step[phase] = self.last_step.get(phase, 0.0) + now - since
+        return now
 
     def _count_tokens(self, updates) -> None:
         for u in updates:

@@ -239,10 +239,14 @@ class MPAsyncEngine(EngineClient):
             _call_soon(loop, self._apply_outputs, items)
 
     def _apply_outputs(self, items: list[tuple[_Tracked, PackedOutput]]) -> None:
-        """On the requests' event loop: fold the deltas in, notify observers, feed the streams."""
-        snapshots = [_fold(t.output, p) for t, p in items]
+        """On the requests' event loop: fold the deltas in (a request may have several, from
+        merged steps, in step order), then one snapshot per request for observers and stream."""
+        for t, p in items:
+            _fold(t.output, p)
+        touched = list({id(t): t for t, _ in items}.values())
+        snapshots = [_snapshot(t.output) for t in touched]
         self._notify_observers(snapshots, time.time())
-        for (t, _), snap in zip(items, snapshots):
+        for t, snap in zip(touched, snapshots):
             t.stream._put(snap)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -255,8 +259,8 @@ class MPAsyncEngine(EngineClient):
                 _call_soon(t.stream.loop, t.stream._put, error)
 
 
-def _fold(acc: RequestOutput, packed: PackedOutput) -> RequestOutput:
-    """Applies one step's delta to the cumulative output `acc`; returns an independent snapshot."""
+def _fold(acc: RequestOutput, packed: PackedOutput) -> None:
+    """Applies one step's delta to the cumulative output `acc`."""
     _, finished, samples, metrics, num_cached = packed
     for index, text, token_ids, cum_logprob, logprobs, finish_reason, stop_reason in samples:
         while len(acc.outputs) <= index:
@@ -273,8 +277,12 @@ def _fold(acc: RequestOutput, packed: PackedOutput) -> RequestOutput:
     acc.num_cached_tokens = num_cached
     if metrics is not None:
         acc.metrics = RequestMetrics(*metrics, num_cached_tokens=num_cached)
+
+
+def _snapshot(acc: RequestOutput) -> RequestOutput:
+    """An independent copy of the cumulative output (the consumer may keep or change it)."""
     outs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
                              list(o.logprobs) if o.logprobs is not None else None, o.finish_reason, o.stop_reason)
             for o in acc.outputs]
-    return RequestOutput(acc.request_id, acc.prompt, acc.prompt_token_ids, outs, finished, metrics=acc.metrics,
-                         num_cached_tokens=num_cached)
+    return RequestOutput(acc.request_id, acc.prompt, acc.prompt_token_ids, outs, acc.finished, metrics=acc.metrics,
+                         num_cached_tokens=acc.num_cached_tokens)

@@ -56,6 +56,7 @@ def server_settings(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from minivllm.engine.async_engine import AsyncEngine
+    from minivllm.engine.gc_heap import freeze_startup_heap
     from minivllm.engine.mp_async_engine import MPAsyncEngine
     from minivllm.server.app import create_app
 
@@ -71,6 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10, lifespan="on")
     server = DrainingServer(config, on_exit=lambda: engine.begin_drain(settings.shutdown_grace_s))
+    freeze_startup_heap()  # the HTTP process's own heap (tokenizer, FastAPI, pydantic models)
     # uvicorn re-raises a caught SIGTERM once it has shut down; a no-op handler makes that a
     # clean exit (status 0) instead of death by signal
     previous = signal.signal(signal.SIGTERM, lambda *_: None)

@@ -12,8 +12,8 @@ import pytest
 
 from minivllm import SamplingParams
 from minivllm.engine.async_engine import EngineClosedError, EngineDeadError
-from minivllm.engine.engine_core_proc import pack_output
-from minivllm.engine.mp_async_engine import MPAsyncEngine, _fold
+from minivllm.engine.engine_core_proc import merge_outputs, pack_output
+from minivllm.engine.mp_async_engine import MPAsyncEngine, _fold, _snapshot
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 KW = dict(dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
@@ -29,8 +29,10 @@ def _delta(finished: bool, samples: list[tuple[int, str, list[int]]], logprobs: 
 
 def test_fold_rebuilds_cumulative_snapshots():
     acc = RequestOutput("r", "hi", [1, 2], [], False)
-    first = _fold(acc, pack_output(_delta(False, [(0, "Hel", [5]), (1, "A", [7])], logprobs=True)))
-    second = _fold(acc, pack_output(_delta(True, [(0, "lo", [6, 8]), (1, "", [])], logprobs=True)))
+    _fold(acc, pack_output(_delta(False, [(0, "Hel", [5]), (1, "A", [7])], logprobs=True)))
+    first = _snapshot(acc)
+    _fold(acc, pack_output(_delta(True, [(0, "lo", [6, 8]), (1, "", [])], logprobs=True)))
+    second = _snapshot(acc)
     assert [o.text for o in second.outputs] == ["Hello", "A"]
     assert [o.token_ids for o in second.outputs] == [[5, 6, 8], [7]]
     assert [len(o.logprobs) for o in second.outputs] == [3, 1]
@@ -38,6 +40,15 @@ def test_fold_rebuilds_cumulative_snapshots():
     assert second.metrics.first_token_time == 11.0 and second.prompt == "hi"
     # earlier snapshots are independent: folding later steps did not change them
     assert first.outputs[0].token_ids == [5] and first.outputs[0].text == "Hel" and not first.finished
+
+
+def test_outbox_merges_only_adjacent_step_outputs():
+    """Queued "out" messages merge in step order; an "added" ack keeps its place between them
+    (a request's outputs must never overtake its acknowledgement)."""
+    msgs = [("out", ["a1"], 1), ("out", ["b1", "a2"], 2), ("added", [("c", None)], 3),
+            ("out", ["c1"], 4), ("out", ["a3"], 5), ("exited",)]
+    assert merge_outputs(msgs) == [("out", ["a1", "b1", "a2"], 2), ("added", [("c", None)], 3),
+                                   ("out", ["c1", "a3"], 5), ("exited",)]
 
 
 def test_startup_error_reaches_the_caller():

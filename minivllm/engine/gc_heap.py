@@ -1,0 +1,27 @@
+"""Keep Python's oldest-generation garbage collections short in a long-running engine.
+
+After startup the heap holds hundreds of thousands of container objects that live as long as the
+process: modules and functions of torch/transformers, the model's modules, one KVBlock per KV
+block (47,000 for Qwen3-8B on an H200). A full (generation-2) collection walks all of them; on the
+H200 machine that took ~200 ms, and one ran every ~12 engine steps under W3 load, stalling the
+GPU for a quarter of the run. `gc.freeze()` moves everything alive at that point into a permanent
+generation that collections skip, so later full collections only walk objects made since
+(requests, outputs). The cost: a frozen object that later becomes cyclic garbage is never freed,
+which is fine for objects built once at startup.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+def freeze_startup_heap() -> None:
+    """Collect what startup left behind, then freeze the surviving heap (process-wide)."""
+    t = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    logger.debug("froze %d startup objects in %.0f ms", gc.get_freeze_count(), (time.perf_counter() - t) * 1e3)
