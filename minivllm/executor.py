@@ -14,6 +14,7 @@ class UniProcExecutor:
         self.runner.load_model()
         self.num_blocks = self.runner.init_kv_cache()
         self.runner.capture_cuda_graphs()
+        self.runner.warm_up_kernels()
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(sched)

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 class TritonAttentionBackend:
     name = "triton"
+    # the prefill kernel's launch depends on shapes and max_query_len only (no host reads of
+    # the metadata), so mixed steps can be captured in CUDA graphs
+    graph_safe_prefill = True
 
     def __init__(self) -> None:
         # lazy: these modules import triton

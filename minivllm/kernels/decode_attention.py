@@ -59,7 +59,7 @@ class DecodeWorkspace:
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # per-step values: one compiled variant
 def _decode_split_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

@@ -94,7 +94,9 @@ def _attend_key_range(
     return acc, m_i, l_i
 
 
-@triton.jit
+# num_seqs and the block-table width change every step: without do_not_specialize Triton would
+# compile a variant for each of their "== 1" / "multiple of 16" classes (~1 s each, mid-serving)
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

@@ -1,19 +1,32 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for decode steps and for small mixed (prefill + decode) steps.
 
-Captured at startup for padded batch sizes 1, 2, 4, 8, 16, 24, ... up to max_num_seqs, largest
-first, all in one memory pool. A decode step of n requests replays the graph of the smallest
-captured size >= n: its inputs are copied into static buffers, the rows past n are padding
-(zero-length query, slot -1: nothing stored, nothing attended). Anything else runs eagerly.
-The graph ends at the final hidden states (small); the LM head runs eagerly on the n real rows,
-so no graph holds a [batch, vocab] output of its own.
+Two kinds of graphs, captured at startup, largest first, all in one memory pool:
+
+- decode: every sequence has one new token. Padded batch sizes 1, 2, 4, 8, 16, 24, ... up to
+  max_num_seqs; attention runs the split-K decode kernel.
+- mixed: any step (prompt chunks, prefix hits, decode tokens together) of up to
+  MAX_MIXED_TOKENS tokens, padded to a multiple of 128 tokens (64 below 128), with room for
+  min(tokens, max_num_seqs) sequences; attention runs the variable-length prefill kernel with
+  its largest tile. Eagerly, such a step costs ~30 ms of host time for ~600 kernel launches
+  (Qwen3-8B), more than its GPU time; replayed, well under 1 ms. Larger steps stay eager: their
+  GPU time covers the launches.
+
+A step replays the graph of the smallest captured size that holds it: its inputs are copied
+into static buffers, padding tokens have slot -1 (nothing stored) and belong to no sequence,
+padding sequences have zero-length queries. The graph ends at the final hidden states; the LM
+head runs eagerly on the rows that sample, so no graph holds a [tokens, vocab] output.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.runner.input_batch import StepInputs
+
+MAX_MIXED_TOKENS = 2048
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -24,33 +37,57 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def mixed_token_sizes(max_num_batched_tokens: int, limit: int = MAX_MIXED_TOKENS) -> list[int]:
+    """Padded token counts of the mixed graphs: 64, then multiples of 128 (<= 6 % padding
+    above 1,024 tokens, where the step is compute-bound)."""
+    sizes = [64, *range(128, limit + 1, 128)]
+    covering = [s for s in sizes if s >= max_num_batched_tokens][:1]  # the step budget fits the last
+    return [s for s in sizes if s < max_num_batched_tokens] + covering
+
+
 class CudaGraphRunner:
-    def __init__(self, runner, max_num_seqs: int) -> None:
+    def __init__(self, runner, max_num_seqs: int, mixed: bool = True) -> None:
         self.runner = runner
         self.model = runner.model
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_bs = self.batch_sizes[-1]
+        sched = runner.config.scheduler
+        self.mixed_sizes = mixed_token_sizes(sched.max_num_batched_tokens) if mixed else []
+        self.max_tokens = max([self.max_bs, *self.mixed_sizes])
         device = runner.device
-        max_blocks = -(-runner.config.scheduler.max_model_len // runner.block_size)
-        # static inputs, shared by every graph (a graph of size b reads the first b rows)
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.int64, device=device)
+        max_blocks = -(-sched.max_model_len // runner.block_size)
+        # static inputs, shared by every graph (a graph of T tokens and S sequences reads the
+        # first T token rows and the first S sequence rows)
+        self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((self.max_tokens,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(self.max_bs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(self.max_bs, max_blocks, dtype=torch.int32, device=device)
-        self.hidden: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # key: (max_query_len, tokens); decode graphs have max_query_len 1, mixed ones = tokens
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.replays: Counter[str] = Counter()  # "decode" / "mixed": steps that ran a graph
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _num_seqs(self, key: tuple[int, int]) -> int:
+        return min(key[1], self.max_bs)
+
+    def _meta(self, key: tuple[int, int]) -> AttentionMetadata:
+        max_query_len, tokens = key
+        s = self._num_seqs(key)
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_query_len=1,
+            slot_mapping=self.slot_mapping[:tokens], query_start_loc=self.query_start_loc[:s + 1],
+            seq_lens=self.seq_lens[:s], block_tables=self.block_tables[:s], max_query_len=max_query_len,
             max_seq_len=self.runner.config.scheduler.max_model_len)
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+        tokens = key[1]
+        return self.model(self.input_ids[:tokens], self.positions[:tokens], self._meta(key))
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -59,37 +96,48 @@ class CudaGraphRunner:
             cfg = self.runner.arch
             backend.reserve_decode_workspace(self.max_bs, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                              self.runner.config.scheduler.max_model_len, self.runner.device)
-        # capture inputs: each row a one-token sequence at position 0 of block 0, not stored
+        # capture inputs: each sequence row a one-token query at position 0 of block 0, not stored
         self.query_start_loc.copy_(torch.arange(self.max_bs + 1, dtype=torch.int32))
         self.seq_lens.fill_(1)
-        for bs in reversed(self.batch_sizes):
-            self._forward(bs)  # warm-up: triton autotune/compile happen outside the capture
+        keys = [(t, t) for t in self.mixed_sizes] + [(1, b) for b in self.batch_sizes]
+        for key in sorted(keys, key=lambda k: k[1], reverse=True):  # largest first: one shared pool
+            self._forward(key)  # warm-up: triton compiles happen outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.hidden[bs] = self._forward(bs)
+                self.hidden[key] = self._forward(key)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
 
-    def can_run(self, inputs: StepInputs) -> bool:
-        n = inputs.input_ids.shape[0]
-        return (inputs.meta.max_query_len == 1 and n <= self.max_bs and len(inputs.sampling_req_ids) == n
-                and inputs.meta.block_tables.shape[1] <= self.block_tables.shape[1])
+    def _pick(self, inputs: StepInputs) -> tuple[int, int] | None:
+        n, meta = inputs.input_ids.shape[0], inputs.meta
+        if meta.block_tables.shape[1] > self.block_tables.shape[1]:
+            return None
+        if meta.is_decode_only:
+            b = next((b for b in self.batch_sizes if b >= n), None)
+            return None if b is None else (1, b)
+        t = next((t for t in self.mixed_sizes if t >= n), None)
+        return None if t is None else (t, t)  # sequences <= tokens and <= max_num_seqs: they fit
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        n = inputs.input_ids.shape[0]
-        bs = next(b for b in self.batch_sizes if b >= n)
-        meta = inputs.meta
+    def try_run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's final hidden states [num_tokens, hidden] from a graph, or None if no
+        captured graph holds the step (the caller runs it eagerly)."""
+        key = self._pick(inputs)
+        if key is None:
+            return None
+        n, meta = inputs.input_ids.shape[0], inputs.meta
+        tokens, s_pad, s = key[1], self._num_seqs(key), meta.num_seqs
         self.input_ids[:n].copy_(inputs.input_ids)
         self.positions[:n].copy_(inputs.positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:bs].fill_(0)
-        self.query_start_loc[:n + 1].copy_(meta.query_start_loc)
-        self.query_start_loc[n + 1:bs + 1].fill_(n)  # padding rows: zero-length queries
-        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        self.graphs[bs].replay()
-        return self.model.compute_logits(self.hidden[bs][:n])
+        self.slot_mapping[n:tokens].fill_(-1)
+        self.seq_lens[:s].copy_(meta.seq_lens)
+        self.seq_lens[s:s_pad].fill_(0)
+        self.query_start_loc[:s + 1].copy_(meta.query_start_loc)
+        self.query_start_loc[s + 1:s_pad + 1].fill_(n)  # padding sequences: zero-length queries
+        self.block_tables[:s, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.graphs[key].replay()
+        self.replays["decode" if key[0] == 1 else "mixed"] += 1
+        return self.hidden[key][:n]

@@ -98,11 +98,32 @@ class ModelRunner:
             return
         from minivllm.runner.cuda_graph import CudaGraphRunner
         t = time.perf_counter()
-        self.graphs = CudaGraphRunner(self, self.config.scheduler.max_num_seqs)
+        # mixed-step graphs need an attention backend whose prefill launch depends on shapes only
+        mixed = getattr(self.model.layers[0].self_attn.backend, "graph_safe_prefill", False)
+        self.graphs = CudaGraphRunner(self, self.config.scheduler.max_num_seqs, mixed=mixed)
         self.graphs.capture()
         self.timings["cuda_graph_capture_s"] = time.perf_counter() - t
-        logger.info("captured CUDA graphs for %d batch sizes in %.1f s", len(self.graphs.batch_sizes),
+        logger.info("captured %d CUDA graphs (decode: %d batch sizes, mixed steps: %d token sizes) in %.1f s",
+                    self.graphs.num_graphs, len(self.graphs.batch_sizes), len(self.graphs.mixed_sizes),
                     self.timings["cuda_graph_capture_s"])
+
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compile now, not under the first requests, the JIT kernel variants a prefill or mixed
+        step can need: the Triton prefill kernel has one per tile size, picked from the step's
+        longest query (~1 s of compile each). Two sequences of q tokens for q = 2 .. 128 reach
+        every tile size. The dummy tokens go to the first KV blocks, all free at startup."""
+        if self.device.type != "cuda":
+            return
+        from minivllm.runner.profile import dummy_step_inputs
+        t = time.perf_counter()
+        for q in (2, 4, 8, 16, 32, 64, 128):
+            inputs = dummy_step_inputs(2 * q, 2, self.block_size, self.device)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            self.model.compute_logits(hidden[inputs.logits_indices])
+        torch.cuda.synchronize()
+        self.timings["kernel_warmup_s"] = time.perf_counter() - t
+        logger.info("warmed up the prefill kernels in %.1f s", self.timings["kernel_warmup_s"])
 
     # ---- per-request state ------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -151,9 +172,11 @@ class ModelRunner:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.graphs.try_run(inputs) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if len(inputs.sampling_req_ids) == hidden.shape[0]:  # every token samples (decode): no gather
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def _launch_sampling(self, logits: torch.Tensor, req_ids: list[str]) -> LaunchedStep:

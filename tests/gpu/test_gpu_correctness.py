@@ -71,17 +71,19 @@ def _equal_count(a, b) -> int:
     return sum(x == y for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("cfg,name", [(QWEN3_SMALL, "qwen3"), (LLAMA_SMALL, "llama")])
-def test_bf16_logits_and_greedy_match_hf(tmp_path_factory, cfg, name):
+@pytest.mark.parametrize("cfg,name,budget", [(QWEN3_SMALL, "qwen3", None), (LLAMA_SMALL, "llama", None),
+                                             (QWEN3_SMALL, "qwen3-chunked", 256)])
+def test_bf16_logits_and_greedy_match_hf(tmp_path_factory, cfg, name, budget):
     """Random weights give near-tied logits, where bf16 rounding alone flips greedy choices; so the
     greedy criterion is calibrated: minivllm (bf16) must agree with HF (bf16) at least as often
-    as HF's own fp32 run does, and the log-probabilities must agree closely."""
+    as HF's own fp32 run does, and the log-probabilities must agree closely. With a 256-token
+    budget every prompt is chunked and each first token comes from a mixed-step CUDA graph."""
     model_dir = _random_model_dir(tmp_path_factory, cfg, name)
     prompts = _prompts(cfg["vocab_size"])
     hf_tokens, hf_lp = _hf_greedy_and_logprobs(model_dir, prompts)
     hf32_tokens, _ = _hf_greedy_and_logprobs(model_dir, prompts, torch.float32)
     llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", skip_tokenizer_init=True,
-              kv_cache_memory_bytes=4 << 30, max_model_len=2048)
+              kv_cache_memory_bytes=4 << 30, max_model_len=2048, max_num_batched_tokens=budget)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=20)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     diffs = []
@@ -94,6 +96,8 @@ def test_bf16_logits_and_greedy_match_hf(tmp_path_factory, cfg, name):
           f"HF fp32 {hf32}/16")
     assert mean_diff < 0.05
     assert ours >= min(0.9 * len(prompts), hf32 - 1)
+    if budget is not None:
+        assert llm.llm_engine.executor.runner.graphs.replays["mixed"] > 0
 
 
 def test_smollm2_bf16_greedy_matches_hf():
@@ -135,17 +139,26 @@ def _hf_gguf_greedy(path: str, prompts, dtype) -> list[list[int]]:
     return out
 
 
-def test_cuda_graphs_match_eager(tmp_path_factory):
+@pytest.mark.parametrize("budget", [None, 200])
+def test_cuda_graphs_match_eager(tmp_path_factory, budget):
+    """Decode graphs (default budget: prompts prefill eagerly) and mixed-step graphs (a 200-token
+    budget: chunks and decode tokens share steps of <= 200 tokens, padded to 256) give the
+    eager run's tokens."""
     model_dir = _random_model_dir(tmp_path_factory, QWEN3_SMALL, "qwen3g")
     prompts = _prompts(QWEN3_SMALL["vocab_size"], 24)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     runs = {}
     for eager in (True, False):
         llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", skip_tokenizer_init=True,
-                  kv_cache_memory_bytes=2 << 30, max_model_len=2048, enforce_eager=eager, max_num_seqs=32)
-        assert (llm.llm_engine.executor.runner.graphs is None) == eager
+                  kv_cache_memory_bytes=2 << 30, max_model_len=2048, enforce_eager=eager, max_num_seqs=32,
+                  max_num_batched_tokens=budget)
+        graphs = llm.llm_engine.executor.runner.graphs
+        assert (graphs is None) == eager
         runs[eager] = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        if not eager:
+            assert graphs.replays["decode"] > 0
+            assert (graphs.replays["mixed"] > 0) == (budget is not None)
         del llm
         gc.collect()
         torch.cuda.empty_cache()

@@ -1,0 +1,24 @@
+"""Which padded sizes get a CUDA graph (pure Python: runs on the CPU)."""
+
+from minivllm.runner.cuda_graph import MAX_MIXED_TOKENS, graph_batch_sizes, mixed_token_sizes
+
+
+def test_decode_sizes_cover_every_batch_up_to_max_num_seqs():
+    for max_seqs in (1, 3, 8, 20, 256, 1024):
+        sizes = graph_batch_sizes(max_seqs)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == max_seqs
+        for n in range(1, max_seqs + 1):  # padding never above 7 rows (beyond the first few)
+            b = next(b for b in sizes if b >= n)
+            assert b - n < 8
+
+
+def test_mixed_sizes_cover_the_step_budget_up_to_the_limit():
+    for budget in (1, 64, 100, 200, 2048, 8192):
+        sizes = mixed_token_sizes(budget)
+        assert sizes == sorted(set(sizes)) and sizes[-1] <= MAX_MIXED_TOKENS
+        covered = min(budget, MAX_MIXED_TOKENS)
+        assert sizes[-1] >= covered  # every step up to the budget (or the limit) has a graph
+        assert all(s < budget for s in sizes[:-1])  # no graph bigger than needed
+        for n in range(1, covered + 1):
+            t = next(t for t in sizes if t >= n)
+            assert t - n < 128  # padding under 128 tokens
