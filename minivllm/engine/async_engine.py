@@ -49,10 +49,14 @@ class RequestStream:
     Filled from the engine thread through `loop.call_soon_threadsafe`; read on `loop`.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, engine: AsyncEngine) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, engine: AsyncEngine,
+                 snapshot: Callable[[RequestOutput], RequestOutput] | None = None) -> None:
         self.request_id = request_id
         self.loop = loop
         self._engine = engine
+        # MPAsyncEngine puts its live cumulative output and passes the copy function here: the
+        # copy is made once per item the consumer takes, not once per engine step
+        self._snapshot = snapshot
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
@@ -80,6 +84,8 @@ class RequestStream:
             self.finished = True
             raise self._error  # type: ignore[misc]
         out, self._latest = self._latest, None
+        if self._snapshot is not None:
+            out = self._snapshot(out)
         self.finished = out.finished
         return out
 
@@ -141,8 +147,9 @@ class EngineClient:
 
     def add_output_observer(self, fn: OutputObserver) -> None:
         """fn(outputs, now) runs after each step, before the streams see the outputs (e.g.
-        metrics); must be quick. AsyncEngine calls it on its engine thread, MPAsyncEngine on
-        the requests' event loop."""
+        metrics); must be quick and must not keep the outputs (MPAsyncEngine passes its live
+        cumulative outputs, which later steps change). AsyncEngine calls it on its engine
+        thread, MPAsyncEngine on the requests' event loop."""
         with self._observers_lock:
             self._observers = [*self._observers, fn]  # copy on write: the caller iterates unlocked
 

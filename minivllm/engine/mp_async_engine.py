@@ -12,7 +12,7 @@ Invariants:
 - A stream sees the same items as with AsyncEngine: cumulative RequestOutputs (independent
   snapshots), ending with exactly one terminal item (the finished output or an exception).
 - Deltas are folded into the cumulative state on the stream's own event loop, so a consumer
-  never sees a half-applied step.
+  never sees a half-applied step; the snapshot is copied when the consumer takes it.
 - If the child dies, every open stream and pending add fails with EngineDeadError.
 """
 
@@ -112,7 +112,7 @@ class MPAsyncEngine(EngineClient):
         wire_params = params.clone()
         wire_params.output_kind = RequestOutputKind.DELTA
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop, self)
+        stream = RequestStream(request_id, loop, self, snapshot=_snapshot)
         future = loop.create_future()
         output = RequestOutput(request_id, parsed.text, parsed.token_ids, [], False)
         with self._lock:
@@ -239,15 +239,16 @@ class MPAsyncEngine(EngineClient):
             _call_soon(loop, self._apply_outputs, items)
 
     def _apply_outputs(self, items: list[tuple[_Tracked, PackedOutput]]) -> None:
-        """On the requests' event loop: fold the deltas in (a request may have several, from
-        merged steps, in step order), then one snapshot per request for observers and stream."""
+        """On the requests' event loop: fold the deltas into the live cumulative outputs (a
+        request may have several, from merged steps, in step order), show them to the
+        observers, and flag the streams; a stream copies the output only when its consumer
+        takes it (a busy consumer skips the steps it missed)."""
         for t, p in items:
             _fold(t.output, p)
         touched = list({id(t): t for t, _ in items}.values())
-        snapshots = [_snapshot(t.output) for t in touched]
-        self._notify_observers(snapshots, time.time())
-        for t, snap in zip(touched, snapshots):
-            t.stream._put(snap)
+        self._notify_observers([t.output for t in touched], time.time())
+        for t in touched:
+            t.stream._put(t.output)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:

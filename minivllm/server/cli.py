@@ -76,12 +76,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises a caught SIGTERM once it has shut down; a no-op handler makes that a
     # clean exit (status 0) instead of death by signal
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    profile = _http_profiler()
     try:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
         engine.shutdown(0.0)  # no-op if the lifespan already did it
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(os.environ["MINIVLLM_PROFILE_HTTP"])
     return 0
+
+
+def _http_profiler():
+    """MINIVLLM_PROFILE_HTTP=<file>: cProfile of the HTTP process's event-loop thread (where
+    requests, streams and SSE chunks are handled), written at exit; for finding per-chunk costs."""
+    if not os.environ.get("MINIVLLM_PROFILE_HTTP"):
+        return None
+    import cProfile
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile
 
 
 class DrainingServer(uvicorn.Server):

@@ -10,10 +10,13 @@ process). Two sources:
 
 from __future__ import annotations
 
+import bisect
+import threading
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.outputs import RequestOutput
@@ -61,10 +64,13 @@ class ServerMetrics:
             return Histogram(metric, doc, lbl, buckets=buckets, registry=reg).labels(name)
 
         self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT)
-        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL)
-        self.tpot = hist("vllm:time_per_output_token_seconds",
-                         "Histogram of time per output token in seconds (deprecated alias of "
-                         "vllm:inter_token_latency_seconds).", _ITL)
+        # observed for every running request at every step: a plain bucket array, exposed under
+        # both names (prometheus_client's Histogram.observe cost ~6 us; 1,000 streams x 20 steps/s)
+        self.itl = _FastHistogram(_ITL)
+        reg.register(_FastHistogramCollector(self.itl, name, [
+            ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
+            ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds (deprecated "
+             "alias of vllm:inter_token_latency_seconds).")]))
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
                         _LATENCY)
         self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
@@ -92,7 +98,6 @@ class ServerMetrics:
                     self.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))
                 elif p.last_token_time is not None:
                     self.itl.observe(now - p.last_token_time)
-                    self.tpot.observe(now - p.last_token_time)
                 p.num_tokens, p.last_token_time = n, now
             if out.finished:
                 self._finish(out, now)
@@ -108,6 +113,44 @@ class ServerMetrics:
         for o in out.outputs:  # one count per sample, as vLLM counts each of the n child requests
             self.req_gen.observe(len(o.token_ids))
             self.success.labels(self.model_name, o.finish_reason or "abort").inc()
+
+
+class _FastHistogram:
+    """A histogram's state (per-bucket counts, total, sum) updated with one bisect and a lock."""
+
+    def __init__(self, bounds: list[float]) -> None:
+        self.bounds = list(bounds)
+        self._counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.bounds, value)  # first bound >= value: "le" semantics
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += value
+
+    def snapshot(self) -> tuple[list[tuple[str, float]], float]:
+        """Cumulative buckets [(le, count)], ending with +Inf, and the sum."""
+        with self._lock:
+            counts, total_sum = list(self._counts), self._sum
+        buckets, running = [], 0
+        for bound, c in zip([*map(floatToGoString, self.bounds), "+Inf"], counts):
+            running += c
+            buckets.append((bound, running))
+        return buckets, total_sum
+
+
+class _FastHistogramCollector:
+    def __init__(self, hist: _FastHistogram, model_name: str, names: list[tuple[str, str]]) -> None:
+        self.hist, self.model_name, self.names = hist, model_name, names
+
+    def collect(self):
+        buckets, total_sum = self.hist.snapshot()
+        for metric, doc in self.names:
+            h = HistogramMetricFamily(metric, doc, labels=["model_name"])
+            h.add_metric([self.model_name], buckets, total_sum)
+            yield h
 
 
 class _EngineStatsCollector:
