@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--config", default="qwen3-8b")
     ap.add_argument("--profile-at", type=int, nargs="*", default=[],
                     help="torch.profiler over 4 steps from each of these steps")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the server's 8,192")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     d = tempfile.mkdtemp()
@@ -42,7 +43,7 @@ def main() -> None:
         g.write(f.read())
     t_load = time.perf_counter()
     eng = LLMEngine.from_kwargs(model=d, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
-                                serving=True)
+                                serving=True, max_num_batched_tokens=args.max_num_batched_tokens)
     t_load = time.perf_counter() - t_load
     work = make_workload(args.num_requests, 0, (100, 1024), (100, 1024), eng.config.model.arch.vocab_size)
     # warm-up: a prefill and a few decode steps (first Triton compiles)
