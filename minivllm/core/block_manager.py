@@ -221,6 +221,19 @@ class BlockManager:
                     block.block_hash = None
                 self.free_queue.append(block)
 
+    def forget_unwritten(self, req: Request, from_token: int) -> None:
+        """A step that was to write the request's K/V from token `from_token` on failed: its
+        blocks from the one holding that token are not what their hashes say (the hashes were
+        published when the step was scheduled). Make them unfindable before they are freed."""
+        first = from_token // self.block_size
+        for block in self.req_blocks.get(req.request_id, [])[first:]:
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+        if req.request_id in self.num_registered:
+            self.num_registered[req.request_id] = min(self.num_registered[req.request_id], first)
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes; only possible when no block is in use."""
         if self.num_free_blocks != self.num_blocks:

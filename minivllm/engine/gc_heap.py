@@ -12,16 +12,24 @@ which is fine for objects built once at startup.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
 
 logger = logging.getLogger(__name__)
+_unfreeze_registered = False
 
 
 def freeze_startup_heap() -> None:
-    """Collect what startup left behind, then freeze the surviving heap (process-wide)."""
+    """Collect what startup left behind, then freeze the surviving heap (process-wide). At exit
+    the heap is unfrozen again, so the interpreter's final collection still frees it (extension
+    modules such as Triton's report frozen objects as leaks otherwise)."""
+    global _unfreeze_registered
     t = time.perf_counter()
     gc.collect()
     gc.freeze()
+    if not _unfreeze_registered:
+        atexit.register(gc.unfreeze)
+        _unfreeze_registered = True
     logger.debug("froze %d startup objects in %.0f ms", gc.get_freeze_count(), (time.perf_counter() - t) * 1e3)

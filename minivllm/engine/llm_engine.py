@@ -133,14 +133,22 @@ class LLMEngine:
         self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
                           "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
         if self._inflight is not None and self._needs_sync(sched):
-            outputs += self._complete(self._inflight)
+            done, ok = self._complete(self._inflight)
+            outputs += done
             self._inflight = None
+            if not ok:  # as below; launched all the same, so the runner's request state stays in step
+                outputs += self._fail_scheduled(sched)
         launched = self._launch(sched)
         if self._inflight is not None:
-            outputs += self._complete(self._inflight)
+            done, ok = self._complete(self._inflight)
+            outputs += done
+            if not ok and launched is not None:
+                # the step just launched may read what the failed one never wrote (its inputs
+                # and prefix hits): its requests fail too; its device work still finishes first
+                outputs += self._fail_scheduled(launched[0])
         self._inflight = launched
         if launched is not None and not self.async_scheduling:
-            outputs += self._complete(launched)
+            outputs += self._complete(launched)[0]
             self._inflight = None
         return outputs
 
@@ -163,14 +171,15 @@ class LLMEngine:
         finally:
             self._add_time("launch", t)
 
-    def _complete(self, inflight) -> list[RequestOutput]:
+    def _complete(self, inflight) -> tuple[list[RequestOutput], bool]:
+        """Waits for a launched step and takes in its results: (outputs, whether it succeeded)."""
         sched, launched = inflight
         t = time.perf_counter()
         try:
             result = self.executor.finish(launched)
         except Exception:
             logger.exception("model step failed; failing the step's requests")
-            return self._fail_scheduled(sched)
+            return self._fail_scheduled(sched), False
         t = self._add_time("wait", t)
         updates = self.scheduler.update(sched, result)
         self._count_tokens(updates)
@@ -179,7 +188,7 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._add_time("outputs", t)
-        return new_outputs
+        return new_outputs, True
 
     def _add_time(self, phase: str, since: float) -> float:
         now = time.perf_counter()
@@ -193,6 +202,10 @@ class LLMEngine:
                 self.prompt_tokens_total += u.request.num_prompt_tokens
 
     def _fail_scheduled(self, sched) -> list[RequestOutput]:
+        reqs = self.scheduler.requests
+        for s in sched.scheduled:  # their new K/V was never written: unpublish those blocks
+            if s.req_id in reqs:
+                self.block_manager.forget_unwritten(reqs[s.req_id], s.num_computed_tokens)
         children = [s.req_id for s in sched.scheduled]
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
         return self.output_processor.finish_children(children, "error")
