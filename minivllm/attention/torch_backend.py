@@ -22,6 +22,7 @@ class _StepPlan:
     decode_rows: int  # number of decode rows (one query token each)
     decode_tokens: torch.Tensor | None  # their token rows; None: every token is a decode row
     gather: torch.Tensor | None  # [B * num_blocks] block ids of the decode rows, row-major
+    gather_start: int | None  # set when those ids are consecutive: read the blocks in place
     kv_len: int  # gathered keys per decode row are sliced to this
     mask: torch.Tensor | None  # [B, 1, 1, kv_len] valid keys; None: every row has kv_len keys
     prefills: list[tuple[int, int, int, int]]  # (row, start, end, seq_len) of multi-token rows
@@ -33,7 +34,7 @@ def _plan_step(meta: AttentionMetadata, block_size: int, num_tokens: int, device
     rows = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
     prefills = [(i, qsl[i], qsl[i + 1], lens[i]) for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
     if not rows:
-        return _StepPlan(block_size, 0, None, None, 0, None, prefills)
+        return _StepPlan(block_size, 0, None, None, None, 0, None, prefills)
     all_rows = len(rows) == len(lens)
     idx = None if all_rows else torch.tensor(rows, device=device)
     tables = meta.block_tables if all_rows else meta.block_tables[idx]
@@ -41,13 +42,20 @@ def _plan_step(meta: AttentionMetadata, block_size: int, num_tokens: int, device
     kv_len = max(row_lens)
     num_blocks = -(-kv_len // block_size)
     gather = tables[:, :num_blocks].reshape(-1)
+    # a lone sequence often owns consecutive blocks (the free queue hands them out in order):
+    # then every layer can view them instead of copying them out (one check per step)
+    first, consecutive = 0, False
+    if gather.device.type == "cpu":  # (on a GPU this check would wait for the device)
+        first = int(gather[0])
+        consecutive = bool((gather == torch.arange(first, first + gather.numel(), dtype=gather.dtype)).all())
     mask = None
     if min(row_lens) != kv_len:
         seq_lens = meta.seq_lens if all_rows else meta.seq_lens[idx]
         mask = (torch.arange(kv_len, device=device)[None, :] < seq_lens[:, None])[:, None, None, :]
     token_rows = [qsl[i] for i in rows]
     decode_tokens = None if len(rows) == num_tokens else torch.tensor(token_rows, device=device)
-    return _StepPlan(block_size, len(rows), decode_tokens, gather, kv_len, mask, prefills)
+    return _StepPlan(block_size, len(rows), decode_tokens, gather, first if consecutive else None, kv_len, mask,
+                     prefills)
 
 
 class TorchAttentionBackend:
@@ -89,8 +97,13 @@ class TorchAttentionBackend:
 def _decode(q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
     """One query token per row: gather each row's blocks, mask past its length, one SDPA call."""
     b, num_kv, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
-    k = k_cache.index_select(0, plan.gather).view(b, -1, num_kv, d)[:, :plan.kv_len].transpose(1, 2)
-    v = v_cache.index_select(0, plan.gather).view(b, -1, num_kv, d)[:, :plan.kv_len].transpose(1, 2)
+    if plan.gather_start is not None:
+        k = k_cache.narrow(0, plan.gather_start, plan.gather.numel())
+        v = v_cache.narrow(0, plan.gather_start, plan.gather.numel())
+    else:
+        k, v = k_cache.index_select(0, plan.gather), v_cache.index_select(0, plan.gather)
+    k = k.view(b, -1, num_kv, d)[:, :plan.kv_len].transpose(1, 2)
+    v = v.view(b, -1, num_kv, d)[:, :plan.kv_len].transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=plan.mask, scale=scale,
                                        enable_gqa=True)  # [B, Hq, 1, D]
     return o.squeeze(2)

@@ -13,13 +13,14 @@ from minivllm.attention.reference import paged_attention_reference, store_kv_ref
 from minivllm.attention.torch_backend import TorchAttentionBackend
 
 
-def _random_layout(rng: random.Random, bs: int):
+def _random_layout(rng: random.Random, bs: int, consecutive: bool = False):
     nseq = rng.randint(1, 6)
     q_lens = [rng.choice([1, 1, rng.randint(1, 40)]) for _ in range(nseq)]
     seq_lens = [q + rng.randint(0, 50) for q in q_lens]  # cached prefix + new tokens
     max_blocks = max(-(-s // bs) for s in seq_lens)
     num_blocks = sum(-(-s // bs) for s in seq_lens) + 3
-    perm = torch.randperm(num_blocks).tolist()
+    # consecutive: each sequence's blocks in order, one after the other (in-place block reads)
+    perm = list(range(num_blocks)) if consecutive else torch.randperm(num_blocks).tolist()
     tables = torch.zeros(nseq, max_blocks, dtype=torch.int32)
     used = 0
     for i, s in enumerate(seq_lens):
@@ -32,20 +33,25 @@ def _random_layout(rng: random.Random, bs: int):
     return q_lens, seq_lens, tables, qsl, num_blocks
 
 
+@pytest.mark.parametrize("consecutive", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_attend_matches_reference(seed):
+def test_attend_matches_reference(seed, consecutive):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     bs, kv_heads, group, d = rng.choice([4, 16]), rng.choice([1, 3]), rng.choice([1, 3]), 64
-    q_lens, seq_lens, tables, qsl, num_blocks = _random_layout(rng, bs)
+    q_lens, seq_lens, tables, qsl, num_blocks = _random_layout(rng, bs, consecutive)
     k_cache, v_cache = torch.randn(num_blocks, bs, kv_heads, d), torch.randn(num_blocks, bs, kv_heads, d)
     q = torch.randn(qsl[-1], kv_heads * group, d)
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), torch.tensor(qsl, dtype=torch.int32),
                              torch.tensor(seq_lens, dtype=torch.int32), tables, max(q_lens), max(seq_lens),
                              qsl, seq_lens)
     ref = paged_attention_reference(q, k_cache, v_cache, qsl, seq_lens, tables, 0.125)
-    out = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, 0.125)
+    backend = TorchAttentionBackend()
+    out = backend.attend(q, k_cache, v_cache, meta, 0.125)
     assert (out - ref).abs().max() < 1e-4
+    plan = backend._plan[1]
+    if consecutive and plan.decode_rows == 1 and len(seq_lens) == 1:
+        assert plan.gather_start is not None  # a lone decode row's in-order blocks are read in place
 
 
 @pytest.mark.parametrize("with_padding", [False, True])
