@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import random
-import tempfile
 import time
 
+from minivllm.bench.model_dirs import write_model_dir
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
-
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "minivllm", "bench", "configs", "tiny-llama", "config.json")
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -29,9 +25,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
-    d = tempfile.mkdtemp()
-    with open(CONFIG) as f, open(os.path.join(d, "config.json"), "w") as g:
-        g.write(f.read())
+    d = write_model_dir("tiny-llama")
     n = args.num_requests
     eng = LLMEngine.from_kwargs(model=d, load_format="dummy", skip_tokenizer_init=True, device="cpu",
                                 dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(8192, n),

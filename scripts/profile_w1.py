@@ -2,23 +2,16 @@
 phase on the host, and profiles a window of full-batch decode steps with torch.profiler."""
 
 import json
-import os
-import sys
-import tempfile
 import time
 from random import randint, seed
 
 import torch
 
 from minivllm import LLM, SamplingParams
-
-CFG = os.path.join(os.path.dirname(__file__), "..", "minivllm", "bench", "configs", "qwen3-0.6b", "config.json")
-
+from minivllm.bench.model_dirs import write_model_dir
 
 def main():
-    d = tempfile.mkdtemp()
-    with open(CFG) as f, open(os.path.join(d, "config.json"), "w") as g:
-        g.write(f.read())
+    d = write_model_dir("qwen3-0.6b")
     llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
     eng = llm.llm_engine
     seed(0)

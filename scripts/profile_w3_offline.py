@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import time
 
 import torch
 
+from minivllm.bench.model_dirs import write_model_dir
+from minivllm.bench.step_stats import is_decode_step, summarize
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
-from minivllm.bench.step_stats import summarize
 from minivllm.server.bench_serve import make_workload
-
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "minivllm", "bench", "configs")
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -38,9 +34,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the server's 8,192")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
-    d = tempfile.mkdtemp()
-    with open(os.path.join(CONFIGS, args.config, "config.json")) as f, open(os.path.join(d, "config.json"), "w") as g:
-        g.write(f.read())
+    d = write_model_dir(args.config)
     t_load = time.perf_counter()
     eng = LLMEngine.from_kwargs(model=d, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
                                 serving=True, max_num_batched_tokens=args.max_num_batched_tokens)
@@ -74,7 +68,7 @@ def main() -> None:
             torch.cuda.synchronize()
             tp = time.perf_counter() - tp
             prof.__exit__(None, None, None)
-            kind = "decode" if eng.last_step["tokens"] == eng.last_step["seqs"] else "mixed"
+            kind = "decode" if is_decode_step(eng.last_step) else "mixed"
             print(f"profiled 4 steps from step {step} ({kind}, {sched.num_running} running, "
                   f"{eng.last_step['tokens']} tokens in the last): {tp * 1000 / 4:.2f} ms/step wall", flush=True)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=50))
@@ -85,8 +79,7 @@ def main() -> None:
             last = time.perf_counter()
             continue
         now = time.perf_counter()
-        st = eng.last_step
-        records.append({"wall": now - last, "decode": st["tokens"] == st["seqs"], **st})
+        records.append({"wall": now - last, **eng.last_step})
         last = now
         step += 1
     wall = time.perf_counter() - t0

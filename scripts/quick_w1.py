@@ -2,23 +2,16 @@
 the benchmark of record (that is `minivllm bench throughput`)."""
 
 import json
-import os
 import sys
-import tempfile
 import time
 from random import randint, seed
 
 t_start = time.perf_counter()
 from minivllm import LLM, SamplingParams  # noqa: E402
-
-CFG = os.path.join(os.path.dirname(__file__), "..", "minivllm", "bench", "configs", "qwen3-0.6b", "config.json")
-
+from minivllm.bench.model_dirs import write_model_dir  # noqa: E402
 
 def main():
-    d = tempfile.mkdtemp()
-    src = CFG if os.path.exists(CFG) else sys.argv[1]
-    with open(src) as f, open(os.path.join(d, "config.json"), "w") as g:
-        g.write(f.read())
+    d = write_model_dir("qwen3-0.6b")
     eager = "--eager" in sys.argv
     t = time.perf_counter()
     llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, enforce_eager=eager)

@@ -16,14 +16,19 @@ import sys
 PHASES = ("schedule", "launch", "wait", "update", "outputs")
 
 
+def is_decode_step(record: dict) -> bool:
+    """One token per scheduled sequence: no prompt tokens in the step."""
+    return record.get("tokens") == record.get("seqs")
+
+
 def _mean_ms(rows: list[dict], key: str) -> float:
     return round(statistics.fmean(r.get(key, 0.0) for r in rows) * 1e3, 2)
 
 
 def summarize(records: list[dict], band: int = 200) -> dict:
     out: dict = {}
-    decode = [r for r in records if r.get("tokens") == r.get("seqs")]
-    mixed = [r for r in records if r.get("tokens") != r.get("seqs")]
+    decode = [r for r in records if is_decode_step(r)]
+    mixed = [r for r in records if not is_decode_step(r)]
     for kind, rows in (("decode", decode), ("mixed", mixed)):
         if not rows:
             continue

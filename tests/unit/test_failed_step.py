@@ -5,24 +5,20 @@ after the failed one fails too, since it may read what the failed one never wrot
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
-import minivllm
+from minivllm.bench.model_dirs import write_model_dir
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
 
-CONFIG = os.path.join(os.path.dirname(minivllm.__file__), "bench", "configs", "tiny-llama", "config.json")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture
 def model_dir(tmp_path):
-    with open(CONFIG) as f, open(tmp_path / "config.json", "w") as g:
-        g.write(f.read())
-    return str(tmp_path)
+    return write_model_dir("tiny-llama", str(tmp_path))
 
 
 def _engine(model_dir: str, **kw) -> LLMEngine:

@@ -8,11 +8,10 @@ import textwrap
 
 def test_engine_startup_freezes_the_heap():
     code = textwrap.dedent("""
-        import gc, json, os, tempfile
+        import gc, json
+        from minivllm.bench.model_dirs import write_model_dir
         from minivllm.engine.llm_engine import LLMEngine
-        d = tempfile.mkdtemp()
-        src = os.path.join(os.path.dirname(__import__("minivllm").__file__), "bench", "configs", "tiny-llama", "config.json")
-        open(os.path.join(d, "config.json"), "w").write(open(src).read())
+        d = write_model_dir("tiny-llama")
         before = gc.get_freeze_count()
         eng = LLMEngine.from_kwargs(model=d, load_format="dummy", skip_tokenizer_init=True, device="cpu",
                                     dtype="float32", num_kv_blocks=5000, max_model_len=256)
