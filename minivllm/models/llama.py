@@ -43,9 +43,13 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # CPU float32: the same math in fewer ops (models/cpu_forward.py), set by the runner
+        self.cpu_forward = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        if self.cpu_forward is not None:
+            return self.cpu_forward.forward(input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:

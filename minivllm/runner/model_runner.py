@@ -75,12 +75,16 @@ class ModelRunner:
                     self.device, self.timings["load_model_s"])
 
     def _setup_cpu_model(self) -> None:
-        """CPU float32 only: linear layers on prepacked oneDNN weights (models/cpu_linear.py)."""
+        """CPU float32 only: linear layers on prepacked oneDNN weights (models/cpu_linear.py), and
+        the forward in fewer ops (models/cpu_forward.py)."""
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return
+        from minivllm.models.cpu_forward import enable_cpu_forward
         from minivllm.models.cpu_linear import pack_linears, packed_linear_available
         if packed_linear_available():
             logger.info("CPU: %d linear layers on prepacked oneDNN weights", pack_linears(self.model))
+        if enable_cpu_forward(self.model):  # after packing: it binds the final linear modules
+            logger.info("CPU: float32 forward in fewer ops (models/cpu_forward.py)")
 
     def init_kv_cache(self) -> int:
         """Size the KV cache from the memory budget, allocate it and hand it to the layers."""

@@ -39,3 +39,90 @@ def test_rotate_qk_cpu_is_bit_identical_and_tracks_positions(tokens):
         q_ref, k_ref = apply_rotary_torch(positions, qk[:, :hq], qk[:, hq:], rot.cos_sin)
         out = rot.rotate_qk_cpu(positions, qk)
         assert torch.equal(out[:, :hq], q_ref) and torch.equal(out[:, hq:], k_ref)
+
+
+# ------------------------------------------------------------------ models/cpu_forward.py
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 576), (33, 960), (200, 64)])
+def test_cpu_forward_rms_norm_is_bit_identical(shape):
+    from minivllm.models.cpu_forward import rms_norm_
+    torch.manual_seed(shape[0])
+    x, w = torch.randn(shape) * 3, torch.randn(shape[-1])
+    x_before = x.clone()
+    assert torch.equal(rms_norm_(x, w, 1e-5), _reference_rms_norm(x, w, 1e-5))
+    assert torch.equal(x, x_before)  # the input is not modified
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 130])
+def test_cpu_forward_rotate_is_bit_identical(tokens):
+    from minivllm.models.cpu_forward import rotary_tables, rotate
+    torch.manual_seed(tokens)
+    rot = RotaryEmbedding(64, 4096, 100000.0, None)
+    hq, hk = 9, 3
+    positions = torch.randint(0, 4096, (tokens,))
+    qkv = torch.randn(tokens, (hq + 2 * hk) * 64)  # rotate a strided view, as the layer does
+    qk = qkv[:, :(hq + hk) * 64].view(tokens, hq + hk, 64)
+    q_ref, k_ref = apply_rotary_torch(positions, qk[:, :hq], qk[:, hq:], rot.cos_sin)
+    out = rotate(qk, *rotary_tables(rot.cos_sin, positions))
+    assert torch.equal(out[:, :hq], q_ref) and torch.equal(out[:, hq:], k_ref)
+
+
+def _tiny_model(qk_norm=False):
+    from minivllm.attention.torch_backend import TorchAttentionBackend
+    from minivllm.models.arch import ArchConfig
+    from minivllm.models.llama import CausalLM
+    cfg = ArchConfig("LlamaForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
+                     num_heads=6, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     max_position_embeddings=256, tie_word_embeddings=True, attention_bias=False, qk_norm=qk_norm)
+    torch.manual_seed(0)
+    model = CausalLM(cfg, TorchAttentionBackend(), 256).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_cpu_forward_equals_module_forward(packed):
+    """Prefill of two prompts, then decode steps: the fast forward's hidden states and KV cache
+    writes are bit-identical to the module path's."""
+    from minivllm.core.interfaces import ScheduledRequest
+    from minivllm.models.cpu_forward import CpuForward
+    from minivllm.models.cpu_linear import pack_linears
+    from minivllm.runner.input_batch import build_step_inputs
+    model = _tiny_model()
+    if packed:
+        pack_linears(model)
+    fast, bs, num_blocks = CpuForward(model), 4, 16
+    caches = {}
+    for path in ("module", "fast"):
+        caches[path] = [(torch.zeros(num_blocks, bs, 2, 16), torch.zeros(num_blocks, bs, 2, 16)) for _ in range(3)]
+    blocks = {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7, 8]}
+    prompts = {"a": [3, 1, 4, 1, 5], "b": [9, 2, 6, 5, 3, 5, 8, 9, 7]}
+    steps = [[ScheduledRequest(r, ids, 0, [], True) for r, ids in prompts.items()]]
+    for i in range(4):  # decode steps: one token each
+        steps.append([ScheduledRequest(r, [10 + i], len(ids) + i, [], True) for r, ids in prompts.items()])
+    steps.append([ScheduledRequest("b", [20], len(prompts["b"]) + 4, [], True)])  # a lone sequence
+    with torch.inference_mode():
+        for sched in steps:
+            inputs = build_step_inputs(sched, blocks, bs, torch.device("cpu"), pin=False)
+            out = {}
+            for path in ("module", "fast"):
+                for layer, (k, v) in zip(model.layers, caches[path]):
+                    layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+                model.cpu_forward = fast if path == "fast" else None
+                out[path] = model(inputs.input_ids, inputs.positions, inputs.meta)
+            assert torch.equal(out["fast"], out["module"])
+    for (k1, v1), (k2, v2) in zip(caches["module"], caches["fast"]):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2) and k1.abs().sum() > 0
+
+
+def test_cpu_forward_is_not_enabled_with_qk_norm_or_switched_off(monkeypatch):
+    from minivllm.models.cpu_forward import ENV_FLAG, enable_cpu_forward
+    assert not enable_cpu_forward(_tiny_model(qk_norm=True))
+    monkeypatch.setenv(ENV_FLAG, "0")
+    model = _tiny_model()
+    assert not enable_cpu_forward(model) and model.cpu_forward is None
+    monkeypatch.delenv(ENV_FLAG)
+    assert enable_cpu_forward(model) and model.cpu_forward is not None

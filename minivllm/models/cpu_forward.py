@@ -1,0 +1,141 @@
+"""The CPU float32 forward of the decoder: the same math as `CausalLM.forward`, in fewer ops.
+
+Why: single-stream decode on the CPU is a chain of matrix-vector products (~27 ms of weight
+reads per token) with ~400 small ops in between. Every small op is cheap warm (1-15 us), but each
+matmul streams megabytes of weights through the caches and evicts the interpreter's and the
+dispatcher's code and data, so the first ops after a matmul run ~3x slower than in a
+micro-benchmark (docs/perf.md, W5 run 6). What helps is fewer ops and less Python between
+matmuls: no nn.Module `__call__`, the residual stream updated in place, the norm in plain
+in-place ops, q and k rotated in four ops with cos/sin prepared once per step.
+
+Every op here is bit-identical to the module path in float32 (tests/unit/test_cpu_fast_paths.py):
+  residual   s = x + residual (in place; addition is commutative in IEEE arithmetic)
+  rms_norm   y = s * rsqrt(sum(s * s) / H + eps) * w    (what F.rms_norm / HF's pow().mean() do)
+  rotary     q viewed as [.., 2, D/2]: q * [cos|cos] + flip(q) * [-sin|sin]
+             = [x1 cos - x2 sin | x2 cos + x1 sin]     (negation is exact)
+  mlp        silu(gate) * up
+
+`CpuForward(model)` is installed by the runner on a CPU float32 model without q/k-norm
+(`enable_cpu_forward`); MINIVLLM_CPU_FAST_FORWARD=0 keeps the module path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.attention.metadata import AttentionMetadata
+
+ENV_FLAG = "MINIVLLM_CPU_FAST_FORWARD"
+
+
+def cpu_forward_enabled() -> bool:
+    return os.environ.get(ENV_FLAG, "1") != "0"
+
+
+def supports_cpu_forward(model) -> bool:
+    """The fast path covers the Llama-family decoder without q/k-norm, in float32 on the CPU."""
+    p = model.lm_head.weight
+    return not model.cfg.qk_norm and p.device.type == "cpu" and p.dtype == torch.float32
+
+
+def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H] -> a new tensor, rms_norm(x) * weight; bit-identical to F.rms_norm in fp32.
+
+    Five small ops on [T, 1] plus two on [T, H], instead of F.rms_norm's composite of eight."""
+    rstd = torch.mul(x, x).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_()  # [T, 1]
+    return torch.mul(x, rstd).mul_(weight)
+
+
+def rotary_tables(cos_sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_sin: [max_pos, D] = cat(cos, sin) -> (cos2, sin2), each [T, 1, 2, D/2]:
+    cos2 = [cos | cos], sin2 = [-sin | sin], broadcast over the heads."""
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [T, D/2]
+    t, half = cos.shape
+    return (torch.stack([cos, cos], 1).view(t, 1, 2, half),
+            torch.stack([-sin, sin], 1).view(t, 1, 2, half))
+
+
+def rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] (last dim contiguous) -> rotated, a new contiguous tensor.
+
+    With x = [x1 | x2] viewed as [T, heads, 2, D/2]: flip(x) = [x2 | x1], so
+    x * cos2 + flip(x) * sin2 = [x1 cos - x2 sin | x2 cos + x1 sin] (neox / HF rotate_half)."""
+    t, heads, d = x.shape
+    x4 = x.view(t, heads, 2, d // 2)
+    swapped = x4.flip(-2).mul_(sin2)
+    return torch.mul(x4, cos2).add_(swapped).view(t, heads, d)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's parameters and callables, looked up once (not per token)."""
+
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    qkv: Callable[[torch.Tensor], torch.Tensor]  # the layer modules' bound forward methods
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+    attn: torch.nn.Module  # k_cache / v_cache are read from it per step (set after loading)
+
+
+class CpuForward:
+    """`forward(input_ids, positions, meta)` with the result of `CausalLM.forward`."""
+
+    def __init__(self, model) -> None:
+        assert supports_cpu_forward(model)
+        cfg = model.cfg
+        self.eps = cfg.rms_norm_eps
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qk_width = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim  # q and k columns of qkv
+        self.inter = cfg.intermediate_size
+        self.embed = model.embed_tokens.weight
+        self.final_norm = model.norm.weight
+        first = model.layers[0].self_attn
+        self.cos_sin, self.backend, self.scale = first.rotary.cos_sin, first.backend, first.scale
+        # plain methods, not module __call__: nn.Linear.forward or PackedLinear.forward (which
+        # picks F.linear or the packed oneDNN weight by row count)
+        self.layers = [_Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                              layer.self_attn.qkv_proj.forward, layer.self_attn.o_proj.forward,
+                              layer.mlp.gate_up_proj.forward, layer.mlp.down_proj.forward, layer.self_attn)
+                       for layer in model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, H] (a new tensor)."""
+        residual = F.embedding(input_ids, self.embed)  # [T, H], owned: updated in place below
+        cos2, sin2 = rotary_tables(self.cos_sin, positions)
+        hidden = None
+        for layer in self.layers:
+            hidden = self._layer(layer, hidden, residual, cos2, sin2, meta)
+        return rms_norm_(residual.add_(hidden), self.final_norm, self.eps)
+
+    def _layer(self, p: _Layer, hidden: torch.Tensor | None, residual: torch.Tensor, cos2: torch.Tensor,
+               sin2: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One decoder layer: adds `hidden` (None before the first layer) into `residual` in place
+        (twice: before attention and before the MLP) and returns the MLP output [T, H]."""
+        t = residual.shape[0]
+        if hidden is not None:
+            residual.add_(hidden)
+        qkv = p.qkv(rms_norm_(residual, p.input_norm, self.eps))  # [T, (Hq + 2 Hk) D]
+        qk = rotate(qkv[:, :self.qk_width].view(t, -1, self.head_dim), cos2, sin2)  # [T, Hq + Hk, D]
+        k, v = qk[:, self.num_heads:], qkv[:, self.qk_width:].view(t, self.num_kv_heads, self.head_dim)
+        attn = p.attn
+        self.backend.store_kv(k, v, attn.k_cache, attn.v_cache, meta.slot_mapping)
+        o = self.backend.attend(qk[:, :self.num_heads], attn.k_cache, attn.v_cache, meta, self.scale)
+        residual.add_(p.o(o.reshape(t, -1)))
+        gate_up = p.gate_up(rms_norm_(residual, p.post_norm, self.eps))  # [T, 2 I]: gate | up
+        return p.down(F.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:]))
+
+
+def enable_cpu_forward(model) -> bool:
+    """Route `model.forward` through CpuForward when supported and not switched off; returns
+    whether it did. Call after any change of the model's linear modules (pack_linears)."""
+    if not (cpu_forward_enabled() and supports_cpu_forward(model)):
+        return False
+    model.cpu_forward = CpuForward(model)
+    return True
