@@ -3,9 +3,12 @@
 Triton is imported only when this backend is constructed, so `minivllm` (and this module)
 import on machines without triton.
 
-Kernel choice per step: every sequence has one new token (`meta.is_decode_only`) -> the
-split-K decode kernel; anything else (prompts, chunks, prefix hits, mixed batches) -> the
-variable-length prefill kernel, which handles decode tokens too.
+Kernel choice per step: sequences with one new token (decode rows) go to the split-K decode
+kernel, all others (prompts, chunks, prefix hits) to the variable-length prefill kernel. A
+mixed step launches both; each leaves the other's rows alone. Both kernels find their rows on
+the device, so the launches depend on shapes only (CUDA-graph safe). The decode kernel reads
+one-token queries' keys ~20 % faster than the prefill kernel's 64-row tiles
+(scripts/sweep_decode_attention.py).
 """
 
 from __future__ import annotations
@@ -58,13 +61,20 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if meta.is_decode_only:
             ws, num_splits = self._decode_plan(meta.num_seqs, query.shape[1], k_cache.shape[2])
-            return self._decode(
-                query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-                max_seq_len=meta.max_seq_len, num_splits=num_splits, workspace=ws,
-            )
+        else:
+            # mixed step: one split. The prompt rows give the GPU work enough, and the result
+            # must not depend on how many sequences the step was padded to (a split count from
+            # the padded count would make a mixed CUDA graph's numbers differ from eager's)
+            ws, num_splits = None, 1
+        out = self._decode(
+            query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            max_seq_len=meta.max_seq_len, num_splits=num_splits, workspace=ws,
+        )
+        if meta.is_decode_only:
+            return out
         return self._prefill(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            max_query_len=meta.max_query_len,
+            max_query_len=meta.max_query_len, out=out, skip_single_token=True,
         )
 
     def reserve_decode_workspace(

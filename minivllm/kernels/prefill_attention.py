@@ -18,6 +18,9 @@ Work split (flash-attention style, online softmax in fp32, exp2 with the scale f
     grid depends only on shapes (CUDA-graph friendly) and a program finds its sequence by a
     binary search over query_start_loc. Programs past the end of their sequence exit at once.
 
+With skip_single_token, sequences with exactly one new token are left alone: a mixed step
+serves those (its decode rows) with the decode kernel, which reads their keys faster.
+
 Keys: query token j of a sequence sits at position ctx + j (ctx = seq_len - q_len cached
 tokens) and sees keys 0..ctx + j. A tile first walks the keys every one of its rows sees
 (no mask), then the last few key tiles with the causal mask. Keys are gathered from the
@@ -116,6 +119,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per tile (BLOCK_M // GROUP)
     BLOCK_M: tl.constexpr,  # rows per tile (power of two >= 16)
     BLOCK_N: tl.constexpr,  # keys per inner iteration
+    SKIP_SINGLE: tl.constexpr,  # leave one-token queries to the decode kernel
 ):
     # reversed: within a sequence the last tiles see the most keys, so start them first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -126,6 +130,8 @@ def _prefill_kernel(
     q_tile_start = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
     if q_tile_start >= q_len:
         return  # spare program: the grid is an upper bound on the number of tiles
+    if SKIP_SINGLE and q_len == 1:
+        return  # a decode row: the decode kernel's
     ctx = tl.load(seq_lens_ptr + seq) - q_len  # cached tokens before the first new one
 
     rows = tl.arange(0, BLOCK_M)
@@ -192,6 +198,7 @@ def prefill_attention(
     scale: float,
     max_query_len: int | None = None,  # host int; only picks the tile size (None: from num_tokens)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; allocated if None
+    skip_single_token: bool = False,  # leave rows of one-token sequences untouched (decode kernel's)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -217,7 +224,7 @@ def prefill_attention(
         num_seqs, scale * LOG2E,
         *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, **cfg,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, SKIP_SINGLE=skip_single_token, **cfg,
     )
     return out
 

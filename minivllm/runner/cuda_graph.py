@@ -5,16 +5,20 @@ Two kinds of graphs, captured at startup, largest first, all in one memory pool:
 - decode: every sequence has one new token. Padded batch sizes 1, 2, 4, 8, 16, 24, ... up to
   max_num_seqs; attention runs the split-K decode kernel.
 - mixed: any step (prompt chunks, prefix hits, decode tokens together) of up to
-  MAX_MIXED_TOKENS tokens, padded to a multiple of 128 tokens (64 below 128), with room for
-  min(tokens, max_num_seqs) sequences; attention runs the variable-length prefill kernel with
-  its largest tile. Eagerly, such a step costs ~30 ms of host time for ~600 kernel launches
-  (Qwen3-8B), more than its GPU time; replayed, well under 1 ms. Larger steps stay eager: their
-  GPU time covers the launches.
+  MAX_MIXED_TOKENS tokens, padded to a multiple of 128 tokens (64 below 128), and its
+  sequences padded to 128, 512 or min(tokens, max_num_seqs) (`mixed_seq_sizes`): every padding
+  sequence costs each attention launch a few empty programs per kv head, ~1 ms a step at 768
+  sequences against ~110 real ones (rate 16 of W3). Attention runs the decode kernel on the
+  one-token rows and the prefill kernel, with its largest tile, on the rest. Eagerly, such a
+  step costs ~30 ms of host time for ~600 kernel launches (Qwen3-8B), more than its GPU time;
+  replayed, well under 1 ms. Larger steps stay eager: their GPU time covers the launches.
 
 A step replays the graph of the smallest captured size that holds it: its inputs are copied
 into static buffers, padding tokens have slot -1 (nothing stored) and belong to no sequence,
-padding sequences have zero-length queries. The graph ends at the final hidden states; the LM
-head runs eagerly on the rows that sample, so no graph holds a [tokens, vocab] output.
+padding sequences have zero-length queries. The graph ends by copying the final hidden states
+into one output buffer shared by every graph (so no graph keeps its own output alive in the
+pool); the LM head runs eagerly on the rows that sample, so no graph holds a [tokens, vocab]
+output.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from minivllm.attention.metadata import AttentionMetadata
 from minivllm.runner.input_batch import StepInputs
 
 MAX_MIXED_TOKENS = 2048
+MIXED_SEQ_BUCKETS = (128, 512)  # padded sequence counts of mixed graphs, below the largest
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -43,6 +48,13 @@ def mixed_token_sizes(max_num_batched_tokens: int, limit: int = MAX_MIXED_TOKENS
     sizes = [64, *range(128, limit + 1, 128)]
     covering = [s for s in sizes if s >= max_num_batched_tokens][:1]  # the step budget fits the last
     return [s for s in sizes if s < max_num_batched_tokens] + covering
+
+
+def mixed_seq_sizes(tokens: int, max_num_seqs: int) -> list[int]:
+    """Padded sequence counts of the mixed graphs of `tokens` tokens: the buckets below the
+    most such a step can hold (min(tokens, max_num_seqs)), then that."""
+    most = min(tokens, max_num_seqs)
+    return [s for s in MIXED_SEQ_BUCKETS if s < most] + [most]
 
 
 class CudaGraphRunner:
@@ -64,26 +76,25 @@ class CudaGraphRunner:
         self.seq_lens = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(self.max_bs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(self.max_bs, max_blocks, dtype=torch.int32, device=device)
-        # key: (max_query_len, tokens); decode graphs have max_query_len 1, mixed ones = tokens
-        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        hidden_size = runner.arch.hidden_size
+        self.out = torch.zeros(self.max_tokens, hidden_size, dtype=runner.dtype, device=device)
+        # key: (max_query_len, tokens, sequences); decode graphs have max_query_len 1 and
+        # sequences == tokens, mixed ones max_query_len == tokens
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.replays: Counter[str] = Counter()  # "decode" / "mixed": steps that ran a graph
 
-    def _num_seqs(self, key: tuple[int, int]) -> int:
-        return min(key[1], self.max_bs)
-
-    def _meta(self, key: tuple[int, int]) -> AttentionMetadata:
-        max_query_len, tokens = key
-        s = self._num_seqs(key)
+    def _meta(self, key: tuple[int, int, int]) -> AttentionMetadata:
+        max_query_len, tokens, s = key
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:tokens], query_start_loc=self.query_start_loc[:s + 1],
             seq_lens=self.seq_lens[:s], block_tables=self.block_tables[:s], max_query_len=max_query_len,
             max_seq_len=self.runner.config.scheduler.max_model_len)
 
-    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+    def _forward(self, key: tuple[int, int, int]) -> None:
         tokens = key[1]
-        return self.model(self.input_ids[:tokens], self.positions[:tokens], self._meta(key))
+        hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], self._meta(key))
+        self.out[:tokens].copy_(hidden)
 
     @property
     def num_graphs(self) -> int:
@@ -99,27 +110,32 @@ class CudaGraphRunner:
         # capture inputs: each sequence row a one-token query at position 0 of block 0, not stored
         self.query_start_loc.copy_(torch.arange(self.max_bs + 1, dtype=torch.int32))
         self.seq_lens.fill_(1)
-        keys = [(t, t) for t in self.mixed_sizes] + [(1, b) for b in self.batch_sizes]
-        for key in sorted(keys, key=lambda k: k[1], reverse=True):  # largest first: one shared pool
+        keys = [(t, t, s) for t in self.mixed_sizes for s in mixed_seq_sizes(t, self.max_bs)]
+        keys += [(1, b, b) for b in self.batch_sizes]
+        for key in sorted(keys, key=lambda k: k[1:], reverse=True):  # largest first: one shared pool
             self._forward(key)  # warm-up: triton compiles happen outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.hidden[key] = self._forward(key)
+                self._forward(key)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[key] = graph
         torch.cuda.synchronize()
 
-    def _pick(self, inputs: StepInputs) -> tuple[int, int] | None:
+    def _pick(self, inputs: StepInputs) -> tuple[int, int, int] | None:
         n, meta = inputs.input_ids.shape[0], inputs.meta
         if meta.block_tables.shape[1] > self.block_tables.shape[1]:
             return None
         if meta.is_decode_only:
             b = next((b for b in self.batch_sizes if b >= n), None)
-            return None if b is None else (1, b)
+            return None if b is None else (1, b, b)
         t = next((t for t in self.mixed_sizes if t >= n), None)
-        return None if t is None else (t, t)  # sequences <= tokens and <= max_num_seqs: they fit
+        if t is None:
+            return None
+        # sequences <= tokens and <= max_num_seqs, so the last size always fits
+        s = next(s for s in mixed_seq_sizes(t, self.max_bs) if s >= meta.num_seqs)
+        return t, t, s
 
     def try_run(self, inputs: StepInputs) -> torch.Tensor | None:
         """The step's final hidden states [num_tokens, hidden] from a graph, or None if no
@@ -128,7 +144,8 @@ class CudaGraphRunner:
         if key is None:
             return None
         n, meta = inputs.input_ids.shape[0], inputs.meta
-        tokens, s_pad, s = key[1], self._num_seqs(key), meta.num_seqs
+        _, tokens, s_pad = key
+        s = meta.num_seqs
         self.input_ids[:n].copy_(inputs.input_ids)
         self.positions[:n].copy_(inputs.positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -140,4 +157,4 @@ class CudaGraphRunner:
         self.block_tables[:s, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.graphs[key].replay()
         self.replays["decode" if key[0] == 1 else "mixed"] += 1
-        return self.hidden[key][:n]
+        return self.out[:n]

@@ -222,6 +222,36 @@ def check_decode(case: PagedCase, num_splits: int | None = None, workspace_split
     return errors(out[: case.num_valid], reference(case))
 
 
+def _single_token_rows(case: PagedCase) -> torch.Tensor:
+    """[num_valid] bool: rows whose sequence has exactly one new token (the decode rows)."""
+    rows = torch.zeros(case.num_valid, dtype=torch.bool)
+    for a, b in zip(case.qsl_list, case.qsl_list[1:]):
+        rows[a:b] = b - a == 1
+    return rows.to(case.query.device)
+
+
+def check_split_roles(case: PagedCase, num_splits: int) -> Errors:
+    """A mixed step's two launches: the decode kernel writes exactly the one-token rows, the
+    prefill kernel with skip_single_token exactly the others; each matches the reference."""
+    from minivllm.kernels.decode_attention import decode_attention
+    from minivllm.kernels.prefill_attention import prefill_attention
+
+    single = _single_token_rows(case)
+    q_lens = [b - a for a, b in zip(case.qsl_list, case.qsl_list[1:])]
+    dec = torch.full_like(case.query, float("nan"))
+    decode_attention(case.query, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
+                     case.block_tables, case.scale, max_seq_len=max(case.seq_lens_list), num_splits=num_splits,
+                     out=dec)
+    pre = torch.full_like(case.query, float("nan"))
+    prefill_attention(case.query, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
+                      case.block_tables, case.scale, max_query_len=max(q_lens), out=pre, skip_single_token=True)
+    dec, pre = dec[: case.num_valid], pre[: case.num_valid]
+    untouched = torch.isnan(dec[~single]).all() and torch.isnan(pre[single]).all()
+    if not untouched or not single.any() or single.all():
+        return float("inf"), float("inf")  # a kernel wrote the other's rows (or the case is degenerate)
+    return errors(torch.where(single[:, None, None], dec, pre), reference(case))
+
+
 def check_backend(case: PagedCase) -> Errors:
     """The registered 'triton' backend: store the new tokens' K/V, then attend."""
     from minivllm.attention.backend import get_attention_backend
@@ -300,6 +330,16 @@ def test_decode_fixed_splits(num_splits: int, workspace_splits: int | None, dtyp
     specs = random_specs(random.Random(3), 24, 5000, "decode") + [(1, 1), (1, 8192)]
     case = make_case(specs, 32, 8, 128, 16, dtype, "cuda", seed=3)
     errs = check_decode(case, num_splits=num_splits, workspace_splits=workspace_splits)
+    assert ok(errs, dtype), errs
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("dtype,head_dim,group,block_size", COMBOS[::3])
+def test_mixed_step_split_roles(num_splits: int, dtype, head_dim: int, group: int, block_size: int) -> None:
+    specs = random_specs(random.Random(6 + group), 30, 2000, "mixed")
+    num_heads, num_kv_heads = _heads(group)
+    case = make_case(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda", seed=6, pad_tokens=4)
+    errs = check_split_roles(case, num_splits)
     assert ok(errs, dtype), errs
 
 

@@ -1,6 +1,6 @@
 """Which padded sizes get a CUDA graph (pure Python: runs on the CPU)."""
 
-from minivllm.runner.cuda_graph import MAX_MIXED_TOKENS, graph_batch_sizes, mixed_token_sizes
+from minivllm.runner.cuda_graph import MAX_MIXED_TOKENS, graph_batch_sizes, mixed_seq_sizes, mixed_token_sizes
 
 
 def test_decode_sizes_cover_every_batch_up_to_max_num_seqs():
@@ -22,3 +22,14 @@ def test_mixed_sizes_cover_the_step_budget_up_to_the_limit():
         for n in range(1, covered + 1):
             t = next(t for t in sizes if t >= n)
             assert t - n < 128  # padding under 128 tokens
+
+
+def test_mixed_seq_sizes_hold_every_step_of_their_token_size():
+    for tokens in (64, 128, 256, 640, 1024, 2048):
+        for max_seqs in (1, 100, 256, 1024):
+            sizes = mixed_seq_sizes(tokens, max_seqs)
+            most = min(tokens, max_seqs)
+            assert sizes == sorted(set(sizes)) and sizes[-1] == most  # any step of <= tokens fits
+            assert all(s < most for s in sizes[:-1])
+    # the W3 rate-16 shape: ~110 sequences in a ~700-token step get a 128-sequence graph
+    assert next(s for s in mixed_seq_sizes(768, 1024) if s >= 111) == 128

@@ -45,6 +45,9 @@ record("decode fp16 d128 gqa4 bs32 auto", f16, checks.check_decode(case(decode, 
 record("decode fp32 d128 gqa4 1 split", f32, checks.check_decode(case(decode, (8, 2), 128, 16, f32, 8), num_splits=1))
 record("decode fp32 d64 gqa4 3 splits ws8", f32,
        checks.check_decode(case(decode, (8, 2), 64, 16, f32, 9), num_splits=3, workspace_splits=8))
+record("split fp32 d64 gqa4 mixed 1 split", f32, checks.check_split_roles(case(mixed, (8, 2), 64, 16, f32, 12), 1))
+record("split fp16 d128 gqa2 mixed 3 splits", f16,
+       checks.check_split_roles(case(mixed + [(1, 300)], (4, 2), 128, 32, f16, 13, pad_tokens=2), 3))
 record("backend fp32 mixed", f32, checks.check_backend(case(mixed, (8, 2), 64, 16, f32, 10)))
 record("backend fp32 decode", f32, checks.check_backend(case(decode, (8, 2), 64, 16, f32, 11)))
 print("RESULT " + json.dumps(res))
@@ -56,7 +59,7 @@ def interpreter_results() -> dict[str, list]:
     return run_under_interpreter(CHILD, KERNEL_TESTS, timeout_s=600)
 
 
-@pytest.mark.parametrize("kernel", ["store_kv", "prefill", "decode", "backend"])
+@pytest.mark.parametrize("kernel", ["store_kv", "prefill", "decode", "split", "backend"])
 def test_kernel_matches_reference_under_interpreter(interpreter_results: dict[str, list], kernel: str) -> None:
     cases = {name: r for name, r in interpreter_results.items() if name.startswith(kernel + " ")}
     assert cases, f"no {kernel} cases ran"
