@@ -46,6 +46,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    # prompt tokens per step while requests are decoding and few wait (None: no limit); see
+    # SchedulerLimits.max_prefill_tokens_with_decodes
+    max_prefill_tokens_with_decodes: int | None = None
 
 
 @dataclass(frozen=True)

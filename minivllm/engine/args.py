@@ -23,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
+                   help="prompt tokens per step while requests decode and few wait, to bound inter-token "
+                        "latency (default: 1024 for `serve` on a GPU, else no cap; 0: no cap)")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the current one runs (default: on for CUDA)")
@@ -36,7 +39,7 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
-         "skip_tokenizer_init"]
+         "skip_tokenizer_init", "max_prefill_tokens_with_decodes"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

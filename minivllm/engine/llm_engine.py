@@ -53,7 +53,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         s = config.scheduler
         self.scheduler = Scheduler(SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
-                                                   s.policy, s.enable_chunked_prefill), self.block_manager)
+                                                   s.policy, s.enable_chunked_prefill,
+                                                   s.max_prefill_tokens_with_decodes), self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self._aborted_outputs: list[RequestOutput] = []

@@ -5,7 +5,7 @@ Two kinds of graphs, captured at startup, largest first, all in one memory pool:
 - decode: every sequence has one new token. Padded batch sizes 1, 2, 4, 8, 16, 24, ... up to
   max_num_seqs; attention runs the split-K decode kernel.
 - mixed: any step (prompt chunks, prefix hits, decode tokens together) of up to
-  MAX_MIXED_TOKENS tokens, padded to a multiple of 128 tokens (64 below 128), and its
+  MAX_MIXED_TOKENS tokens, padded to a multiple of 64 tokens (128 above 1,024), and its
   sequences padded to 128, 512 or min(tokens, max_num_seqs) (`mixed_seq_sizes`): every padding
   sequence costs each attention launch a few empty programs per kv head, ~1 ms a step at 768
   sequences against ~110 real ones (rate 16 of W3). Attention runs the decode kernel on the
@@ -43,9 +43,10 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def mixed_token_sizes(max_num_batched_tokens: int, limit: int = MAX_MIXED_TOKENS) -> list[int]:
-    """Padded token counts of the mixed graphs: 64, then multiples of 128 (<= 6 % padding
-    above 1,024 tokens, where the step is compute-bound)."""
-    sizes = [64, *range(128, limit + 1, 128)]
+    """Padded token counts of the mixed graphs: multiples of 64 up to 1,024, then of 128 (under
+    6 % padding above 1,024). Such steps are GEMM-bound (~18 us per token for Qwen3-8B on an
+    H200), so every padding token costs what a real one does."""
+    sizes = [*range(64, min(limit, 1024) + 1, 64), *range(1152, limit + 1, 128)]
     covering = [s for s in sizes if s >= max_num_batched_tokens][:1]  # the step budget fits the last
     return [s for s in sizes if s < max_num_batched_tokens] + covering
 

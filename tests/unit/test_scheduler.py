@@ -27,8 +27,8 @@ DEFAULT_TOKEN = 7
 
 def make_sched(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64,
                max_model_len: int = 256, policy: str = "fcfs", chunked: bool = True,
-               caching: bool = False) -> Scheduler:
-    return Scheduler(SchedulerLimits(max_num_seqs, budget, max_model_len, policy, chunked),
+               caching: bool = False, prefill_cap: int | None = None) -> Scheduler:
+    return Scheduler(SchedulerLimits(max_num_seqs, budget, max_model_len, policy, chunked, prefill_cap),
                      BlockManager(num_blocks, block_size, caching))
 
 
@@ -196,6 +196,48 @@ def test_decodes_first_then_waiting_prefill_chunks_in_the_same_step():
     assert [u.request.request_id for u in updates] == ["a"]
     out, _ = runner.step()  # b's unfinished prefill is a running request now, still after a's decode
     assert [(s.req_id, len(s.token_ids)) for s in out.scheduled] == [("a", 1), ("b", 9)]
+
+
+def test_prefill_cap_chunks_a_prompt_beside_decoding_requests():
+    sched = make_sched(budget=64, prefill_cap=10, max_num_seqs=8)
+    runner = FakeRunner(sched)
+    sched.add_request(make_req("d", [1, 3, 4], max_tokens=20))
+    runner.step()  # "d" decodes from now on
+    sched.add_request(make_req("p", list(range(100, 125)), max_tokens=2))  # 25 prompt tokens
+    sizes = []
+    for _ in range(3):
+        out, _ = runner.step()
+        sizes.append({s.req_id: len(s.token_ids) for s in out.scheduled})
+    # the decode goes on every step; the prompt comes in chunks of at most the cap
+    assert sizes == [{"d": 1, "p": 10}, {"d": 1, "p": 10}, {"d": 1, "p": 5}]
+    assert sched.requests["p"].num_output_tokens == 1
+    runner.run_until_done()
+
+
+def test_prefill_cap_does_not_apply_without_decodes_or_under_a_backlog():
+    # nothing decoding yet: the first prompt takes the whole budget
+    sched = make_sched(budget=64, prefill_cap=10)
+    runner = FakeRunner(sched)
+    sched.add_request(make_req("a", list(range(100, 140)), max_tokens=4))
+    out, _ = runner.step()
+    assert scheduled(out) == {"a": list(range(100, 140))}
+    # "a" decodes, and more requests wait than LIGHT_LOAD_WAITING: throughput first, full budget
+    from minivllm.core.scheduler import LIGHT_LOAD_WAITING
+    for i in range(LIGHT_LOAD_WAITING + 1):
+        sched.add_request(make_req(f"w{i}", list(range(200 + 10 * i, 208 + 10 * i)), max_tokens=2))
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == 1 + 8 * (LIGHT_LOAD_WAITING + 1)
+    runner.run_until_done()
+
+
+def test_prefill_cap_is_off_without_chunked_prefill():
+    sched = make_sched(budget=64, prefill_cap=10, chunked=False)
+    runner = FakeRunner(sched)
+    sched.add_request(make_req("d", [1, 3, 4], max_tokens=20))
+    runner.step()
+    sched.add_request(make_req("p", list(range(100, 125)), max_tokens=2))
+    out, _ = runner.step()  # a prompt that may not be chunked is scheduled whole, never starved
+    assert {s.req_id: len(s.token_ids) for s in out.scheduled} == {"d": 1, "p": 25}
 
 
 def test_max_num_seqs_caps_running_requests():
@@ -571,7 +613,7 @@ def workloads(draw):
         reqs.append((prompt, max_tokens, min_tokens, n, prio, script, abort_at))
     return dict(bs=bs, num_blocks=num_blocks, budget=draw(st.integers(1, 20)),
                 max_num_seqs=draw(st.integers(1, 4)), policy=draw(st.sampled_from(["fcfs", "priority"])),
-                caching=draw(st.booleans()), reqs=reqs)
+                caching=draw(st.booleans()), prefill_cap=draw(st.sampled_from([None, 1, 3])), reqs=reqs)
 
 
 def _expected_output(script: list[int], min_tokens: int) -> list[int]:
@@ -588,7 +630,8 @@ def test_random_workloads_finish_with_scripted_outputs(w):
     request finishes with exactly its scripted tokens (a prefix of them if aborted), limits hold
     every step, no block leaks and the runner is told to drop every request it saw."""
     sched = make_sched(num_blocks=w["num_blocks"], block_size=w["bs"], budget=w["budget"],
-                       max_num_seqs=w["max_num_seqs"], policy=w["policy"], caching=w["caching"], max_model_len=10**6)
+                       max_num_seqs=w["max_num_seqs"], policy=w["policy"], caching=w["caching"], max_model_len=10**6,
+                       prefill_cap=w["prefill_cap"])
     script, expected, reqs, aborts = {}, {}, [], {}
     for i, (prompt, max_tokens, min_tokens, n, prio, sc, abort_at) in enumerate(w["reqs"]):
         group = PromptGroup(n) if n > 1 else None
