@@ -45,8 +45,10 @@ class SchedulerLimits:
     # request is decoding and at most LIGHT_LOAD_WAITING requests wait, a step carries at most
     # this many prompt tokens; the rest of a prompt is chunked into the next steps. A step's
     # time grows with its tokens (~18 us each for Qwen3-8B on an H200), and every decoding
-    # request waits for the whole step. Under a longer queue the full step budget is used,
-    # for throughput. None: no cap.
+    # request waits for the whole step. Under a longer queue (a backlog) the cap is half the
+    # step budget (if larger): prompts are admitted almost as fast, since a step's GPU time is
+    # about proportional to its tokens, while decoding requests wait half as long per step.
+    # None: no cap.
     max_prefill_tokens_with_decodes: int | None = None
 
 
@@ -132,11 +134,14 @@ class Scheduler:
 
     def _prefill_cap(self) -> int:
         """Prompt tokens this step may carry (see SchedulerLimits.max_prefill_tokens_with_decodes)."""
-        cap = self.limits.max_prefill_tokens_with_decodes
-        if cap is None or not self.limits.enable_chunked_prefill or len(self.waiting) > LIGHT_LOAD_WAITING:
-            return self.limits.max_num_batched_tokens  # (unchunked prompts must fit whole)
-        decoding = any(r.num_tokens_with_pending - r.num_computed_tokens == 1 for r in self.running)
-        return cap if decoding else self.limits.max_num_batched_tokens
+        cap, budget = self.limits.max_prefill_tokens_with_decodes, self.limits.max_num_batched_tokens
+        if cap is None or not self.limits.enable_chunked_prefill:
+            return budget  # (unchunked prompts must fit whole)
+        if not any(r.num_tokens_with_pending - r.num_computed_tokens == 1 for r in self.running):
+            return budget  # nobody decodes: nobody waits for a long step
+        if len(self.waiting) > LIGHT_LOAD_WAITING:
+            return max(cap, budget // 2)
+        return cap
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0

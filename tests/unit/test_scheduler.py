@@ -214,19 +214,20 @@ def test_prefill_cap_chunks_a_prompt_beside_decoding_requests():
     runner.run_until_done()
 
 
-def test_prefill_cap_does_not_apply_without_decodes_or_under_a_backlog():
+def test_prefill_cap_is_off_without_decodes_and_half_the_budget_under_a_backlog():
     # nothing decoding yet: the first prompt takes the whole budget
     sched = make_sched(budget=64, prefill_cap=10)
     runner = FakeRunner(sched)
     sched.add_request(make_req("a", list(range(100, 140)), max_tokens=4))
     out, _ = runner.step()
     assert scheduled(out) == {"a": list(range(100, 140))}
-    # "a" decodes, and more requests wait than LIGHT_LOAD_WAITING: throughput first, full budget
+    # "a" decodes, and more requests wait than LIGHT_LOAD_WAITING: a backlog, half the budget
     from minivllm.core.scheduler import LIGHT_LOAD_WAITING
     for i in range(LIGHT_LOAD_WAITING + 1):
-        sched.add_request(make_req(f"w{i}", list(range(200 + 10 * i, 208 + 10 * i)), max_tokens=2))
+        sched.add_request(make_req(f"w{i}", list(range(200 + 10 * i, 211 + 10 * i)), max_tokens=2))
     out, _ = runner.step()
-    assert out.num_scheduled_tokens == 1 + 8 * (LIGHT_LOAD_WAITING + 1)
+    assert out.num_scheduled_tokens == 1 + 32  # "a" decodes; 11 + 11 + 10 prompt tokens
+    assert [len(s.token_ids) for s in out.scheduled] == [1, 11, 11, 10]
     runner.run_until_done()
 
 
