@@ -87,3 +87,25 @@ def test_one_backend_over_successive_steps():
         ref = paged_attention_reference(q, k_cache, v_cache, qsl, seq_lens, tables, 0.125)
         for _ in range(2):  # a second layer of the same step reuses the plan
             assert (backend.attend(q, k_cache, v_cache, meta, 0.125) - ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("seq_lens", [[9], [30, 25, 32], [12, 12]])
+def test_decode_rows_on_consecutive_blocks_read_in_place(seq_lens):
+    """Decode rows whose blocks are consecutive (row i owns blocks start + i * n ...) are read
+    with one strided view per cache; rows shorter than the longest are masked."""
+    torch.manual_seed(len(seq_lens))
+    bs, kv_heads, d, start = 4, 3, 64, 2
+    n = -(-max(seq_lens) // bs)
+    b = len(seq_lens)
+    tables = (start + torch.arange(b * n, dtype=torch.int32)).view(b, n)
+    num_blocks = start + b * n + 2
+    k_cache, v_cache = torch.randn(num_blocks, bs, kv_heads, d), torch.randn(num_blocks, bs, kv_heads, d)
+    q = torch.randn(b, kv_heads * 3, d)
+    qsl = list(range(b + 1))
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), torch.tensor(qsl, dtype=torch.int32),
+                             torch.tensor(seq_lens, dtype=torch.int32), tables, 1, max(seq_lens), qsl, seq_lens)
+    ref = paged_attention_reference(q, k_cache, v_cache, qsl, seq_lens, tables, 0.125)
+    backend = TorchAttentionBackend()
+    out = backend.attend(q, k_cache, v_cache, meta, 0.125)
+    assert backend._plan[1].gather_start == start
+    assert (out - ref).abs().max() < 1e-5
