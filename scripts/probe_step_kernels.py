@@ -26,6 +26,7 @@ import torch
 from minivllm.bench.model_dirs import write_model_dir
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
+from minivllm.server.bench_serve import running_context_lengths
 
 CATEGORIES = (  # first match wins; kernel names of cuBLAS and our Triton kernels
     ("attn_decode", ("_decode_split", "_decode_merge")),
@@ -99,7 +100,7 @@ def main() -> None:
     arch = eng.config.model.arch
     rng = random.Random(0)
     long = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2000)
-    ctx = [rng.randint(100, 1024) + rng.randint(0, rng.randint(100, 1024)) for _ in range(args.batch)]
+    ctx = running_context_lengths(args.batch, rng)
     for i, n in enumerate(ctx):
         eng.add_request(f"d{i}", [rng.randrange(10000) for _ in range(n)], long)
     while eng.last_step.get("tokens") != args.batch or eng.scheduler.num_waiting:

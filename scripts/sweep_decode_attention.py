@@ -17,11 +17,7 @@ import torch
 from minivllm.bench.kernel_bench import build_paged, timer
 from minivllm.kernels import decode_attention as da
 from minivllm.kernels.prefill_attention import prefill_attention
-
-
-def w3_contexts(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(100, 1024) + rng.randint(0, rng.randint(100, 1024)) for _ in range(n)]
+from minivllm.server.bench_serve import running_context_lengths
 
 
 def main() -> None:
@@ -45,7 +41,7 @@ def main() -> None:
             return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
     original = da.decode_config
     for b in args.batches:
-        lens = w3_contexts(b, b)
+        lens = running_context_lengths(b, random.Random(b))
         kv_bytes = 2 * sum(lens) * kv_heads * d * 2
         src = torch.empty(kv_bytes // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)

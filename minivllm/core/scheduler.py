@@ -4,10 +4,11 @@ recompute after preemption.
 Each request has num_tokens (prompt + generated) and num_computed_tokens (in the KV cache).
 Every step hands out a token budget so num_computed_tokens catches up with num_tokens:
 running requests first (decodes and unfinished prefill chunks, in admission order), then
-waiting requests fill what is left. While requests are decoding and the queue is short,
-prompt tokens per step can be capped (max_prefill_tokens_with_decodes) so that a prompt
-arriving mid-stream never stalls the decoding requests for one long step. When blocks run out, the lowest-priority running request
-is preempted: its blocks are freed and it is recomputed later (its output so far is kept).
+waiting requests fill what is left. While requests are decoding, prompt tokens per step can
+be capped (max_prefill_tokens_with_decodes) so that a prompt arriving mid-stream never stalls
+the decoding requests for one long step. When blocks run out, the lowest-priority running
+request is preempted: its blocks are freed and it is recomputed later (its output so far is
+kept).
 
 num_computed_tokens advances when tokens are scheduled, so the next step can be scheduled while
 this one runs (async scheduling): a token the running step will sample counts as pending
@@ -188,8 +189,8 @@ class Scheduler:
             cached = self.block_manager.find_cached_prefix(req)
             num_cached = len(cached) * self.block_manager.block_size
             n = req.num_tokens - num_cached
-            if n > min(budget, self._prefill_left) and not self.limits.enable_chunked_prefill:
-                break
+            if n > budget and not self.limits.enable_chunked_prefill:
+                break  # (without chunking the cap is off: _prefill_left >= budget)
             n = min(n, budget, self._prefill_left)
             if n <= 0:
                 break  # the prefill cap is used up: the next step takes the rest

@@ -51,6 +51,13 @@ def make_workload(num_requests: int, seed: int, input_range: tuple[int, int], ou
     return [BenchRequest(p, o) for p, o in zip(prompts, outs)]
 
 
+def running_context_lengths(n: int, rng: random.Random, input_range: tuple[int, int] = (100, 1024),
+                            output_range: tuple[int, int] = (100, 1024)) -> list[int]:
+    """Context lengths of n requests caught mid-decode in W3 (for GPU probes of a steady
+    state): a prompt from input_range plus a uniform part of an output from output_range."""
+    return [rng.randint(*input_range) + rng.randint(0, rng.randint(*output_range)) for _ in range(n)]
+
+
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     """Seconds from the start at which each request is sent (Poisson process at `rate`/s)."""
     if math.isinf(rate):
