@@ -34,6 +34,12 @@ def summarize(records: list[dict], band: int = 200) -> dict:
             continue
         g = {"steps": len(rows), "wall_s_sum": round(sum(r["wall"] for r in rows), 2), "wall_ms": _mean_ms(rows, "wall")}
         g.update({p + "_ms": _mean_ms(rows, p) for p in (*PHASES, "pack") if any(p in r for r in rows)})
+        walls = sorted(r["wall"] for r in rows)
+        g["wall_ms_p99"] = round(walls[min(len(walls) - 1, int(0.99 * len(walls)))] * 1e3, 2)
+        g["wall_ms_max"] = round(walls[-1] * 1e3, 2)
+        # a launch this long blocked the host (on the device or a full launch queue); with async
+        # scheduling it also holds back the previous step's tokens
+        g["launch_over_50ms"] = sum(r.get("launch", 0.0) > 0.05 for r in rows)
         g["running_mean"] = round(statistics.fmean(r.get("running", 0) for r in rows), 1)
         g["tokens_mean"] = round(statistics.fmean(r.get("tokens", 0) for r in rows), 1)
         out[kind] = g

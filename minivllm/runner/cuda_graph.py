@@ -4,14 +4,19 @@ Two kinds of graphs, captured at startup, largest first, all in one memory pool:
 
 - decode: every sequence has one new token. Padded batch sizes 1, 2, 4, 8, 16, 24, ... up to
   max_num_seqs; attention runs the split-K decode kernel.
-- mixed: any step (prompt chunks, prefix hits, decode tokens together) of up to
-  MAX_MIXED_TOKENS tokens, padded to a multiple of 64 tokens (128 above 1,024), and its
-  sequences padded to 128, 512 or min(tokens, max_num_seqs) (`mixed_seq_sizes`): every padding
-  sequence costs each attention launch a few empty programs per kv head, ~1 ms a step at 768
-  sequences against ~110 real ones (rate 16 of W3). Attention runs the decode kernel on the
-  one-token rows and the prefill kernel, with its largest tile, on the rest. Eagerly, such a
-  step costs ~30 ms of host time for ~600 kernel launches (Qwen3-8B), more than its GPU time;
-  replayed, well under 1 ms. Larger steps stay eager: their GPU time covers the launches.
+- mixed: any step (prompt chunks, prefix hits, decode tokens together) of up to the step
+  budget (at most MAX_MIXED_TOKENS tokens), padded to a multiple of 64 tokens up to 1,024 and
+  of 1/8 of the power of two below it above (`mixed_token_sizes`: under 12.5 % padding). Up to
+  2,048 tokens the sequences are padded to 128, 512 or min(tokens, max_num_seqs)
+  (`mixed_seq_sizes`): every padding sequence costs each attention launch a few empty programs
+  per kv head, ~1 ms a step at 768 sequences against ~110 real ones (rate 16 of W3); larger
+  steps (>= 40 ms of GPU time for Qwen3-8B) get the one size. Attention runs the decode kernel
+  on the one-token rows and the prefill kernel, with its largest tile, on the rest.
+  Eagerly, a step costs ~30-60 ms of host time for ~600 kernel launches (Qwen3-8B), as much
+  as the GPU time of a 2,000-token step; replayed, well under 1 ms. Large steps are graphed
+  too although their GPU time covers the launches: with async scheduling the previous step's
+  tokens are taken in only after this step's launch returns, so an eager launch of 60-240 ms
+  (the launch queue fills up) lands in the inter-token latency of every running request.
 
 A step replays the graph of the smallest captured size that holds it: its inputs are copied
 into static buffers, padding tokens have slot -1 (nothing stored) and belong to no sequence,
@@ -30,8 +35,9 @@ import torch
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.runner.input_batch import StepInputs
 
-MAX_MIXED_TOKENS = 2048
-MIXED_SEQ_BUCKETS = (128, 512)  # padded sequence counts of mixed graphs, below the largest
+MAX_MIXED_TOKENS = 16384  # larger steps run eagerly (graph memory grows with the largest size)
+MIXED_SEQ_BUCKETS = (128, 512)  # padded sequence counts of mixed graphs, below the largest ...
+MIXED_SEQ_BUCKETS_MAX_TOKENS = 2048  # ... for graphs of up to this many tokens
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -43,18 +49,26 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def mixed_token_sizes(max_num_batched_tokens: int, limit: int = MAX_MIXED_TOKENS) -> list[int]:
-    """Padded token counts of the mixed graphs: multiples of 64 up to 1,024, then of 128 (under
-    6 % padding above 1,024). Such steps are GEMM-bound (~18 us per token for Qwen3-8B on an
-    H200), so every padding token costs what a real one does."""
-    sizes = [*range(64, min(limit, 1024) + 1, 64), *range(1152, limit + 1, 128)]
+    """Padded token counts of the mixed graphs: multiples of 64 up to 1,024, then in each range
+    (2^k, 2^(k+1)] multiples of 2^k / 8 (128 up to 2,048, 256 up to 4,096, ...), so padding
+    stays under 12.5 %. Such steps are GEMM-bound (~18 us per token for Qwen3-8B on an H200),
+    so every padding token costs what a real one does."""
+    sizes = list(range(64, min(limit, 1024) + 1, 64))
+    low = 1024
+    while low < limit:
+        sizes += range(low + low // 8, min(limit, 2 * low) + 1, low // 8)
+        low *= 2
     covering = [s for s in sizes if s >= max_num_batched_tokens][:1]  # the step budget fits the last
     return [s for s in sizes if s < max_num_batched_tokens] + covering
 
 
 def mixed_seq_sizes(tokens: int, max_num_seqs: int) -> list[int]:
     """Padded sequence counts of the mixed graphs of `tokens` tokens: the buckets below the
-    most such a step can hold (min(tokens, max_num_seqs)), then that."""
+    most such a step can hold (min(tokens, max_num_seqs)), then that; only the latter above
+    MIXED_SEQ_BUCKETS_MAX_TOKENS tokens."""
     most = min(tokens, max_num_seqs)
+    if tokens > MIXED_SEQ_BUCKETS_MAX_TOKENS:
+        return [most]
     return [s for s in MIXED_SEQ_BUCKETS if s < most] + [most]
 
 
@@ -65,7 +79,7 @@ class CudaGraphRunner:
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_bs = self.batch_sizes[-1]
         sched = runner.config.scheduler
-        self.mixed_sizes = mixed_token_sizes(sched.max_num_batched_tokens) if mixed else []
+        self.mixed_sizes = mixed_token_sizes(sched.max_num_batched_tokens, MAX_MIXED_TOKENS) if mixed else []
         self.max_tokens = max([self.max_bs, *self.mixed_sizes])
         device = runner.device
         max_blocks = -(-sched.max_model_len // runner.block_size)
@@ -84,6 +98,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.replays: Counter[str] = Counter()  # "decode" / "mixed": steps that ran a graph
+        self.largest_mixed_replayed = 0  # tokens of the largest mixed graph replayed so far
 
     def _meta(self, key: tuple[int, int, int]) -> AttentionMetadata:
         max_query_len, tokens, s = key
@@ -158,4 +173,6 @@ class CudaGraphRunner:
         self.block_tables[:s, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.graphs[key].replay()
         self.replays["decode" if key[0] == 1 else "mixed"] += 1
+        if key[0] != 1:
+            self.largest_mixed_replayed = max(self.largest_mixed_replayed, tokens)
         return self.out[:n]

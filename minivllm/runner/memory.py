@@ -2,6 +2,12 @@
 
 GPU: KV bytes = total memory x gpu_memory_utilization - (weights + peak activations of one
 forward pass at the largest token budget + memory held outside torch) - CUDA graph reserve.
+
+The CUDA graphs keep their own memory pool, never returned to the eager allocator: the
+activations of the largest captured forward (mixed-step graphs go up to the step budget), plus
+a fixed part for the graphs' static buffers and the decode workspace. The reserve is the
+profiled forward's peak (an upper bound when the budget is above the largest graph) plus that
+part; the runner logs what the graphs really hold after capture.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ from minivllm.runner.profile import blocks_for_dummy_step
 
 logger = logging.getLogger(__name__)
 
-# graphs share one memory pool; their private memory is small next to the KV cache
-CUDA_GRAPH_RESERVE_BYTES = 512 << 20
+# static graph inputs/outputs and the decode workspace, on top of the graphs' activations
+CUDA_GRAPH_STATIC_BYTES = 512 << 20
 
 
 def plan_num_blocks(runner, per_block: int) -> int:
@@ -49,7 +55,7 @@ def _profile_gpu_blocks(runner, per_block: int) -> int:
     for layer, (k, v) in zip(runner.model.layers, tmp):
         layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
     torch.cuda.reset_peak_memory_stats()
-    runner.dummy_forward(num_tokens, num_seqs)
+    forward_peak = runner.dummy_forward(num_tokens, num_seqs) - tmp_bytes
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - tmp_bytes
     del tmp
@@ -57,13 +63,15 @@ def _profile_gpu_blocks(runner, per_block: int) -> int:
         layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
     torch.cuda.empty_cache()
     activations = peak - weights
+    graphs = not runner.config.enforce_eager
+    graph_reserve = forward_peak - weights + CUDA_GRAPH_STATIC_BYTES if graphs else 0
     budget = total * runner.config.cache.gpu_memory_utilization
-    kv_bytes = budget - peak - outside_torch - CUDA_GRAPH_RESERVE_BYTES
+    kv_bytes = budget - peak - outside_torch - graph_reserve
     num = int(kv_bytes // per_block)
     runner.memory_report = {
         "total": total, "utilization": runner.config.cache.gpu_memory_utilization,
         "weights": weights, "peak_activations": activations, "outside_torch": outside_torch,
-        "cuda_graph_reserve": CUDA_GRAPH_RESERVE_BYTES, "kv_cache": num * per_block,
+        "cuda_graph_reserve": graph_reserve, "kv_cache": num * per_block,
         "kv_tokens": num * runner.block_size,
     }
     logger.info(
@@ -71,5 +79,5 @@ def _profile_gpu_blocks(runner, per_block: int) -> int:
         "graph reserve %s -> KV cache %s = %d blocks = %d tokens",
         format_bytes(total), runner.config.cache.gpu_memory_utilization, format_bytes(budget),
         format_bytes(weights), format_bytes(activations), num_tokens, format_bytes(outside_torch),
-        format_bytes(CUDA_GRAPH_RESERVE_BYTES), format_bytes(num * per_block), num, num * runner.block_size)
+        format_bytes(graph_reserve), format_bytes(num * per_block), num, num * runner.block_size)
     return num

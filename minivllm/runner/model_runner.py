@@ -19,7 +19,7 @@ from minivllm.core.interfaces import NewRequestData, RunnerOutput, SchedulerOutp
 from minivllm.models.llama import CausalLM
 from minivllm.models.loader import build_model
 from minivllm.runner.input_batch import StepInputs, build_step_inputs
-from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block
+from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, format_bytes
 from minivllm.runner.memory import plan_num_blocks
 from minivllm.sample.batch import SamplingBatch, SamplingRequestState
 from minivllm.sample.sampler import HostSamplerOutput, Sampler
@@ -102,21 +102,34 @@ class ModelRunner:
             return
         from minivllm.runner.cuda_graph import CudaGraphRunner
         t = time.perf_counter()
+        reserved0 = torch.cuda.memory_reserved()
         # mixed-step graphs need an attention backend whose prefill launch depends on shapes only
         mixed = getattr(self.model.layers[0].self_attn.backend, "graph_safe_prefill", False)
         self.graphs = CudaGraphRunner(self, self.config.scheduler.max_num_seqs, mixed=mixed)
         self.graphs.capture()
         self.timings["cuda_graph_capture_s"] = time.perf_counter() - t
-        logger.info("captured %d CUDA graphs (decode: %d batch sizes, mixed steps: %d token sizes) in %.1f s",
-                    self.graphs.num_graphs, len(self.graphs.batch_sizes), len(self.graphs.mixed_sizes),
-                    self.timings["cuda_graph_capture_s"])
+        graph_bytes = torch.cuda.memory_reserved() - reserved0
+        report = getattr(self, "memory_report", None)
+        if report is not None:
+            report["cuda_graphs_measured"] = graph_bytes
+        logger.info("captured %d CUDA graphs (decode: %d batch sizes, mixed steps: %d token sizes) in %.1f s; "
+                    "they hold %s (planned: %s)", self.graphs.num_graphs, len(self.graphs.batch_sizes),
+                    len(self.graphs.mixed_sizes), self.timings["cuda_graph_capture_s"], format_bytes(graph_bytes),
+                    format_bytes(report["cuda_graph_reserve"]) if report else "not planned")
 
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:
-        """Compile now, not under the first requests, the JIT kernel variants a prefill or mixed
-        step can need: the Triton prefill kernel has one per tile size, picked from the step's
-        longest query (~1 s of compile each). Two sequences of q tokens for q = 2 .. 128 reach
-        every tile size. The dummy tokens go to the first KV blocks, all free at startup."""
+        """Load now, not under the first requests, the kernels a step can need.
+
+        - The Triton prefill kernel has one JIT variant per tile size, picked from the step's
+          longest query (~1 s of compile each). Two sequences of q tokens for q = 2 .. 128 reach
+          every tile size. The dummy tokens go to the first KV blocks, all free at startup.
+        - The LM head runs eagerly on the rows that sample, 1 .. max_num_seqs of them, and
+          cuBLAS picks its kernel by the row count. With CUDA's lazy module loading (the
+          default) a kernel's first use loads its module, and that waits for the device to go
+          idle: a step launched behind a 100 ms step blocked the host for 100-220 ms, holding
+          back the tokens of the step before it (W3 all at once; perf.md, session 5). So each
+          row count runs once here (~1 s for Qwen3-8B)."""
         if self.device.type != "cuda":
             return
         from minivllm.runner.profile import dummy_step_inputs
@@ -125,9 +138,13 @@ class ModelRunner:
             inputs = dummy_step_inputs(2 * q, 2, self.block_size, self.device)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
             self.model.compute_logits(hidden[inputs.logits_indices])
+        rows = torch.zeros(self.config.scheduler.max_num_seqs, self.arch.hidden_size, dtype=self.dtype,
+                           device=self.device)
+        for m in range(1, rows.shape[0] + 1):
+            self.model.compute_logits(rows[:m])
         torch.cuda.synchronize()
         self.timings["kernel_warmup_s"] = time.perf_counter() - t
-        logger.info("warmed up the prefill kernels in %.1f s", self.timings["kernel_warmup_s"])
+        logger.info("warmed up the prefill kernels and the LM head in %.1f s", self.timings["kernel_warmup_s"])
 
     # ---- per-request state ------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -213,15 +230,19 @@ class ModelRunner:
 
     # ---- profiling helpers ----------------------------------------------------------------
     @torch.inference_mode()
-    def dummy_forward(self, num_tokens: int, num_seqs: int) -> None:
+    def dummy_forward(self, num_tokens: int, num_seqs: int) -> int:
         """A forward pass (and sampling) over num_tokens tokens split into num_seqs prompts, on a
-        temporary KV cache; measures peak activation memory before the real cache exists."""
+        temporary KV cache; measures peak activation memory before the real cache exists.
+        Returns the peak allocated bytes of the forward alone (what a CUDA graph of the step
+        holds), before the LM head and sampling (CUDA only; 0 elsewhere)."""
         from minivllm.runner.profile import dummy_step_inputs
         inputs = dummy_step_inputs(num_tokens, num_seqs, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        forward_peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         states = [SamplingRequestState(_profile_params(), [0], [], frozenset(), 0) for _ in range(num_seqs)]
         self.sampler(logits, SamplingBatch.build(states, logits.shape[-1], self.device, self.generator))
+        return forward_peak
 
 
 def _token_logprobs(states: list[SamplingRequestState], host: HostSamplerOutput) -> list[TokenLogprobs] | None:

@@ -71,13 +71,23 @@ def _equal_count(a, b) -> int:
     return sum(x == y for x, y in zip(a, b))
 
 
+def _mean_common_prefix(a, b) -> float:
+    """Mean over prompts of how many leading greedy tokens two runs share."""
+    def common(x, y):
+        return next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    return sum(common(x, y) for x, y in zip(a, b)) / len(a)
+
+
 @pytest.mark.parametrize("cfg,name,budget", [(QWEN3_SMALL, "qwen3", None), (LLAMA_SMALL, "llama", None),
                                              (QWEN3_SMALL, "qwen3-chunked", 256)])
 def test_bf16_logits_and_greedy_match_hf(tmp_path_factory, cfg, name, budget):
     """Random weights give near-tied logits, where bf16 rounding alone flips greedy choices; so the
-    greedy criterion is calibrated: minivllm (bf16) must agree with HF (bf16) at least as often
-    as HF's own fp32 run does, and the log-probabilities must agree closely. With a 256-token
-    budget every prompt is chunked and each first token comes from a mixed-step CUDA graph."""
+    greedy criterion is calibrated against HF's own fp32 run: how many leading tokens minivllm
+    (bf16) shares with HF (bf16), averaged over prompts, must be at least half of what HF fp32
+    shares with HF bf16 (whole-sequence equality, 3-4 of 16 prompts for either, made this test
+    flaky); and the log-probabilities must agree closely. A wrong kernel diverges within a
+    token or two. With a 256-token budget every prompt is chunked and each first token comes
+    from a mixed-step CUDA graph."""
     model_dir = _random_model_dir(tmp_path_factory, cfg, name)
     prompts = _prompts(cfg["vocab_size"])
     hf_tokens, hf_lp = _hf_greedy_and_logprobs(model_dir, prompts)
@@ -90,12 +100,13 @@ def test_bf16_logits_and_greedy_match_hf(tmp_path_factory, cfg, name, budget):
     for o, ref_lp in zip(outs, hf_lp):
         diffs += [abs(lp.logprob - ref_lp[tid].item()) for tid, lp in o.outputs[0].logprobs[0].items()]
     mean_diff = sum(diffs) / len(diffs)
-    ours = _equal_count([o.outputs[0].token_ids for o in outs], hf_tokens)
-    hf32 = _equal_count(hf32_tokens, hf_tokens)
-    print(f"{name}: mean |dlogprob| top-20 = {mean_diff:.4f}; greedy equal to HF bf16: minivllm {ours}/16, "
-          f"HF fp32 {hf32}/16")
+    ours_tokens = [o.outputs[0].token_ids for o in outs]
+    ours, hf32 = _mean_common_prefix(ours_tokens, hf_tokens), _mean_common_prefix(hf32_tokens, hf_tokens)
+    print(f"{name}: mean |dlogprob| top-20 = {mean_diff:.4f}; greedy tokens shared with HF bf16 before the "
+          f"first difference, mean of {len(prompts)} prompts: minivllm {ours:.1f}, HF fp32 {hf32:.1f} "
+          f"(whole sequences equal: {_equal_count(ours_tokens, hf_tokens)} vs {_equal_count(hf32_tokens, hf_tokens)})")
     assert mean_diff < 0.05
-    assert ours >= min(0.9 * len(prompts), hf32 - 1)
+    assert ours >= 0.5 * hf32
     if budget is not None:
         assert llm.llm_engine.executor.runner.graphs.replays["mixed"] > 0
 
@@ -141,9 +152,9 @@ def _hf_gguf_greedy(path: str, prompts, dtype) -> list[list[int]]:
 
 @pytest.mark.parametrize("budget", [None, 200])
 def test_cuda_graphs_match_eager(tmp_path_factory, budget):
-    """Decode graphs (default budget: prompts prefill eagerly) and mixed-step graphs (a 200-token
-    budget: chunks and decode tokens share steps of <= 200 tokens, padded to 256) give the
-    eager run's tokens."""
+    """Decode graphs and mixed-step graphs give the eager run's tokens: with the default budget
+    all 24 prompts (~7,000 tokens) prefill in one step through a large mixed graph; with a
+    200-token budget chunks and decode tokens share steps of <= 200 tokens, padded to 256."""
     model_dir = _random_model_dir(tmp_path_factory, QWEN3_SMALL, "qwen3g")
     prompts = _prompts(QWEN3_SMALL["vocab_size"], 24)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
@@ -158,7 +169,8 @@ def test_cuda_graphs_match_eager(tmp_path_factory, budget):
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
         if not eager:
             assert graphs.replays["decode"] > 0
-            assert (graphs.replays["mixed"] > 0) == (budget is not None)
+            assert graphs.replays["mixed"] > 0
+            assert (graphs.largest_mixed_replayed > 4096) == (budget is None)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
