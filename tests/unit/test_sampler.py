@@ -16,7 +16,7 @@ from minivllm.sample import (
     process_logits,
     validate_for_vocab,
 )
-from minivllm.sample.rng import exponential_race, seeded_exponentials, wrap_seed
+from minivllm.sample.rng import _generator_exponentials, exponential_race, seeded_exponentials, wrap_seed
 from minivllm.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -160,6 +160,15 @@ def test_seeded_noise_is_exponential():
     e = seeded_exponentials(torch.tensor([0, -1, 2**62]), torch.tensor([0, 5, 7]), 40_000)
     assert e.dtype == torch.float32 and bool((e > 0).all()) and bool(torch.isfinite(e).all())
     assert stats.kstest(e.flatten().numpy(), "expon").pvalue > 1e-3
+
+
+def test_generator_noise_is_exponential_and_reproducible():
+    # the unseeded rows' noise (on the CPU -log of a uniform draw, not exponential_)
+    probs = torch.full((4, 40_000), 1 / 40_000)
+    e = _generator_exponentials(probs, torch.Generator().manual_seed(3))
+    assert e.shape == probs.shape and e.dtype == torch.float32 and bool((e > 0).all())
+    assert stats.kstest(e.flatten().numpy(), "expon").pvalue > 1e-3
+    assert torch.equal(e, _generator_exponentials(probs, torch.Generator().manual_seed(3)))
 
 
 @pytest.mark.parametrize("seeded", [True, False])
