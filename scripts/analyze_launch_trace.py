@@ -1,6 +1,6 @@
 """Per-step launch trace of `scripts/profile_w3_offline.py --trace-launch`: the steps whose launch
-blocked (> 50 ms) against the others, per launch part (ms) and allocator counter (calls), then
-the first 40 steps one per line.
+blocked (over step_stats.BLOCKED_LAUNCH_S) against the others, per launch part (ms) and
+allocator counter (calls), then the first 40 steps one per line.
 
     python3 scripts/analyze_launch_trace.py TRACE.json [...]
 """
@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import sys
 
+from minivllm.bench.step_stats import BLOCKED_LAUNCH_S
+
 KEYS = ("t_graph_try_run", "t_compute_logits", "t_build_step_inputs", "t_fill_placeholders",
         "t_forward_logits", "t_launch_sampling", "dev_alloc", "dev_free", "host_alloc", "host_free")
-BLOCKED_S = 0.05
 
 
 def _shown(key: str, value: float) -> float:
@@ -27,8 +28,8 @@ def report(path: str) -> None:
     with open(path) as f:
         records = json.load(f)["records"]
     print(path, len(records), "steps")
-    blocked = [r for r in records if r.get("launch", 0) > BLOCKED_S]
-    other = [r for r in records if r.get("launch", 0) <= BLOCKED_S]
+    blocked = [r for r in records if r.get("launch", 0) > BLOCKED_LAUNCH_S]
+    other = [r for r in records if r.get("launch", 0) <= BLOCKED_LAUNCH_S]
     for name, rows in (("blocked", blocked), ("other", other)):
         if rows:
             print(name, len(rows), _means(rows))

@@ -14,6 +14,9 @@ import statistics
 import sys
 
 PHASES = ("schedule", "launch", "wait", "update", "outputs")
+# a launch longer than this blocked the host on the device (e.g. a lazy kernel load, perf.md
+# session 5); with async scheduling it also holds back the previous step's tokens
+BLOCKED_LAUNCH_S = 0.05
 
 
 def is_decode_step(record: dict) -> bool:
@@ -37,9 +40,7 @@ def summarize(records: list[dict], band: int = 200) -> dict:
         walls = sorted(r["wall"] for r in rows)
         g["wall_ms_p99"] = round(walls[min(len(walls) - 1, int(0.99 * len(walls)))] * 1e3, 2)
         g["wall_ms_max"] = round(walls[-1] * 1e3, 2)
-        # a launch this long blocked the host (on the device or a full launch queue); with async
-        # scheduling it also holds back the previous step's tokens
-        g["launch_over_50ms"] = sum(r.get("launch", 0.0) > 0.05 for r in rows)
+        g["launch_over_50ms"] = sum(r.get("launch", 0.0) > BLOCKED_LAUNCH_S for r in rows)
         g["running_mean"] = round(statistics.fmean(r.get("running", 0) for r in rows), 1)
         g["tokens_mean"] = round(statistics.fmean(r.get("tokens", 0) for r in rows), 1)
         out[kind] = g
