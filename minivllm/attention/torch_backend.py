@@ -1,6 +1,9 @@
 """The plain-PyTorch backend: the CPU path. Decode rows are batched into one SDPA call over
 the gathered blocks; prefill rows run one SDPA call each. Tested against reference.py.
 
+On a CPU with the compiled decode kernel (`kernels/cpu_attention.py`, handed over by the runner
+through `use_cpu_kernel`), float32 decode rows go to it instead: it reads the blocks in place.
+
 Everything that depends only on the step's metadata (which rows decode, the gather indices, the
 length mask) is worked out once per step, at the first layer, and reused by the other layers:
 the runner builds one AttentionMetadata per step and every layer gets that same object."""
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.reference import gather_kv, store_kv_reference
+from minivllm.kernels import cpu_attention
 
 
 @dataclass
@@ -25,6 +29,8 @@ class _StepPlan:
     gather_start: int | None  # set when those ids are consecutive: read the blocks in place
     kv_len: int  # gathered keys per decode row are sliced to this
     mask: torch.Tensor | None  # [B, 1, 1, kv_len] valid keys; None: every row has kv_len keys
+    tables: torch.Tensor | None  # [B, max_blocks] int32 block tables of the decode rows
+    lens: torch.Tensor | None  # [B] int32 their sequence lengths
     prefills: list[tuple[int, int, int, int]]  # (row, start, end, seq_len) of multi-token rows
 
 
@@ -34,7 +40,7 @@ def _plan_step(meta: AttentionMetadata, block_size: int, num_tokens: int, device
     rows = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
     prefills = [(i, qsl[i], qsl[i + 1], lens[i]) for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
     if not rows:
-        return _StepPlan(block_size, 0, None, None, None, 0, None, prefills)
+        return _StepPlan(block_size, 0, None, None, None, 0, None, None, None, prefills)
     all_rows = len(rows) == len(lens)
     idx = None if all_rows else torch.tensor(rows, device=device)
     tables = meta.block_tables if all_rows else meta.block_tables[idx]
@@ -54,8 +60,9 @@ def _plan_step(meta: AttentionMetadata, block_size: int, num_tokens: int, device
         mask = (torch.arange(kv_len, device=device)[None, :] < seq_lens[:, None])[:, None, None, :]
     token_rows = [qsl[i] for i in rows]
     decode_tokens = None if len(rows) == num_tokens else torch.tensor(token_rows, device=device)
+    lens_t = meta.seq_lens if all_rows else meta.seq_lens[idx]
     return _StepPlan(block_size, len(rows), decode_tokens, gather, first if consecutive else None, kv_len, mask,
-                     prefills)
+                     tables, lens_t, prefills)
 
 
 class TorchAttentionBackend:
@@ -64,6 +71,11 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         self._slots: tuple[torch.Tensor, bool] | None = None  # (slot_mapping, has no padding)
         self._plan: tuple[AttentionMetadata, _StepPlan] | None = None
+        self._cpu_ops = None  # the compiled CPU decode kernel's ops, when the runner hands them over
+
+    def use_cpu_kernel(self, ops) -> None:
+        """Serve float32 CPU decode rows with the compiled kernel (kernels/cpu_attention.py)."""
+        self._cpu_ops = ops
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if slot_mapping.device.type == "cpu":
@@ -85,13 +97,20 @@ class TorchAttentionBackend:
     def attend(self, query: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         plan = self._step_plan(meta, k_cache.shape[1], query)
         if plan.decode_rows and plan.decode_tokens is None:
-            return _decode(query, k_cache, v_cache, plan, scale)  # a decode-only step
+            return self._decode(query, k_cache, v_cache, plan, scale)  # a decode-only step
         out = torch.empty_like(query)
         if plan.decode_rows:
-            out[plan.decode_tokens] = _decode(query[plan.decode_tokens], k_cache, v_cache, plan, scale)
+            out[plan.decode_tokens] = self._decode(query[plan.decode_tokens], k_cache, v_cache, plan, scale)
         for row, start, end, seq_len in plan.prefills:
             out[start:end] = _prefill_one(query[start:end], k_cache, v_cache, meta.block_tables[row], seq_len, scale)
         return out
+
+
+    def _decode(self, q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
+        if self._cpu_ops is not None and cpu_attention.supports(q, k_cache):
+            return cpu_attention.paged_decode_attention(self._cpu_ops, q, k_cache, v_cache, plan.tables, plan.lens,
+                                                        scale)
+        return _decode(q, k_cache, v_cache, plan, scale)
 
 
 def _decode(q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:

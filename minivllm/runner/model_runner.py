@@ -75,10 +75,17 @@ class ModelRunner:
                     self.device, self.timings["load_model_s"])
 
     def _setup_cpu_model(self) -> None:
-        """CPU float32 only: linear layers on prepacked oneDNN weights (models/cpu_linear.py), and
-        the forward in fewer ops (models/cpu_forward.py)."""
+        """CPU float32 only: linear layers on prepacked oneDNN weights (models/cpu_linear.py), the
+        forward in fewer ops (models/cpu_forward.py) and the compiled decode-attention kernel
+        (kernels/cpu_attention.py, built on first use and cached)."""
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return
+        from minivllm.kernels import cpu_attention
+        backend = self.model.layers[0].self_attn.backend  # one instance serves every layer
+        if cpu_attention.kernel_enabled() and hasattr(backend, "use_cpu_kernel"):
+            ops = cpu_attention.load()
+            if ops is not None:
+                backend.use_cpu_kernel(ops)
         from minivllm.models.cpu_forward import enable_cpu_forward
         from minivllm.models.cpu_linear import pack_linears, packed_linear_available
         if packed_linear_available():

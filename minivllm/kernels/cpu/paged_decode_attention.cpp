@@ -1,0 +1,263 @@
+// Paged decode attention for the CPU, float32: one query token per sequence, reading each
+// sequence's K/V blocks where they lie in the cache (the plain-PyTorch path copies them out
+// with index_select every layer, then runs SDPA over the copy).
+//
+// Shapes (all float32 except the int32 tables):
+//   query        [B, Hq, D]   stride(1) == D, stride(2) == 1 (rows may be strided)
+//   k/v_cache    [num_blocks, block_size, Hk, D] contiguous
+//   block_tables [B, max_blocks] int32, last dim contiguous
+//   seq_lens     [B] int32, >= 1: keys 0 .. seq_lens[b] - 1 of sequence b
+//   out          [B, Hq, D] contiguous
+// Query head j reads KV head j / (Hq / Hk) (grouped-query attention).
+//
+// Work split: one task per (sequence, KV head), spread over torch's intra-op threads by
+// at::parallel_for. A task loads its G = Hq / Hk query heads once, then makes two passes over
+// the keys: scores (q . k * scale, with the running max), then exp and the weighted sum of V.
+// Scores of one task fit in a per-thread buffer (G * seq_len floats).
+//
+// Built at first use by minivllm/kernels/cpu_attention.py with torch.utils.cpp_extension.
+// With AVX-512 (compiled with -mavx512f) D = 64 or 128 and G <= 8 take the vectorized path;
+// everything else takes the portable loop, which the tests build and check separately.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#ifndef MINIVLLM_OPS_NAMESPACE
+#define MINIVLLM_OPS_NAMESPACE minivllm_cpu
+#endif
+
+namespace {
+
+struct Task {
+  const float* q;        // [G, D] query heads of this KV head
+  const float* k;        // k_cache offset to this KV head: token slot s is at k + s * slot_stride
+  const float* v;
+  const int32_t* table;  // this sequence's block ids
+  int64_t len;           // keys to attend to
+  float* out;            // [G, D]
+};
+
+struct Shape {
+  int64_t G, D, block_size, slot_stride;  // slot_stride = Hk * D floats between token slots
+  float scale;
+};
+
+inline int64_t slot_of(const int32_t* table, int64_t t, int64_t block_size) {
+  return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+}
+
+// The portable path: plain loops, std::exp.
+void attend_portable(const Task& task, const Shape& s, std::vector<float>& scores) {
+  const int64_t G = s.G, D = s.D, len = task.len;
+  scores.resize(G * len);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* k = task.k + slot_of(task.table, t, s.block_size) * s.slot_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* q = task.q + g * D;
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) acc += q[d] * k[d];
+      scores[g * len + t] = acc * s.scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * len;
+    const float m = *std::max_element(sg, sg + len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = std::exp(sg[t] - m);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+  std::fill(task.out, task.out + G * D, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* v = task.v + slot_of(task.table, t, s.block_size) * s.slot_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * len + t];
+      float* o = task.out + g * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
+    }
+  }
+}
+
+#ifdef __AVX512F__
+// exp of 16 floats: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for exactness),
+// exp(r) from a degree-6 polynomial (relative error ~2e-7), times 2^n. Inputs here are <= 0
+// (scores minus their max); below -87.3 the result would be denormal and is clamped there.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax in place over scores[0 .. len) given their max
+inline void softmax_row(float* sg, int64_t len, float max) {
+  const __m512 m = _mm512_set1_ps(max);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+    _mm512_storeu_ps(sg + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (t < len) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + t), m));
+    _mm512_mask_storeu_ps(sg + t, tail, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (t = 0; t + 16 <= len; t += 16) _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
+  for (; t < len; ++t) sg[t] *= _mm512_cvtss_f32(inv);
+}
+
+// C = D / 16 vectors per head row; G <= 8 query heads held in registers (spilled if needed).
+template <int C>
+void attend_avx512(const Task& task, const Shape& s, std::vector<float>& scores) {
+  constexpr int64_t D = C * 16;
+  const int64_t G = s.G, len = task.len;
+  scores.resize(G * len);
+  float* sc = scores.data();
+  __m512 q[8][C];
+  float mx[8];
+  for (int64_t g = 0; g < G; ++g) {
+    mx[g] = -INFINITY;
+    for (int c = 0; c < C; ++c) q[g][c] = _mm512_mul_ps(_mm512_loadu_ps(task.q + g * D + c * 16), _mm512_set1_ps(s.scale));
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    const float* k = task.k + slot_of(task.table, t, s.block_size) * s.slot_stride;
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(k + c * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(q[g][0], kv[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[g][c], kv[c], acc);
+      const float x = _mm512_reduce_add_ps(acc);
+      sc[g * len + t] = x;
+      mx[g] = std::max(mx[g], x);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) softmax_row(sc + g * len, len, mx[g]);
+  __m512 o[8][C];
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const float* v = task.v + slot_of(task.table, t, s.block_size) * s.slot_stride;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + c * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(sc[g * len + t]);
+      for (int c = 0; c < C; ++c) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(task.out + g * D + c * 16, o[g][c]);
+}
+#endif
+
+using AttendFn = void (*)(const Task&, const Shape&, std::vector<float>&);
+
+AttendFn pick_path(int64_t G, int64_t D) {
+#ifdef __AVX512F__
+  if (G <= 8 && D == 64) return attend_avx512<4>;
+  if (G <= 8 && D == 128) return attend_avx512<8>;
+#endif
+  (void)G;
+  (void)D;
+  return attend_portable;
+}
+
+void check_inputs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& out) {
+  for (const at::Tensor* t : {&query, &k_cache, &v_cache, &out}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat, "paged_decode_attention: float32 CPU tensors only");
+  }
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "paged_decode_attention: query must be [B, Hq, D] with contiguous heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes(), "paged_decode_attention: caches must be contiguous [N, bs, Hk, D]");
+  TORCH_CHECK(k_cache.size(3) == query.size(2) && query.size(1) % k_cache.size(2) == 0,
+              "paged_decode_attention: head_dim must match and Hq must be a multiple of Hk");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+              block_tables.size(0) == query.size(0), "paged_decode_attention: block_tables must be int32 [B, max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == query.size(0),
+              "paged_decode_attention: seq_lens must be int32 [B]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "paged_decode_attention: out must be contiguous like query");
+  // every block a sequence reads must exist: a bad id would read outside the cache
+  const int64_t bs = k_cache.size(1), num_blocks = k_cache.size(0), max_blocks = block_tables.size(1);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < query.size(0); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && (lens[b] + bs - 1) / bs <= max_blocks, "paged_decode_attention: seq_lens[", b,
+                "] = ", lens[b], " outside [1, ", max_blocks * bs, "]");
+    const int32_t* row = block_tables.data_ptr<int32_t>() + b * block_tables.stride(0);
+    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
+      TORCH_CHECK(row[i] >= 0 && row[i] < num_blocks, "paged_decode_attention: block id ", row[i], " of sequence ", b,
+                  " outside [0, ", num_blocks, ")");
+  }
+}
+
+}  // namespace
+
+void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                            at::Tensor& out) {
+  check_inputs(query, k_cache, v_cache, block_tables, seq_lens, out);
+  const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2), Hk = k_cache.size(2);
+  const Shape shape{Hq / Hk, D, k_cache.size(1), Hk * D, static_cast<float>(scale)};
+  const AttendFn attend = pick_path(shape.G, D);
+  const float* q = query.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t q_row = query.stride(0), t_row = block_tables.stride(0);
+  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // reused by this thread's tasks
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hk, h = i % Hk;
+      const Task task{q + b * q_row + h * shape.G * D, kc + h * D, vc + h * D, tables + b * t_row, lens[b],
+                      o + (b * Hq + h * shape.G) * D};
+      attend(task, shape, scores);
+    }
+  });
+}
+
+bool has_avx512_path() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// TORCH_LIBRARY pastes its argument: go through a second macro so the namespace is expanded
+#define MINIVLLM_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define MINIVLLM_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+MINIVLLM_LIBRARY(MINIVLLM_OPS_NAMESPACE, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+  m.def("has_avx512_path() -> bool", &has_avx512_path);
+}
+
+MINIVLLM_LIBRARY_IMPL(MINIVLLM_OPS_NAMESPACE, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

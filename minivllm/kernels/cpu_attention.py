@@ -1,0 +1,117 @@
+"""The CPU decode-attention kernel: `kernels/cpu/paged_decode_attention.cpp`, built at first use.
+
+Why a C++ kernel: the plain-PyTorch backend copies every decode row's K/V blocks out of the
+paged cache with `index_select` in every layer and then runs SDPA over the copy. On the 2-core
+CPU machine that was ~40 ms of a ~120 ms decode step of W5's 32-request batch (docs/perf.md).
+The kernel reads the blocks where they lie, one task per (sequence, KV head).
+
+Building: `torch.utils.cpp_extension.load` compiles the source with the system C++ compiler and
+ninja (~10-15 s once; the library is cached under torch's extensions directory, by default
+~/.cache/torch_extensions, and reused by later processes). On an x86 CPU with AVX-512 it is
+built with `-mavx512f` and takes the vectorized path; elsewhere the portable path. If the build
+fails (no compiler), `load()` logs why once and returns None, and the backend keeps the
+plain-PyTorch path. MINIVLLM_CPU_ATTENTION_KERNEL=0 switches the kernel off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_FLAG = "MINIVLLM_CPU_ATTENTION_KERNEL"
+SOURCE = Path(__file__).with_name("cpu") / "paged_decode_attention.cpp"
+_loaded: dict[str, object] = {}  # variant -> op namespace, or None when its build failed
+
+
+def kernel_enabled() -> bool:
+    return os.environ.get(ENV_FLAG, "1") != "0"
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this x86 CPU reports AVX-512F (Linux /proc/cpuinfo; False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512f" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def _ensure_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; a venv used without activation has it only in the
+    ninja package's own directory."""
+    if shutil.which("ninja"):
+        return
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja  # the PyPI package that ships the binary
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    for d in candidates:
+        if (d / "ninja").exists():
+            os.environ["PATH"] = f"{d}{os.pathsep}{os.environ.get('PATH', '')}"
+            return
+
+
+def load(variant: str | None = None):
+    """Build (first time) and load the kernel; returns its op namespace or None.
+
+    variant: "avx512" or "portable"; None picks avx512 when the CPU has it. Each variant is its
+    own library and op namespace (`torch.ops.minivllm_cpu_<variant>`), so tests can load both."""
+    if variant is None:
+        variant = "avx512" if cpu_has_avx512() else "portable"
+    if variant in _loaded:
+        return _loaded[variant]
+    namespace = f"minivllm_cpu_{variant}"
+    flags = ["-O3", "-fopenmp", f"-DMINIVLLM_OPS_NAMESPACE={namespace}"]
+    # explicit ISA flags rather than -march=native: the cached library then runs on any CPU
+    # with AVX-512F, not only on the exact model that built it
+    if variant == "avx512":
+        flags += ["-mavx512f", "-mavx512dq", "-mfma", "-mavx2"]
+    elif platform.machine().lower() in ("x86_64", "amd64"):
+        flags += ["-mno-avx512f"]  # the portable path even where the compiler defaults to AVX-512
+    t = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+        _ensure_ninja_on_path()
+        # -fopenmp only compiles at::parallel_for's pragmas: the link line has no -lgomp, so the
+        # library uses the OpenMP runtime torch already loaded (one thread pool, not two)
+        cpp_extension.load(name=namespace, sources=[str(SOURCE)], extra_cflags=flags, is_python_module=False,
+                           verbose=False)
+        ops = getattr(torch.ops, namespace)
+    except Exception as e:  # no compiler, no ninja, a failed build: keep the PyTorch path
+        logger.warning("CPU attention kernel unavailable (%s: %s); using the plain-PyTorch path",
+                       type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        ops = None
+    else:
+        logger.info("CPU attention kernel %s ready in %.1f s", variant, time.perf_counter() - t)
+    _loaded[variant] = ops
+    return ops
+
+
+def paged_decode_attention(ops, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [B, Hq, D] (heads contiguous), caches [N, bs, Hk, D], block_tables [B, M] int32,
+    seq_lens [B] int32 -> [B, Hq, D]: row b attends to keys 0 .. seq_lens[b] - 1."""
+    out = torch.empty(query.shape, dtype=query.dtype)
+    ops.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    return out
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel can serve this layer's decode rows."""
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and query.shape[1] % k_cache.shape[2] == 0 and query.stride(2) == 1
+            and query.stride(1) == query.shape[2])
