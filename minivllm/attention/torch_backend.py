@@ -1,7 +1,7 @@
 """The plain-PyTorch backend: the CPU path. Decode rows are batched into one SDPA call over
 the gathered blocks; prefill rows run one SDPA call each. Tested against reference.py.
 
-On a CPU with the compiled decode kernel (`kernels/cpu_attention.py`, handed over by the runner
+On a CPU with the compiled decode kernel (`kernels/cpu_kernels.py`, handed over by the runner
 through `use_cpu_kernel`), float32 decode rows go to it instead: it reads the blocks in place.
 
 Everything that depends only on the step's metadata (which rows decode, the gather indices, the
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.attention.reference import gather_kv, store_kv_reference
-from minivllm.kernels import cpu_attention
+from minivllm.kernels import cpu_kernels
 
 
 @dataclass
@@ -74,7 +74,7 @@ class TorchAttentionBackend:
         self._cpu_ops = None  # the compiled CPU decode kernel's ops, when the runner hands them over
 
     def use_cpu_kernel(self, ops) -> None:
-        """Serve float32 CPU decode rows with the compiled kernel (kernels/cpu_attention.py)."""
+        """Serve float32 CPU decode rows with the compiled kernel (kernels/cpu_kernels.py)."""
         self._cpu_ops = ops
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -107,8 +107,8 @@ class TorchAttentionBackend:
 
 
     def _decode(self, q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
-        if self._cpu_ops is not None and cpu_attention.supports(q, k_cache):
-            return cpu_attention.paged_decode_attention(self._cpu_ops, q, k_cache, v_cache, plan.tables, plan.lens,
+        if self._cpu_ops is not None and cpu_kernels.supports(q, k_cache):
+            return cpu_kernels.paged_decode_attention(self._cpu_ops, q, k_cache, v_cache, plan.tables, plan.lens,
                                                         scale)
         return _decode(q, k_cache, v_cache, plan, scale)
 

@@ -15,7 +15,12 @@ Every op here is bit-identical to the module path in float32 (tests/unit/test_cp
              = [x1 cos - x2 sin | x2 cos + x1 sin]     (negation is exact)
   mlp        silu(gate) * up
 
-`CpuForward(model)` is installed by the runner on a CPU float32 model without q/k-norm
+With the compiled CPU kernels (kernels/cpu_kernels.py) the small ops go further: a layer is
+four fused calls around its four matmuls (residual add + norm, rotary + K/V store, attention,
+residual add + norm, SiLU-and-multiply). That path equals the module path up to float32
+rounding (the norm's sum of squares is added in another order), not bit for bit.
+
+`CpuForward(model, ops)` is installed by the runner on a CPU float32 model without q/k-norm
 (`enable_cpu_forward`); MINIVLLM_CPU_FAST_FORWARD=0 keeps the module path.
 """
 
@@ -85,10 +90,14 @@ class _Layer:
 
 
 class CpuForward:
-    """`forward(input_ids, positions, meta)` with the result of `CausalLM.forward`."""
+    """`forward(input_ids, positions, meta)` with the result of `CausalLM.forward`.
 
-    def __init__(self, model) -> None:
+    ops: the compiled CPU kernels' op namespace (kernels/cpu_kernels.load()), or None for the
+    plain-PyTorch ops (bit-identical to the module path)."""
+
+    def __init__(self, model, ops=None) -> None:
         assert supports_cpu_forward(model)
+        self.ops = ops
         cfg = model.cfg
         self.eps = cfg.rms_norm_eps
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -108,6 +117,8 @@ class CpuForward:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, H] (a new tensor)."""
         residual = F.embedding(input_ids, self.embed)  # [T, H], owned: updated in place below
+        if self.ops is not None:
+            return self._forward_fused(residual, positions, meta)
         cos2, sin2 = rotary_tables(self.cos_sin, positions)
         hidden = None
         for layer in self.layers:
@@ -132,10 +143,29 @@ class CpuForward:
         return p.down(F.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:]))
 
 
-def enable_cpu_forward(model) -> bool:
+    def _forward_fused(self, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The same layers through the compiled kernels: four fused calls a layer."""
+        ops, eps, t = self.ops, self.eps, residual.shape[0]
+        positions = positions.contiguous()
+        hidden = None
+        for p in self.layers:
+            attn = p.attn
+            qkv = p.qkv(ops.add_rms_norm(residual, hidden, p.input_norm, eps))  # [T, (Hq + 2 Hk) D]
+            # q and k rotated in place, k and v written to their cache slots
+            ops.rope_store_kv(qkv, positions, self.cos_sin, self.num_heads, self.num_kv_heads, attn.k_cache,
+                              attn.v_cache, meta.slot_mapping)
+            q = qkv.view(t, -1, self.head_dim)[:, :self.num_heads]  # rows strided, heads contiguous
+            o = self.backend.attend(q, attn.k_cache, attn.v_cache, meta, self.scale)
+            gate_up = p.gate_up(ops.add_rms_norm(residual, p.o(o.reshape(t, -1)), p.post_norm, eps))
+            hidden = p.down(ops.silu_mul(gate_up))
+        return ops.add_rms_norm(residual, hidden, self.final_norm, eps)
+
+
+def enable_cpu_forward(model, ops=None) -> bool:
     """Route `model.forward` through CpuForward when supported and not switched off; returns
-    whether it did. Call after any change of the model's linear modules (pack_linears)."""
+    whether it did. Call after any change of the model's linear modules (pack_linears).
+    ops: the compiled CPU kernels (kernels/cpu_kernels.load()), or None for PyTorch ops."""
     if not (cpu_forward_enabled() and supports_cpu_forward(model)):
         return False
-    model.cpu_forward = CpuForward(model)
+    model.cpu_forward = CpuForward(model, ops)
     return True

@@ -77,21 +77,23 @@ class ModelRunner:
     def _setup_cpu_model(self) -> None:
         """CPU float32 only: linear layers on prepacked oneDNN weights (models/cpu_linear.py), the
         forward in fewer ops (models/cpu_forward.py) and the compiled decode-attention kernel
-        (kernels/cpu_attention.py, built on first use and cached)."""
+        (kernels/cpu_kernels.py, built on first use and cached)."""
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return
-        from minivllm.kernels import cpu_attention
-        backend = self.model.layers[0].self_attn.backend  # one instance serves every layer
-        if cpu_attention.kernel_enabled() and hasattr(backend, "use_cpu_kernel"):
-            ops = cpu_attention.load()
-            if ops is not None:
-                backend.use_cpu_kernel(ops)
+        from minivllm.kernels import cpu_kernels
         from minivllm.models.cpu_forward import enable_cpu_forward
         from minivllm.models.cpu_linear import pack_linears, packed_linear_available
+        backend = self.model.layers[0].self_attn.backend  # one instance serves every layer
+        ops = None
+        if cpu_kernels.kernel_enabled() and hasattr(backend, "use_cpu_kernel"):
+            ops = cpu_kernels.load()
+            if ops is not None:
+                backend.use_cpu_kernel(ops)
         if packed_linear_available():
             logger.info("CPU: %d linear layers on prepacked oneDNN weights", pack_linears(self.model))
-        if enable_cpu_forward(self.model):  # after packing: it binds the final linear modules
-            logger.info("CPU: float32 forward in fewer ops (models/cpu_forward.py)")
+        if enable_cpu_forward(self.model, ops):  # after packing: it binds the final linear modules
+            logger.info("CPU: float32 forward in fewer ops (models/cpu_forward.py)%s",
+                        ", fused C++ ops" if ops is not None else "")
 
     def init_kv_cache(self) -> int:
         """Size the KV cache from the memory budget, allocate it and hand it to the layers."""

@@ -15,7 +15,7 @@
 // the keys: scores (q . k * scale, with the running max), then exp and the weighted sum of V.
 // Scores of one task fit in a per-thread buffer (G * seq_len floats).
 //
-// Built at first use by minivllm/kernels/cpu_attention.py with torch.utils.cpp_extension.
+// Built at first use by minivllm/kernels/cpu_kernels.py with torch.utils.cpp_extension.
 // With AVX-512 (compiled with -mavx512f) D = 64 or 128 and G <= 8 take the vectorized path;
 // everything else takes the portable loop, which the tests build and check separately.
 
@@ -27,9 +27,7 @@
 #include <cmath>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 #ifndef MINIVLLM_OPS_NAMESPACE
 #define MINIVLLM_OPS_NAMESPACE minivllm_cpu
@@ -91,38 +89,19 @@ void attend_portable(const Task& task, const Shape& s, std::vector<float>& score
 }
 
 #ifdef __AVX512F__
-// exp of 16 floats: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for exactness),
-// exp(r) from a degree-6 polynomial (relative error ~2e-7), times 2^n. Inputs here are <= 0
-// (scores minus their max); below -87.3 the result would be denormal and is clamped there.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // softmax in place over scores[0 .. len) given their max
 inline void softmax_row(float* sg, int64_t len, float max) {
   const __m512 m = _mm512_set1_ps(max);
   __m512 sum = _mm512_setzero_ps();
   int64_t t = 0;
   for (; t + 16 <= len; t += 16) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+    const __m512 e = minivllm_vec::exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
     _mm512_storeu_ps(sg + t, e);
     sum = _mm512_add_ps(sum, e);
   }
   if (t < len) {
     const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + t), m));
+    const __m512 e = minivllm_vec::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + t), m));
     _mm512_mask_storeu_ps(sg + t, tail, e);
     sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
   }
@@ -250,8 +229,9 @@ bool has_avx512_path() {
 #endif
 }
 
-// TORCH_LIBRARY pastes its argument: go through a second macro so the namespace is expanded
-#define MINIVLLM_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+// TORCH_LIBRARY_* paste their argument: go through a second macro so the namespace is expanded
+// (a fragment: kernels/cpu/fused_ops.cpp adds the other ops of the same library)
+#define MINIVLLM_LIBRARY(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
 #define MINIVLLM_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 MINIVLLM_LIBRARY(MINIVLLM_OPS_NAMESPACE, m) {

@@ -1,16 +1,17 @@
-"""The CPU decode-attention kernel: `kernels/cpu/paged_decode_attention.cpp`, built at first use.
+"""The CPU float32 kernels in C++ (`kernels/cpu/`), built at first use:
 
-Why a C++ kernel: the plain-PyTorch backend copies every decode row's K/V blocks out of the
-paged cache with `index_select` in every layer and then runs SDPA over the copy. On the 2-core
-CPU machine that was ~40 ms of a ~120 ms decode step of W5's 32-request batch (docs/perf.md).
-The kernel reads the blocks where they lie, one task per (sequence, KV head).
+- `paged_decode_attention.cpp`: decode attention reading each row's K/V blocks where they lie.
+  The plain-PyTorch backend copies them out with `index_select` in every layer, then runs SDPA
+  over the copy: ~40 ms of a ~120 ms decode step of W5's 32-request batch (docs/perf.md).
+- `fused_ops.cpp`: residual add + RMSNorm, rotary + K/V store, SiLU-and-multiply, one call each
+  instead of ~25 small PyTorch ops a layer (models/cpu_forward.py).
 
-Building: `torch.utils.cpp_extension.load` compiles the source with the system C++ compiler and
-ninja (~10-15 s once; the library is cached under torch's extensions directory, by default
+Building: `torch.utils.cpp_extension.load` compiles the sources with the system C++ compiler and
+ninja (~20 s once; the library is cached under torch's extensions directory, by default
 ~/.cache/torch_extensions, and reused by later processes). On an x86 CPU with AVX-512 it is
-built with `-mavx512f` and takes the vectorized path; elsewhere the portable path. If the build
-fails (no compiler), `load()` logs why once and returns None, and the backend keeps the
-plain-PyTorch path. MINIVLLM_CPU_ATTENTION_KERNEL=0 switches the kernel off.
+built with `-mavx512f` and takes the vectorized paths; elsewhere the portable ones. If the build
+fails (no compiler), `load()` logs why once and returns None, and the engine keeps the
+plain-PyTorch path. MINIVLLM_CPU_KERNELS=0 switches the kernels off.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ENV_FLAG = "MINIVLLM_CPU_ATTENTION_KERNEL"
-SOURCE = Path(__file__).with_name("cpu") / "paged_decode_attention.cpp"
+ENV_FLAG = "MINIVLLM_CPU_KERNELS"
+SOURCE_DIR = Path(__file__).with_name("cpu")
+SOURCES = [SOURCE_DIR / "paged_decode_attention.cpp", SOURCE_DIR / "fused_ops.cpp"]
 _loaded: dict[str, object] = {}  # variant -> op namespace, or None when its build failed
 
 
@@ -88,15 +90,15 @@ def load(variant: str | None = None):
         _ensure_ninja_on_path()
         # -fopenmp only compiles at::parallel_for's pragmas: the link line has no -lgomp, so the
         # library uses the OpenMP runtime torch already loaded (one thread pool, not two)
-        cpp_extension.load(name=namespace, sources=[str(SOURCE)], extra_cflags=flags, is_python_module=False,
-                           verbose=False)
+        cpp_extension.load(name=namespace, sources=[str(p) for p in SOURCES], extra_cflags=flags,
+                           extra_include_paths=[str(SOURCE_DIR)], is_python_module=False, verbose=False)
         ops = getattr(torch.ops, namespace)
     except Exception as e:  # no compiler, no ninja, a failed build: keep the PyTorch path
-        logger.warning("CPU attention kernel unavailable (%s: %s); using the plain-PyTorch path",
+        logger.warning("CPU kernels unavailable (%s: %s); using the plain-PyTorch path",
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         ops = None
     else:
-        logger.info("CPU attention kernel %s ready in %.1f s", variant, time.perf_counter() - t)
+        logger.info("CPU kernels (%s) ready in %.1f s", variant, time.perf_counter() - t)
     _loaded[variant] = ops
     return ops
 

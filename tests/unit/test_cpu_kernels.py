@@ -1,0 +1,248 @@
+"""The compiled CPU decode-attention kernel (kernels/cpu/paged_decode_attention.cpp), both its
+AVX-512 and its portable build, against the plain-PyTorch reference on random paged layouts;
+its input checks; and the CPU backend serving decode rows with it in mixed steps."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from minivllm.attention.metadata import AttentionMetadata
+from minivllm.attention.reference import paged_attention_reference
+from minivllm.attention.torch_backend import TorchAttentionBackend
+from minivllm.kernels import cpu_kernels
+
+
+def _can_build() -> bool:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return False
+    cpu_kernels._ensure_ninja_on_path()
+    return shutil.which("ninja") is not None
+
+
+pytestmark = pytest.mark.skipif(not _can_build(), reason="needs a C++ compiler and ninja to build the CPU kernel")
+
+VARIANTS = ["portable"] + (["avx512"] if cpu_kernels.cpu_has_avx512() else [])
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def ops(request):
+    ops = cpu_kernels.load(request.param)
+    assert ops is not None, f"the {request.param} build failed (see the log)"
+    assert ops.has_avx512_path() == (request.param == "avx512")
+    return ops
+
+
+def _random_decode_case(rng: random.Random, d: int, group: int):
+    b = rng.randint(1, 9)
+    bs = rng.choice([4, 16])
+    kv_heads = rng.choice([1, 2, 3])
+    # lengths of 1, block multiples and block multiples plus one are the edge cases of the loops
+    seq_lens = [rng.choice([1, bs, bs + 1, rng.randint(1, 300)]) for _ in range(b)]
+    max_blocks = max(-(-s // bs) for s in seq_lens) + rng.randint(0, 2)  # padded tables
+    num_blocks = sum(-(-s // bs) for s in seq_lens) + 5
+    perm = torch.randperm(num_blocks).tolist()
+    tables = torch.zeros(b, max_blocks, dtype=torch.int32)
+    used = 0
+    for i, s in enumerate(seq_lens):
+        n = -(-s // bs)
+        tables[i, :n] = torch.tensor(perm[used:used + n], dtype=torch.int32)
+        used += n
+    k_cache, v_cache = torch.randn(num_blocks, bs, kv_heads, d), torch.randn(num_blocks, bs, kv_heads, d)
+    # the query as a view of a wider qk tensor, as the CPU forward hands it over: rows strided
+    qk = torch.randn(b, kv_heads * group + kv_heads, d)
+    return qk[:, :kv_heads * group], k_cache, v_cache, tables, seq_lens
+
+
+@pytest.mark.parametrize("d,group", [(64, 1), (64, 3), (64, 8), (128, 4), (128, 2), (32, 3), (64, 16)])
+@pytest.mark.parametrize("seed", range(4))
+def test_kernel_matches_reference(ops, d, group, seed):
+    rng = random.Random(seed * 100 + d + group)
+    torch.manual_seed(seed)
+    q, k_cache, v_cache, tables, seq_lens = _random_decode_case(rng, d, group)
+    qsl = list(range(len(seq_lens) + 1))
+    scale = d ** -0.5
+    ref = paged_attention_reference(q, k_cache, v_cache, qsl, seq_lens, tables, scale)
+    out = cpu_kernels.paged_decode_attention(ops, q, k_cache, v_cache, tables,
+                                               torch.tensor(seq_lens, dtype=torch.int32), scale)
+    assert out.shape == q.shape
+    assert (out - ref).abs().max().item() < 2e-5
+
+
+def test_kernel_softmax_with_large_score_range(ops):
+    """Scores spread over hundreds: exp of (score - max) underflows for most keys; the result
+    must still be the reference's (no NaN, no division by a zero sum)."""
+    torch.manual_seed(5)
+    q, k_cache, v_cache, tables, seq_lens = _random_decode_case(random.Random(5), 64, 3)
+    q = q * 40.0
+    ref = paged_attention_reference(q, k_cache, v_cache, list(range(len(seq_lens) + 1)), seq_lens, tables, 0.125)
+    out = cpu_kernels.paged_decode_attention(ops, q, k_cache, v_cache, tables,
+                                               torch.tensor(seq_lens, dtype=torch.int32), 0.125)
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max().item() < 1e-4
+
+
+def test_kernel_rejects_bad_inputs(ops):
+    q, k_cache, v_cache = torch.randn(2, 3, 64), torch.randn(4, 16, 1, 64), torch.randn(4, 16, 1, 64)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([20, 17], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block id 7"):
+        cpu_kernels.paged_decode_attention(ops, q, k_cache, v_cache, torch.tensor([[0, 1], [2, 7]], dtype=torch.int32),
+                                             lens, 0.1)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        cpu_kernels.paged_decode_attention(ops, q, k_cache, v_cache, tables, torch.tensor([20, 0], dtype=torch.int32),
+                                             0.1)
+    with pytest.raises(RuntimeError, match="seq_lens"):  # more keys than the table has blocks for
+        cpu_kernels.paged_decode_attention(ops, q, k_cache, v_cache, tables, torch.tensor([20, 33], dtype=torch.int32),
+                                             0.1)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_kernels.paged_decode_attention(ops, q, k_cache, v_cache, tables.long(), lens, 0.1)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.paged_decode_attention(ops, q.double(), k_cache, v_cache, tables, lens, 0.1)
+    # after the errors the kernel still serves a valid call
+    out = cpu_kernels.paged_decode_attention(ops, q, k_cache, v_cache, tables, lens, 0.1)
+    ref = paged_attention_reference(q, k_cache, v_cache, [0, 1, 2], [20, 17], tables, 0.1)
+    assert (out - ref).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_backend_with_kernel_matches_reference(ops, seed):
+    """Mixed steps: the kernel serves the one-token rows, SDPA the prefill rows."""
+    rng = random.Random(1000 + seed)
+    torch.manual_seed(seed)
+    bs, kv_heads, group, d = rng.choice([4, 16]), rng.choice([1, 3]), rng.choice([1, 3]), 64
+    nseq = rng.randint(1, 7)
+    q_lens = [rng.choice([1, 1, rng.randint(2, 40)]) for _ in range(nseq)]
+    seq_lens = [q + rng.randint(0, 60) for q in q_lens]
+    max_blocks = max(-(-s // bs) for s in seq_lens)
+    num_blocks = sum(-(-s // bs) for s in seq_lens) + 3
+    perm = torch.randperm(num_blocks).tolist()
+    tables = torch.zeros(nseq, max_blocks, dtype=torch.int32)
+    used = 0
+    for i, s in enumerate(seq_lens):
+        n = -(-s // bs)
+        tables[i, :n] = torch.tensor(perm[used:used + n], dtype=torch.int32)
+        used += n
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    k_cache, v_cache = torch.randn(num_blocks, bs, kv_heads, d), torch.randn(num_blocks, bs, kv_heads, d)
+    q = torch.randn(qsl[-1], kv_heads * group, d)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), torch.tensor(qsl, dtype=torch.int32),
+                             torch.tensor(seq_lens, dtype=torch.int32), tables, max(q_lens), max(seq_lens),
+                             qsl, seq_lens)
+    ref = paged_attention_reference(q, k_cache, v_cache, qsl, seq_lens, tables, 0.125)
+    backend = TorchAttentionBackend()
+    backend.use_cpu_kernel(ops)
+    assert (backend.attend(q, k_cache, v_cache, meta, 0.125) - ref).abs().max().item() < 1e-4
+
+
+# ---- fused small ops (kernels/cpu/fused_ops.cpp) ------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (37, 64), (5, 100), (300, 576)])
+@pytest.mark.parametrize("with_hidden", [False, True])
+def test_add_rms_norm_matches_torch(ops, shape, with_hidden):
+    torch.manual_seed(shape[0])
+    residual, hidden, weight = torch.randn(shape), torch.randn(shape), torch.randn(shape[1])
+    expected_residual = residual + hidden if with_hidden else residual.clone()
+    expected = torch.nn.functional.rms_norm(expected_residual, (shape[1],), weight, 1e-5)
+    out = ops.add_rms_norm(residual, hidden if with_hidden else None, weight, 1e-5)
+    assert torch.equal(residual, expected_residual)  # the add happens in place, exactly
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_rope_store_kv_matches_torch(ops, tokens):
+    from minivllm.attention.reference import store_kv_reference
+    from minivllm.kernels.fused_ops import apply_rotary_torch
+    from minivllm.models.layers import RotaryEmbedding
+    torch.manual_seed(tokens)
+    hq, hk, d, bs = 6, 2, 64, 4
+    rot = RotaryEmbedding(d, 512, 10000.0, None)
+    positions = torch.randint(0, 512, (tokens,))
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d)
+    slots = torch.randperm(16 * bs)[:tokens]
+    if tokens > 2:
+        slots[1] = -1  # not stored (padding)
+    k_ref, v_ref = torch.randn(16, bs, hk, d), torch.randn(16, bs, hk, d)
+    k_out, v_out = k_ref.clone(), v_ref.clone()
+    qk = qkv[:, :(hq + hk) * d].view(tokens, hq + hk, d)
+    q_exp, k_exp = apply_rotary_torch(positions, qk[:, :hq], qk[:, hq:], rot.cos_sin)
+    v = qkv[:, (hq + hk) * d:].view(tokens, hk, d)
+    store_kv_reference(k_exp, v, k_ref, v_ref, slots)
+    ops.rope_store_kv(qkv, positions, rot.cos_sin, hq, hk, k_out, v_out, slots)
+    out = qkv.view(tokens, hq + 2 * hk, d)
+    assert torch.allclose(out[:, :hq], q_exp, atol=1e-6) and torch.allclose(out[:, hq:hq + hk], k_exp, atol=1e-6)
+    assert torch.equal(out[:, hq + hk:], v)  # v is not rotated
+    assert torch.allclose(k_out, k_ref, atol=1e-6) and torch.equal(v_out, v_ref)
+
+
+def test_rope_store_kv_rejects_bad_positions_and_slots(ops):
+    cos_sin = torch.randn(32, 16)
+    qkv = torch.randn(2, 4 * 16)
+    k, v = torch.zeros(4, 2, 1, 16), torch.zeros(4, 2, 1, 16)
+    with pytest.raises(RuntimeError, match="position 32"):
+        ops.rope_store_kv(qkv, torch.tensor([0, 32]), cos_sin, 2, 1, k, v, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="slot 8"):
+        ops.rope_store_kv(qkv, torch.tensor([0, 1]), cos_sin, 2, 1, k, v, torch.tensor([0, 8]))
+    assert k.abs().sum() == 0  # nothing was written by the refused calls
+
+
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (9, 100), (64, 48)])
+def test_silu_mul_matches_torch(ops, tokens, inter):
+    torch.manual_seed(tokens)
+    gate_up = torch.randn(tokens, 2 * inter) * 4
+    gate_up[0, :6] = torch.tensor([0.0, -100.0, 100.0, -87.0, 89.0, 1e-30])  # both tails, zero, a tiny value
+    expected = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    out = ops.silu_mul(gate_up)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, expected, rtol=2e-6, atol=1e-6)
+
+
+def test_fused_cpu_forward_matches_module_forward(ops):
+    """Prefill of two prompts, then decode steps, then a lone sequence: the fused forward's
+    hidden states and KV cache writes equal the module path's up to float32 rounding."""
+    from minivllm.core.interfaces import ScheduledRequest
+    from minivllm.models.arch import ArchConfig
+    from minivllm.models.cpu_forward import CpuForward
+    from minivllm.models.llama import CausalLM
+    from minivllm.runner.input_batch import build_step_inputs
+    d = 64 if ops.has_avx512_path() else 16  # head_dim 64: the AVX-512 attention path too
+    cfg = ArchConfig("LlamaForCausalLM", vocab_size=97, hidden_size=6 * d, intermediate_size=96, num_layers=3,
+                     num_heads=6, num_kv_heads=2, head_dim=d, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     max_position_embeddings=256, tie_word_embeddings=True, attention_bias=False, qk_norm=False)
+    torch.manual_seed(0)
+    module_backend, fused_backend = TorchAttentionBackend(), TorchAttentionBackend()
+    fused_backend.use_cpu_kernel(ops)
+    model = CausalLM(cfg, module_backend, 256).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    fused = CpuForward(model, ops)
+    fused.backend = fused_backend
+    bs, num_blocks = 4, 16
+    caches = {path: [(torch.zeros(num_blocks, bs, 2, d), torch.zeros(num_blocks, bs, 2, d)) for _ in range(3)]
+              for path in ("module", "fused")}
+    blocks = {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7, 8]}
+    prompts = {"a": [3, 1, 4, 1, 5], "b": [9, 2, 6, 5, 3, 5, 8, 9, 7]}
+    steps = [[ScheduledRequest(r, ids, 0, [], True) for r, ids in prompts.items()]]
+    for i in range(4):
+        steps.append([ScheduledRequest(r, [10 + i], len(ids) + i, [], True) for r, ids in prompts.items()])
+    steps.append([ScheduledRequest("b", [20], len(prompts["b"]) + 4, [], True)])
+    with torch.inference_mode():
+        for sched in steps:
+            inputs = build_step_inputs(sched, blocks, bs, torch.device("cpu"), pin=False)
+            out = {}
+            for path in ("module", "fused"):
+                for layer, (k, v) in zip(model.layers, caches[path]):
+                    layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+                model.cpu_forward = fused if path == "fused" else None
+                out[path] = model(inputs.input_ids, inputs.positions, inputs.meta)
+            assert torch.allclose(out["fused"], out["module"], rtol=1e-4, atol=1e-4)
+    for (k1, v1), (k2, v2) in zip(caches["module"], caches["fused"]):
+        assert torch.allclose(k1, k2, rtol=1e-4, atol=1e-4) and torch.allclose(v1, v2, rtol=1e-4, atol=1e-4)
+        assert k1.abs().sum() > 0
