@@ -89,13 +89,17 @@ class TorchAttentionBackend:
                 return
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
-    def _step_plan(self, meta: AttentionMetadata, block_size: int, query: torch.Tensor) -> _StepPlan:
+    def _step_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, query: torch.Tensor) -> _StepPlan:
+        block_size = k_cache.shape[1]
         if self._plan is None or self._plan[0] is not meta or self._plan[1].block_size != block_size:
-            self._plan = (meta, _plan_step(meta, block_size, query.shape[0], query.device))
+            plan = _plan_step(meta, block_size, query.shape[0], query.device)
+            if self._cpu_ops is not None and plan.decode_rows:  # once per step, before any kernel call
+                cpu_kernels.check_decode_rows(plan.tables, plan.lens, k_cache.shape[0], block_size)
+            self._plan = (meta, plan)
         return self._plan[1]
 
     def attend(self, query: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        plan = self._step_plan(meta, k_cache.shape[1], query)
+        plan = self._step_plan(meta, k_cache, query)
         if plan.decode_rows and plan.decode_tokens is None:
             return self._decode(query, k_cache, v_cache, plan, scale)  # a decode-only step
         out = torch.empty_like(query)
@@ -109,7 +113,7 @@ class TorchAttentionBackend:
     def _decode(self, q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
         if self._cpu_ops is not None and cpu_kernels.supports(q, k_cache):
             return cpu_kernels.paged_decode_attention(self._cpu_ops, q, k_cache, v_cache, plan.tables, plan.lens,
-                                                        scale)
+                                                        scale, checked=True)
         return _decode(q, k_cache, v_cache, plan, scale)
 
 

@@ -103,17 +103,60 @@ def load(variant: str | None = None):
     return ops
 
 
+def check_decode_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Raise ValueError unless every decode row reads 1 .. len keys from blocks that exist.
+
+    The kernels never see a bad index: a C++ exception crossing the op boundary crashed the
+    process under one torch build (2.11 on the GPU machine), so the checks are made here, in
+    Python, once per step (not per layer), and the C++ checks are only a second line."""
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables and seq_lens must be int32")
+    if seq_lens.numel() == 0:
+        return
+    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    needed = -(-hi // block_size)
+    if lo < 1 or needed > block_tables.shape[1]:
+        raise ValueError(f"seq_lens must lie in [1, {block_tables.shape[1] * block_size}], got [{lo}, {hi}]")
+    ids = block_tables[:, :needed]  # unused table entries are 0, a valid id
+    if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
+        raise ValueError(f"block ids must lie in [0, {num_blocks}), got [{int(ids.min())}, {int(ids.max())}]")
+
+
+def check_rope_store(positions: torch.Tensor, slot_mapping: torch.Tensor, max_positions: int, num_slots: int) -> None:
+    """Raise ValueError unless every position has a rotary entry and every slot (or -1) exists."""
+    if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
+        raise ValueError("positions and slot_mapping must be int64")
+    if positions.numel() == 0:
+        return
+    if int(positions.min()) < 0 or int(positions.max()) >= max_positions:
+        raise ValueError(f"positions must lie in [0, {max_positions}), got [{int(positions.min())}, "
+                         f"{int(positions.max())}]")
+    if int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_slots:
+        raise ValueError(f"slot_mapping must lie in [-1, {num_slots}), got [{int(slot_mapping.min())}, "
+                         f"{int(slot_mapping.max())}]")
+
+
 def paged_decode_attention(ops, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           checked: bool = False) -> torch.Tensor:
     """query [B, Hq, D] (heads contiguous), caches [N, bs, Hk, D], block_tables [B, M] int32,
-    seq_lens [B] int32 -> [B, Hq, D]: row b attends to keys 0 .. seq_lens[b] - 1."""
+    seq_lens [B] int32 -> [B, Hq, D]: row b attends to keys 0 .. seq_lens[b] - 1.
+    checked: the caller already ran check_decode_rows on these tables this step."""
+    if not supports(query, k_cache) or v_cache.shape != k_cache.shape or not k_cache.is_contiguous() \
+            or not v_cache.is_contiguous() or block_tables.shape[0] != query.shape[0] \
+            or seq_lens.shape != (query.shape[0],):
+        raise ValueError("paged_decode_attention: float32 CPU query [B, Hq, D] with contiguous heads, contiguous "
+                         "caches [N, bs, Hk, D] with Hq a multiple of Hk, one table row and length per query row")
+    if not checked:
+        check_decode_rows(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
     out = torch.empty(query.shape, dtype=query.dtype)
-    ops.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    ops.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens.contiguous(), scale, out)
     return out
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel can serve this layer's decode rows."""
     return (query.device.type == "cpu" and query.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and query.dim() == 3 and k_cache.dim() == 4 and query.shape[2] == k_cache.shape[3]
             and query.shape[1] % k_cache.shape[2] == 0 and query.stride(2) == 1
             and query.stride(1) == query.shape[2])

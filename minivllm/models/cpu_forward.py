@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.attention.metadata import AttentionMetadata
+from minivllm.kernels.cpu_kernels import check_rope_store
 
 ENV_FLAG = "MINIVLLM_CPU_FAST_FORWARD"
 
@@ -147,6 +148,10 @@ class CpuForward:
         """The same layers through the compiled kernels: four fused calls a layer."""
         ops, eps, t = self.ops, self.eps, residual.shape[0]
         positions = positions.contiguous()
+        first = self.layers[0].attn
+        # the kernels index with these: checked once per step, in Python (kernels/cpu_kernels.py)
+        check_rope_store(positions, meta.slot_mapping, self.cos_sin.shape[0],
+                         first.k_cache.shape[0] * first.k_cache.shape[1])
         hidden = None
         for p in self.layers:
             attn = p.attn

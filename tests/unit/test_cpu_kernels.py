@@ -86,26 +86,38 @@ def test_kernel_softmax_with_large_score_range(ops):
 
 
 def test_kernel_rejects_bad_inputs(ops):
+    """Checked in Python before the kernel runs (a C++ exception crossing the op boundary
+    crashed one torch build), with the field and the limit in the message."""
     q, k_cache, v_cache = torch.randn(2, 3, 64), torch.randn(4, 16, 1, 64), torch.randn(4, 16, 1, 64)
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     lens = torch.tensor([20, 17], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="block id 7"):
-        cpu_kernels.paged_decode_attention(ops, q, k_cache, v_cache, torch.tensor([[0, 1], [2, 7]], dtype=torch.int32),
-                                             lens, 0.1)
-    with pytest.raises(RuntimeError, match="seq_lens"):
-        cpu_kernels.paged_decode_attention(ops, q, k_cache, v_cache, tables, torch.tensor([20, 0], dtype=torch.int32),
-                                             0.1)
-    with pytest.raises(RuntimeError, match="seq_lens"):  # more keys than the table has blocks for
-        cpu_kernels.paged_decode_attention(ops, q, k_cache, v_cache, tables, torch.tensor([20, 33], dtype=torch.int32),
-                                             0.1)
-    with pytest.raises(RuntimeError, match="int32"):
-        cpu_kernels.paged_decode_attention(ops, q, k_cache, v_cache, tables.long(), lens, 0.1)
-    with pytest.raises(RuntimeError, match="float32"):
-        cpu_kernels.paged_decode_attention(ops, q.double(), k_cache, v_cache, tables, lens, 0.1)
+    call = cpu_kernels.paged_decode_attention
+    with pytest.raises(ValueError, match=r"block ids must lie in \[0, 4\), got \[0, 7\]"):
+        call(ops, q, k_cache, v_cache, torch.tensor([[0, 1], [2, 7]], dtype=torch.int32), lens, 0.1)
+    with pytest.raises(ValueError, match=r"seq_lens must lie in \[1, 32\], got \[0, 20\]"):
+        call(ops, q, k_cache, v_cache, tables, torch.tensor([20, 0], dtype=torch.int32), 0.1)
+    with pytest.raises(ValueError, match="seq_lens"):  # more keys than the table has blocks for
+        call(ops, q, k_cache, v_cache, tables, torch.tensor([20, 33], dtype=torch.int32), 0.1)
+    with pytest.raises(ValueError, match="int32"):
+        call(ops, q, k_cache, v_cache, tables.long(), lens, 0.1)
+    with pytest.raises(ValueError, match="float32"):
+        call(ops, q.double(), k_cache, v_cache, tables, lens, 0.1)
     # after the errors the kernel still serves a valid call
-    out = cpu_kernels.paged_decode_attention(ops, q, k_cache, v_cache, tables, lens, 0.1)
+    out = call(ops, q, k_cache, v_cache, tables, lens, 0.1)
     ref = paged_attention_reference(q, k_cache, v_cache, [0, 1, 2], [20, 17], tables, 0.1)
     assert (out - ref).abs().max().item() < 2e-5
+
+
+def test_backend_checks_block_ids_once_per_step(ops):
+    """A decode row whose table points past the cache is refused before any layer runs."""
+    q, k_cache, v_cache = torch.randn(1, 3, 64), torch.randn(4, 16, 1, 64), torch.randn(4, 16, 1, 64)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), torch.tensor([0, 1], dtype=torch.int32),
+                             torch.tensor([20], dtype=torch.int32), torch.tensor([[0, 9]], dtype=torch.int32), 1, 20,
+                             [0, 1], [20])
+    backend = TorchAttentionBackend()
+    backend.use_cpu_kernel(ops)
+    with pytest.raises(ValueError, match="block ids"):
+        backend.attend(q, k_cache, v_cache, meta, 0.1)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -181,15 +193,15 @@ def test_rope_store_kv_matches_torch(ops, tokens):
     assert torch.allclose(k_out, k_ref, atol=1e-6) and torch.equal(v_out, v_ref)
 
 
-def test_rope_store_kv_rejects_bad_positions_and_slots(ops):
-    cos_sin = torch.randn(32, 16)
-    qkv = torch.randn(2, 4 * 16)
-    k, v = torch.zeros(4, 2, 1, 16), torch.zeros(4, 2, 1, 16)
-    with pytest.raises(RuntimeError, match="position 32"):
-        ops.rope_store_kv(qkv, torch.tensor([0, 32]), cos_sin, 2, 1, k, v, torch.tensor([0, 1]))
-    with pytest.raises(RuntimeError, match="slot 8"):
-        ops.rope_store_kv(qkv, torch.tensor([0, 1]), cos_sin, 2, 1, k, v, torch.tensor([0, 8]))
-    assert k.abs().sum() == 0  # nothing was written by the refused calls
+def test_rope_store_checks_positions_and_slots():
+    check = cpu_kernels.check_rope_store
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 32\), got \[0, 32\]"):
+        check(torch.tensor([0, 32]), torch.tensor([0, 1]), 32, 8)
+    with pytest.raises(ValueError, match=r"slot_mapping must lie in \[-1, 8\), got \[0, 8\]"):
+        check(torch.tensor([0, 1]), torch.tensor([0, 8]), 32, 8)
+    with pytest.raises(ValueError, match="int64"):
+        check(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1]), 32, 8)
+    check(torch.tensor([0, 31]), torch.tensor([-1, 7]), 32, 8)  # the limits themselves are valid
 
 
 @pytest.mark.parametrize("tokens,inter", [(1, 1536), (9, 100), (64, 48)])
