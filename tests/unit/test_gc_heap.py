@@ -22,5 +22,7 @@ def test_engine_startup_freezes_the_heap():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     before, after, blocks_tracked = __import__("json").loads(out.stdout.strip().splitlines()[-1])
-    assert before == 0 and after > 5000  # at least the 5,000 KV blocks, plus the imports
+    # at least the 5,000 KV blocks, plus the imports (`before` is not always 0: the GPU machine's
+    # Python freezes a few hundred objects at its own startup)
+    assert after - before > 5000
     assert blocks_tracked == 0  # gc.get_objects() no longer lists them: frozen
