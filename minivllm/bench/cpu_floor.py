@@ -7,6 +7,10 @@ gives a floor on the batch time and so a ceiling on output tok/s that no engine 
 with these matrix-product libraries. The decode shape is also timed with MKL's packed GEMM for
 exactly that row count and with plain `F.linear`, and the floor takes the fastest of the three.
 
+Decode attention adds a second floor: every decode step reads the K/V of every running
+sequence's context in every layer (float32), which takes at least those bytes over the memory
+read bandwidth measured in the same run (`kv_read_bytes`; prefill attention is left out).
+
 Schedule: the prompts' tokens in chunks of the step budget (the engine's prefill steps), the
 lm_head once over one row per request, then (max_tokens - 1) decode steps of one row per
 request; a sample of decode steps is timed and scaled.
@@ -19,6 +23,15 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+
+def kv_read_bytes(model, prompt_lens: list[int], max_tokens: int) -> int:
+    """Bytes of K/V that W5's decode steps read: step j (1 .. max_tokens - 1) of a request with
+    prompt length p attends over p + j keys, in every layer, K and V, float32."""
+    cfg = model.cfg
+    per_key = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    keys = sum(p * (max_tokens - 1) + (max_tokens - 1) * max_tokens // 2 for p in prompt_lens)
+    return keys * per_key
 
 
 def _decoder_linears(model) -> list:
@@ -72,7 +85,7 @@ def linear_floor(model, prompt_lens: list[int], max_tokens: int, step_budget: in
     floor_s = prefill_s + (max_tokens - 1) * best
     flops = 2 * sum(m.in_features * m.out_features for m in layers) * (total + (max_tokens - 1) * rows) \
         + 2 * head.in_features * head.out_features * rows * max_tokens
-    return {"prefill_s": prefill_s, "prefill_steps": chunks,
+    return {"kv_read_bytes": kv_read_bytes(model, prompt_lens, max_tokens), "prefill_s": prefill_s, "prefill_steps": chunks,
             "decode_step_ms": {k: 1e3 * v for k, v in decode.items()}, "decode_steps": max_tokens - 1,
             "floor_s": floor_s, "ceiling_tok_per_s": rows * max_tokens / floor_s,
             "linear_tflop": flops / 1e12, "gflop_per_s_at_floor": flops / floor_s / 1e9}
