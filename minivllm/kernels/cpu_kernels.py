@@ -8,8 +8,9 @@
 
 Building: `torch.utils.cpp_extension.load` compiles the sources with the system C++ compiler and
 ninja (~20 s once; the library is cached under torch's extensions directory, by default
-~/.cache/torch_extensions, and reused by later processes). On an x86 CPU with AVX-512 it is
-built with `-mavx512f` and takes the vectorized paths; elsewhere the portable ones. If the build
+~/.cache/torch_extensions, and reused by later processes). On an x86 CPU it is built for the
+widest vector ISA the CPU reports, AVX-512 (`-mavx512f`) or AVX2 + FMA (`-mavx2 -mfma`), and
+takes the vectorized paths; elsewhere the portable ones. If the build
 fails (no compiler), `load()` logs why once and returns None, and the engine keeps the
 plain-PyTorch path. MINIVLLM_CPU_KERNELS=0 switches the kernels off.
 """
@@ -38,16 +39,35 @@ def kernel_enabled() -> bool:
     return os.environ.get(ENV_FLAG, "1") != "0"
 
 
-def cpu_has_avx512() -> bool:
-    """Whether this x86 CPU reports AVX-512F (Linux /proc/cpuinfo; False elsewhere)."""
+# variant -> compiler flags; each variant is built only where the CPU reports its ISA
+VARIANT_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512dq", "-mfma", "-mavx2"],
+    "avx2": ["-mavx2", "-mfma", "-mno-avx512f"],
+    "portable": ["-mno-avx512f"],  # the portable path even where the compiler defaults to AVX-512
+}
+
+
+def _cpu_flags() -> set[str]:
+    """The x86 CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return "avx512f" in line.split()
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return set()
+
+
+def runnable_variants() -> list[str]:
+    """The variants this CPU can run, widest first; "portable" always."""
+    flags = _cpu_flags()
+    out = []
+    if "avx512f" in flags:
+        out.append("avx512")
+    if {"avx2", "fma"} <= flags:
+        out.append("avx2")
+    return out + ["portable"]
 
 
 def _ensure_ninja_on_path() -> None:
@@ -70,20 +90,21 @@ def _ensure_ninja_on_path() -> None:
 def load(variant: str | None = None):
     """Build (first time) and load the kernel; returns its op namespace or None.
 
-    variant: "avx512" or "portable"; None picks avx512 when the CPU has it. Each variant is its
-    own library and op namespace (`torch.ops.minivllm_cpu_<variant>`), so tests can load both."""
+    variant: "avx512", "avx2" or "portable"; None picks the widest this CPU runs. Each variant is
+    its own library and op namespace (`torch.ops.minivllm_cpu_<variant>`), so tests can load
+    every one."""
     if variant is None:
-        variant = "avx512" if cpu_has_avx512() else "portable"
+        variant = runnable_variants()[0]
+    if variant not in VARIANT_FLAGS:
+        raise ValueError(f"variant must be one of {sorted(VARIANT_FLAGS)}, got {variant!r}")
     if variant in _loaded:
         return _loaded[variant]
     namespace = f"minivllm_cpu_{variant}"
     flags = ["-O3", "-fopenmp", f"-DMINIVLLM_OPS_NAMESPACE={namespace}"]
     # explicit ISA flags rather than -march=native: the cached library then runs on any CPU
-    # with AVX-512F, not only on the exact model that built it
-    if variant == "avx512":
-        flags += ["-mavx512f", "-mavx512dq", "-mfma", "-mavx2"]
-    elif platform.machine().lower() in ("x86_64", "amd64"):
-        flags += ["-mno-avx512f"]  # the portable path even where the compiler defaults to AVX-512
+    # with that ISA, not only on the exact model that built it
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags += VARIANT_FLAGS[variant]
     t = time.perf_counter()
     try:
         from torch.utils import cpp_extension

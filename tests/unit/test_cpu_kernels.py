@@ -1,5 +1,5 @@
-"""The compiled CPU decode-attention kernel (kernels/cpu/paged_decode_attention.cpp), both its
-AVX-512 and its portable build, against the plain-PyTorch reference on random paged layouts;
+"""The compiled CPU decode-attention kernel (kernels/cpu/paged_decode_attention.cpp), every build
+this CPU runs (AVX-512, AVX2 + FMA, portable), against the plain-PyTorch reference on random paged layouts;
 its input checks; and the CPU backend serving decode rows with it in mixed steps."""
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ def _can_build() -> bool:
 
 pytestmark = pytest.mark.skipif(not _can_build(), reason="needs a C++ compiler and ninja to build the CPU kernel")
 
-VARIANTS = ["portable"] + (["avx512"] if cpu_kernels.cpu_has_avx512() else [])
+VARIANTS = cpu_kernels.runnable_variants()
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def ops(request):
     ops = cpu_kernels.load(request.param)
     assert ops is not None, f"the {request.param} build failed (see the log)"
-    assert ops.has_avx512_path() == (request.param == "avx512")
+    assert ops.vector_isa() == request.param
     return ops
 
 
@@ -223,7 +223,7 @@ def test_fused_cpu_forward_matches_module_forward(ops):
     from minivllm.models.cpu_forward import CpuForward
     from minivllm.models.llama import CausalLM
     from minivllm.runner.input_batch import build_step_inputs
-    d = 64 if ops.has_avx512_path() else 16  # head_dim 64: the AVX-512 attention path too
+    d = 16 if ops.vector_isa() == "portable" else 64  # head_dim 64: the vector attention path too
     cfg = ArchConfig("LlamaForCausalLM", vocab_size=97, hidden_size=6 * d, intermediate_size=96, num_layers=3,
                      num_heads=6, num_kv_heads=2, head_dim=d, rms_norm_eps=1e-5, rope_theta=10000.0,
                      max_position_embeddings=256, tie_word_embeddings=True, attention_bias=False, qk_norm=False)

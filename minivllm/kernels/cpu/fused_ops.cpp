@@ -47,12 +47,13 @@ inline float sum_of_squares(const float* x, int64_t n) {
 // silu(g) * u over n floats
 inline void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
   int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(g + i);
-    const __m512 e = minivllm_vec::exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));  // exp(-x); inf for x < -88.7
-    const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+#ifdef MINIVLLM_HAVE_VEC
+  using V = minivllm_vec::VecBest;
+  for (; i + V::kWidth <= n; i += V::kWidth) {
+    const V::T x = V::load(g + i);
+    const V::T e = V::exp(V::sub(V::zero(), x));  // exp(-x): inf (AVX-512) or ~2e38 (AVX2) for x < -88.3
+    const V::T s = V::div(x, V::add(V::set1(1.f), e));
+    V::store(out + i, V::mul(s, V::load(u + i)));
   }
 #endif
   for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];

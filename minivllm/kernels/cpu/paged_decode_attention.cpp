@@ -16,8 +16,9 @@
 // Scores of one task fit in a per-thread buffer (G * seq_len floats).
 //
 // Built at first use by minivllm/kernels/cpu_kernels.py with torch.utils.cpp_extension.
-// With AVX-512 (compiled with -mavx512f) D = 64 or 128 and G <= 8 take the vectorized path;
-// everything else takes the portable loop, which the tests build and check separately.
+// Built with AVX-512 (-mavx512f) or AVX2 + FMA (-mavx2 -mfma), D = 64 or 128 and G <= 8 take
+// the vectorized path (one template over the ISA, vec_math.h); everything else takes the
+// portable loop. The tests build and check every variant this CPU can run.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "vec_math.h"
@@ -88,77 +90,82 @@ void attend_portable(const Task& task, const Shape& s, std::vector<float>& score
   }
 }
 
-#ifdef __AVX512F__
-// softmax in place over scores[0 .. len) given their max
+#ifdef MINIVLLM_HAVE_VEC
+// softmax in place over scores[0 .. len) given their max (tail past the last full vector: std::exp)
+template <class V>
 inline void softmax_row(float* sg, int64_t len, float max) {
-  const __m512 m = _mm512_set1_ps(max);
-  __m512 sum = _mm512_setzero_ps();
+  constexpr int W = V::kWidth;
+  const typename V::T m = V::set1(max);
+  typename V::T sum = V::zero();
   int64_t t = 0;
-  for (; t + 16 <= len; t += 16) {
-    const __m512 e = minivllm_vec::exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
-    _mm512_storeu_ps(sg + t, e);
-    sum = _mm512_add_ps(sum, e);
+  for (; t + W <= len; t += W) {
+    const typename V::T e = V::exp(V::sub(V::load(sg + t), m));
+    V::store(sg + t, e);
+    sum = V::add(sum, e);
   }
-  if (t < len) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
-    const __m512 e = minivllm_vec::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + t), m));
-    _mm512_mask_storeu_ps(sg + t, tail, e);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+  float total = V::reduce_add(sum);
+  for (int64_t u = t; u < len; ++u) {
+    sg[u] = std::exp(sg[u] - max);
+    total += sg[u];
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-  for (t = 0; t + 16 <= len; t += 16) _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
-  for (; t < len; ++t) sg[t] *= _mm512_cvtss_f32(inv);
+  const float inv = 1.f / total;
+  const typename V::T vinv = V::set1(inv);
+  for (t = 0; t + W <= len; t += W) V::store(sg + t, V::mul(V::load(sg + t), vinv));
+  for (; t < len; ++t) sg[t] *= inv;
 }
 
-// C = D / 16 vectors per head row; G <= 8 query heads held in registers (spilled if needed).
-template <int C>
-void attend_avx512(const Task& task, const Shape& s, std::vector<float>& scores) {
-  constexpr int64_t D = C * 16;
+// C = D / W vectors per head row; G <= 8 query heads held in registers (spilled if needed).
+template <class V, int C>
+void attend_vec(const Task& task, const Shape& s, std::vector<float>& scores) {
+  using T = typename V::T;
+  constexpr int W = V::kWidth;
+  constexpr int64_t D = C * W;
   const int64_t G = s.G, len = task.len;
   scores.resize(G * len);
   float* sc = scores.data();
-  __m512 q[8][C];
+  T q[8][C];
   float mx[8];
   for (int64_t g = 0; g < G; ++g) {
     mx[g] = -INFINITY;
-    for (int c = 0; c < C; ++c) q[g][c] = _mm512_mul_ps(_mm512_loadu_ps(task.q + g * D + c * 16), _mm512_set1_ps(s.scale));
+    for (int c = 0; c < C; ++c) q[g][c] = V::mul(V::load(task.q + g * D + c * W), V::set1(s.scale));
   }
   for (int64_t t = 0; t < len; ++t) {
     const float* k = task.k + slot_of(task.table, t, s.block_size) * s.slot_stride;
-    __m512 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(k + c * 16);
+    T kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = V::load(k + c * W);
     for (int64_t g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(q[g][0], kv[0]);
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[g][c], kv[c], acc);
-      const float x = _mm512_reduce_add_ps(acc);
+      T acc = V::mul(q[g][0], kv[0]);
+      for (int c = 1; c < C; ++c) acc = V::fmadd(q[g][c], kv[c], acc);
+      const float x = V::reduce_add(acc);
       sc[g * len + t] = x;
       mx[g] = std::max(mx[g], x);
     }
   }
-  for (int64_t g = 0; g < G; ++g) softmax_row(sc + g * len, len, mx[g]);
-  __m512 o[8][C];
+  for (int64_t g = 0; g < G; ++g) softmax_row<V>(sc + g * len, len, mx[g]);
+  T o[8][C];
   for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) o[g][c] = V::zero();
   for (int64_t t = 0; t < len; ++t) {
     const float* v = task.v + slot_of(task.table, t, s.block_size) * s.slot_stride;
-    __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + c * 16);
+    T vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = V::load(v + c * W);
     for (int64_t g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(sc[g * len + t]);
-      for (int c = 0; c < C; ++c) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
+      const T p = V::set1(sc[g * len + t]);
+      for (int c = 0; c < C; ++c) o[g][c] = V::fmadd(p, vv[c], o[g][c]);
     }
   }
   for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(task.out + g * D + c * 16, o[g][c]);
+    for (int c = 0; c < C; ++c) V::store(task.out + g * D + c * W, o[g][c]);
 }
 #endif
 
 using AttendFn = void (*)(const Task&, const Shape&, std::vector<float>&);
 
 AttendFn pick_path(int64_t G, int64_t D) {
-#ifdef __AVX512F__
-  if (G <= 8 && D == 64) return attend_avx512<4>;
-  if (G <= 8 && D == 128) return attend_avx512<8>;
+#ifdef MINIVLLM_HAVE_VEC
+  using V = minivllm_vec::VecBest;
+  if (G <= 8 && D == 64) return attend_vec<V, 64 / V::kWidth>;
+  if (G <= 8 && D == 128) return attend_vec<V, 128 / V::kWidth>;
 #endif
   (void)G;
   (void)D;
@@ -221,13 +228,8 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   });
 }
 
-bool has_avx512_path() {
-#ifdef __AVX512F__
-  return true;
-#else
-  return false;
-#endif
-}
+// "avx512", "avx2" or "portable": the vector paths this build has
+std::string vector_isa() { return MINIVLLM_VECTOR_ISA; }
 
 // TORCH_LIBRARY_* paste their argument: go through a second macro so the namespace is expanded
 // (a fragment: kernels/cpu/fused_ops.cpp adds the other ops of the same library)
@@ -237,7 +239,7 @@ bool has_avx512_path() {
 MINIVLLM_LIBRARY(MINIVLLM_OPS_NAMESPACE, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
-  m.def("has_avx512_path() -> bool", &has_avx512_path);
+  m.def("vector_isa() -> str", &vector_isa);
 }
 
 MINIVLLM_LIBRARY_IMPL(MINIVLLM_OPS_NAMESPACE, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
