@@ -1,8 +1,9 @@
 """W5's 32-request greedy batch on the CPU through `LLMEngine.step()`: total tok/s, the two prefill
 steps' seconds and the median decode step; with `--profile N`, a torch.profiler table of N
-decode steps (from step 20), sorted by self CPU time.
+decode steps (from step 20), sorted by self CPU time. `--num-requests 1` profiles single-stream
+decode instead (W5's first prompt alone).
 
-    python scripts/profile_w5_batch.py [--profile 5]
+    python scripts/profile_w5_batch.py [--profile 5] [--num-requests N]
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from minivllm.engine.tokenizer import apply_chat_template
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", type=int, default=0, help="decode steps to profile (0: none)")
+    ap.add_argument("--num-requests", type=int, default=32, help="W5's first N prompts (1: single stream)")
     args = ap.parse_args()
     llm = LLM(dtype="float32", device="cpu", seed=0)
     wl = workloads.w5(lambda conv: apply_chat_template(llm.get_tokenizer(), conv))
     llm.generate([wl.prompt_inputs()[0]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
     eng = llm.llm_engine
-    for i, (prompt, params) in enumerate(zip(wl.prompt_inputs(), wl.params)):
+    prompts, params_list = wl.prompt_inputs()[:args.num_requests], wl.params[:args.num_requests]
+    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
         eng.add_request(str(i), prompt, SamplingParams(**params))
     steps, n, t0 = [], 0, time.perf_counter()
     while eng.has_unfinished_requests():
@@ -43,9 +46,10 @@ def main() -> None:
         steps.append(time.perf_counter() - t)
         n += 1
     total = time.perf_counter() - t0
-    print(f"{n} steps in {total:.2f} s = {sum(p['max_tokens'] for p in wl.params) / total:.1f} tok/s; "
-          f"prefill steps {[round(s, 2) for s in steps[:2]]} s; median decode step "
-          f"{1e3 * statistics.median(steps[2:]):.1f} ms")
+    prefill_steps = 2 if args.num_requests > 1 else 1
+    print(f"{n} steps in {total:.2f} s = {sum(p['max_tokens'] for p in params_list) / total:.1f} tok/s; "
+          f"prefill steps {[round(s, 2) for s in steps[:prefill_steps]]} s; median decode step "
+          f"{1e3 * statistics.median(steps[prefill_steps:]):.1f} ms")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ W5's arithmetic is almost all matrix products: ~0.76 TFLOP of prefill linears an
 decode linears (lm_head included), against ~0.07 TFLOP of attention. Timing the model's own
 linear layers over W5's schedule, with nothing else (no attention, norms, sampling or engine),
 gives a floor on the batch time and so a ceiling on output tok/s that no engine work can pass
-with these matrix-product libraries. The decode shape is also timed with MKL's packed GEMM for
-exactly that row count and with plain `F.linear`, and the floor takes the fastest of the three.
+with these matrix-product kernels. The decode shape is also timed with MKL's packed GEMM for
+exactly that row count, with plain `F.linear` and (when the engine runs minivllm's own panel
+kernel) with oneDNN's packed weights, and the floor takes the fastest.
 
 Decode attention adds a second floor: every decode step reads the K/V of every running
 sequence's context in every layer (float32), which takes at least those bytes over the memory
@@ -81,6 +82,13 @@ def linear_floor(model, prompt_lens: list[int], max_tokens: int, step_budget: in
         del packed
     except (RuntimeError, AttributeError):  # a torch without MKL
         pass
+    if torch.backends.mkldnn.is_available() and getattr(layers[0], "panels", None) is not None:
+        # the engine runs minivllm's panel kernel: time oneDNN's packing too, for the record
+        packed = [(l.in_features, torch.ops.mkldnn._reorder_linear_weight(l.weight, None)) for l in every]
+        decode["onednn_packed"] = _time_chain(
+            [(k, lambda v, p=p: torch.ops.mkldnn._linear_pointwise(v, p, None, "none", [], "")) for k, p in packed],
+            x, decode_reps)
+        del packed
     best = min(decode.values())
     floor_s = prefill_s + (max_tokens - 1) * best
     flops = 2 * sum(m.in_features * m.out_features for m in layers) * (total + (max_tokens - 1) * rows) \

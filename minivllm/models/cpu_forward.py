@@ -108,8 +108,8 @@ class CpuForward:
         self.final_norm = model.norm.weight
         first = model.layers[0].self_attn
         self.cos_sin, self.backend, self.scale = first.rotary.cos_sin, first.backend, first.scale
-        # plain methods, not module __call__: nn.Linear.forward or PackedLinear.forward (which
-        # picks F.linear or the packed oneDNN weight by row count)
+        # plain methods, not module __call__: nn.Linear.forward or PackedLinear.forward (minivllm's
+        # panel kernel, or F.linear / the packed oneDNN weight by row count)
         self.layers = [_Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                               layer.self_attn.qkv_proj.forward, layer.self_attn.o_proj.forward,
                               layer.mlp.gate_up_proj.forward, layer.mlp.down_proj.forward, layer.self_attn)

@@ -1,4 +1,13 @@
-"""CPU fp32 linear layers on oneDNN-prepacked weights.
+"""CPU fp32 linear layers on prepacked weights: minivllm's own panel kernel or oneDNN's.
+
+Two packings, one per layer:
+- minivllm's (`kernels/cpu/packed_linear.cpp`): column panels streamed once per call by a
+  register-blocked micro-kernel, at every row count. On a 2-core AMD EPYC (AVX2) it beat oneDNN
+  at every row count from 1 to 2,048 (decode at 32 rows: 166 vs 131 GFLOP/s; one row: the
+  weights read at the memory's bandwidth, where MKL and oneDNN read at 12-20 GB/s; docs/perf.md,
+  session 7). Used where the kernels were built for AVX2 (`kernel_linear_preferred`).
+- oneDNN's, described below, everywhere else (AVX-512 builds, where it was measured best, and
+  builds without vector kernels).
 
 On the CPU, oneDNN with a weight reordered once into its blocked layout runs the linear shapes
 of a batch 1.5-2x faster than `F.linear` (MKL on a plain row-major weight) from a few tokens up,
@@ -8,8 +17,9 @@ weight (shared, e.g. with tied embeddings) and a packed copy, and picks by the n
 
 Results differ from `F.linear` by fp32 summation order only (~1e-6 relative).
 
-`pack_linears(model)` is called by the runner after loading when the model runs on the CPU in
-float32; MINIVLLM_CPU_PACKED_LINEAR=0 turns it off.
+`pack_linears(model, ops)` is called by the runner after loading when the model runs on the CPU
+in float32; MINIVLLM_CPU_PACKED_LINEAR=0 turns both packings off, MINIVLLM_CPU_LINEAR_KERNEL=0/1
+forces minivllm's kernel off/on (where it is built).
 """
 
 from __future__ import annotations
@@ -24,34 +34,66 @@ from torch import nn
 # and faster from 4, docs/perf.md W5).
 MIN_PACKED_ROWS = 3
 ENV_FLAG = "MINIVLLM_CPU_PACKED_LINEAR"
+KERNEL_ENV_FLAG = "MINIVLLM_CPU_LINEAR_KERNEL"
+# ISAs whose builds of the panel kernel were measured faster than oneDNN (docs/perf.md)
+KERNEL_PREFERRED_ISAS = ("avx2",)
 
 
 def packed_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and os.environ.get(ENV_FLAG, "1") != "0"
 
 
+def kernel_linear_preferred(ops) -> bool:
+    """Whether to run the linears on minivllm's panel kernel from `ops` (kernels/cpu_kernels.py)."""
+    if ops is None or ops.packed_panel_width() == 0 or os.environ.get(ENV_FLAG, "1") == "0":
+        return False
+    forced = os.environ.get(KERNEL_ENV_FLAG)
+    if forced is not None:
+        return forced != "0"
+    return ops.vector_isa() in KERNEL_PREFERRED_ISAS
+
+
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, min_rows: int = MIN_PACKED_ROWS) -> None:
+    """nn.Linear on a packed copy of its weight: minivllm's panels when `ops` is given (every row
+    count), else oneDNN's (from `min_rows` rows; F.linear on the plain weight below)."""
+
+    def __init__(self, linear: nn.Linear, min_rows: int = MIN_PACKED_ROWS, ops=None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter: tied weights stay tied
         self.bias = linear.bias
         self.min_rows = min_rows
-        # an opaque oneDNN tensor, not a parameter or buffer: derived data, rebuilt by packing again
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.ops = ops
+        # packed copies are plain attributes, not parameters or buffers: derived data, rebuilt by
+        # packing again. panels: [ceil(N / P), K, P] float32; packed: an opaque oneDNN tensor
+        self.panels = self.packed = None
+        if ops is not None:
+            self.panels = ops.pack_linear_weight(linear.weight.detach())
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            if x.shape[-1] != self.in_features:  # checked here: the kernel's own check is a last line
+                raise ValueError(f"linear input has {x.shape[-1]} features, expected {self.in_features}")
+            lead = x.shape[:-1]
+            rows = x.reshape(-1, self.in_features)
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            y = self.ops.packed_linear(rows, self.panels, self.out_features, self.bias)
+            return y.view(*lead, self.out_features)
         if x.numel() < self.min_rows * self.in_features:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module, min_rows: int = MIN_PACKED_ROWS) -> int:
-    """Replace every CPU float32 nn.Linear of `model` by a PackedLinear; returns how many."""
+def pack_linears(model: nn.Module, min_rows: int = MIN_PACKED_ROWS, ops=None) -> int:
+    """Replace every CPU float32 nn.Linear of `model` by a PackedLinear (on minivllm's panel
+    kernel from `ops` when given, else oneDNN); returns how many."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.device.type == "cpu"
                and child.weight.dtype == torch.float32]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, min_rows))
+        setattr(parent, name, PackedLinear(child, min_rows, ops))
     return len(targets)

@@ -75,21 +75,24 @@ class ModelRunner:
                     self.device, self.timings["load_model_s"])
 
     def _setup_cpu_model(self) -> None:
-        """CPU float32 only: linear layers on prepacked oneDNN weights (models/cpu_linear.py), the
-        forward in fewer ops (models/cpu_forward.py) and the compiled decode-attention kernel
-        (kernels/cpu_kernels.py, built on first use and cached)."""
+        """CPU float32 only: linear layers on prepacked weights (models/cpu_linear.py: minivllm's
+        panel kernel or oneDNN), the forward in fewer ops (models/cpu_forward.py) and the compiled
+        kernels (kernels/cpu_kernels.py, built on first use and cached)."""
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return
         from minivllm.kernels import cpu_kernels
         from minivllm.models.cpu_forward import enable_cpu_forward
-        from minivllm.models.cpu_linear import pack_linears, packed_linear_available
+        from minivllm.models.cpu_linear import kernel_linear_preferred, pack_linears, packed_linear_available
         backend = self.model.layers[0].self_attn.backend  # one instance serves every layer
         ops = None
         if cpu_kernels.kernel_enabled() and hasattr(backend, "use_cpu_kernel"):
             ops = cpu_kernels.load()
             if ops is not None:
                 backend.use_cpu_kernel(ops)
-        if packed_linear_available():
+        if kernel_linear_preferred(ops):
+            logger.info("CPU: %d linear layers on minivllm's packed-panel kernel (%s)",
+                        pack_linears(self.model, ops=ops), ops.vector_isa())
+        elif packed_linear_available():
             logger.info("CPU: %d linear layers on prepacked oneDNN weights", pack_linears(self.model))
         if enable_cpu_forward(self.model, ops):  # after packing: it binds the final linear modules
             logger.info("CPU: float32 forward in fewer ops (models/cpu_forward.py)%s",

@@ -258,3 +258,66 @@ def test_fused_cpu_forward_matches_module_forward(ops):
     for (k1, v1), (k2, v2) in zip(caches["module"], caches["fused"]):
         assert torch.allclose(k1, k2, rtol=1e-4, atol=1e-4) and torch.allclose(v1, v2, rtol=1e-4, atol=1e-4)
         assert k1.abs().sum() > 0
+
+
+# --- the packed-panel linear kernel (kernels/cpu/packed_linear.cpp) ---
+
+def test_panel_width_follows_the_build(ops):
+    isa = ops.vector_isa()
+    assert ops.packed_panel_width() == {"avx512": 32, "avx2": 16, "portable": 0}[isa]
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 47, 48, 49, 100])
+@pytest.mark.parametrize("k,n,bias", [(64, 48, False), (100, 37, True), (576, 1344, False), (33, 1, True)])
+def test_packed_linear_matches_f_linear(ops, rows, k, n, bias):
+    """Row counts around the 6-row blocks and 48-row chunks, output widths that are not a multiple
+    of the panel (zero-padded columns must not leak), with and without bias."""
+    if ops.packed_panel_width() == 0:
+        pytest.skip("no packed path in the portable build")
+    torch.manual_seed(rows * 7 + k + n)
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    b = torch.randn(n) if bias else None
+    panels = ops.pack_linear_weight(w)
+    p = ops.packed_panel_width()
+    assert panels.shape == (-(-n // p), k, p)
+    out = ops.packed_linear(x, panels, n, b)
+    assert out.shape == (rows, n)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_packed_linear_reads_strided_rows(ops):
+    """x as a column slice of a wider tensor (rows strided, elements contiguous)."""
+    if ops.packed_panel_width() == 0:
+        pytest.skip("no packed path in the portable build")
+    torch.manual_seed(3)
+    wide, w = torch.randn(9, 80), torch.randn(20, 64)
+    x = wide[:, 8:72]
+    out = ops.packed_linear(x, ops.pack_linear_weight(w), 20, None)
+    torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_module_runs_the_panels_and_keeps_tied_weights(ops):
+    """PackedLinear on the kernel: the panels are what runs (a changed plain weight does not
+    change the result), the tied weight stays the same Parameter, and a wrong input width is a
+    ValueError naming both widths."""
+    from torch import nn
+    from minivllm.models.cpu_linear import PackedLinear, pack_linears
+    if ops.packed_panel_width() == 0:
+        pytest.skip("no packed path in the portable build")
+    torch.manual_seed(4)
+    model = nn.Module()
+    model.embed = nn.Embedding(50, 24)
+    model.head = nn.Linear(24, 50, bias=False)
+    model.head.weight = model.embed.weight
+    model.proj = nn.Linear(24, 24)
+    x = torch.randn(2, 3, 24)  # leading dims are kept
+    with torch.inference_mode():
+        ref_head, ref_proj = model.head(x), model.proj(x)
+        assert pack_linears(model, ops=ops) == 2
+        assert isinstance(model.head, PackedLinear) and model.head.panels is not None
+        assert model.head.weight is model.embed.weight
+        torch.testing.assert_close(model.proj(x), ref_proj, rtol=1e-5, atol=1e-5)
+        model.head.weight.data.mul_(2)
+        torch.testing.assert_close(model.head(x), ref_head, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="23 features, expected 24"):
+            model.proj(torch.randn(4, 23))

@@ -1,0 +1,150 @@
+// Linear layers for the CPU, float32, on weights packed once into column panels: y = x W^T + b.
+//
+// Why: at the row counts of decode (1 row a running sequence) the GEMM libraries fall short on
+// some CPUs. On a 2-core AMD EPYC (AVX2) MKL's matrix-vector product read the weights at 12-20
+// GB/s of the ~31 the memory gives, and oneDNN reached 112-148 GFLOP/s at 32 rows against
+// ~170 for a large GEMM (docs/perf.md, session 7). Here every weight byte is read once per call,
+// in order, and the row loop runs while a panel is in L2.
+//
+// Layout: pack_linear_weight(W [N, K]) -> panels [ceil(N / P), K, P], P = 2 vectors of floats
+// (16 with AVX2, 32 with AVX-512); panel p holds output columns p*P .. p*P + P - 1 (zero past N),
+// and k-major inside, so the kernel streams it front to back.
+//
+// packed_linear(x [M, K] rows contiguous, panels, N, bias [N]?) -> [M, N]
+//   Work split: panels over torch's threads (at::parallel_for; each thread streams its own
+//   contiguous share of the weights). Inside a thread: rows in chunks of kChunkRows (the chunk of
+//   x stays in L2), then its panels, then row blocks of up to kBlockRows rows: the micro-kernel
+//   holds a block's R x 2 accumulators in registers over the whole K and broadcasts one x value
+//   per row and k (the register-blocked GEMM of BLIS and of most CPU BLAS libraries).
+//
+// Builds without AVX2 or AVX-512 have no packed path (packed_panel_width() returns 0) and the
+// engine keeps the libraries' linears.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "vec_math.h"
+
+#ifndef MINIVLLM_OPS_NAMESPACE
+#define MINIVLLM_OPS_NAMESPACE minivllm_cpu
+#endif
+
+namespace {
+
+constexpr int kBlockRows = 6;     // 6 x 2 accumulators + 2 panel vectors + 1 broadcast <= 16 registers
+constexpr int64_t kChunkRows = 48;
+
+#ifdef MINIVLLM_HAVE_VEC
+using V = minivllm_vec::VecBest;
+constexpr int64_t kPanel = 2 * V::kWidth;
+
+// out[r, 0 .. cols) = x[r, :] . panel[:, c] (+ bias) for R rows; cols <= kPanel (the last panel)
+template <int R>
+void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
+                  int64_t cols, const float* bias) {
+  using T = V::T;
+  T acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    const T b0 = V::load(panel + k * kPanel), b1 = V::load(panel + k * kPanel + V::kWidth);
+    for (int r = 0; r < R; ++r) {
+      const T a = V::set1(x[r * ldx + k]);
+      acc[r][0] = V::fmadd(a, b0, acc[r][0]);
+      acc[r][1] = V::fmadd(a, b1, acc[r][1]);
+    }
+  }
+  T bias0 = V::zero(), bias1 = V::zero();
+  alignas(64) float tail[kPanel];
+  if (bias != nullptr) {
+    std::fill(tail, tail + kPanel, 0.f);
+    std::copy(bias, bias + cols, tail);
+    bias0 = V::load(tail);
+    bias1 = V::load(tail + V::kWidth);
+  }
+  for (int r = 0; r < R; ++r) {
+    const T y0 = V::add(acc[r][0], bias0), y1 = V::add(acc[r][1], bias1);
+    if (cols == kPanel) {
+      V::store(out + r * ldo, y0);
+      V::store(out + r * ldo + V::kWidth, y1);
+    } else {
+      V::store(tail, y0);
+      V::store(tail + V::kWidth, y1);
+      std::copy(tail, tail + cols, out + r * ldo);
+    }
+  }
+}
+
+using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*);
+constexpr MicroFn kMicro[kBlockRows + 1] = {nullptr,         micro_kernel<1>, micro_kernel<2>, micro_kernel<3>,
+                                            micro_kernel<4>, micro_kernel<5>, micro_kernel<6>};
+#else
+constexpr int64_t kPanel = 0;
+#endif
+
+}  // namespace
+
+int64_t packed_panel_width() { return kPanel; }
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(kPanel > 0, "pack_linear_weight: this build has no vector path");
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+              "pack_linear_weight: weight must be a float32 CPU [N, K] tensor");
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
+  // [N_pad, K] -> [panels, P, K] -> [panels, K, P]
+  at::Tensor padded = at::zeros({panels * kPanel, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kPanel > 0, "packed_linear: this build has no vector path");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "packed_linear: x must be a float32 CPU [M, K] tensor with contiguous rows");
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.dim() == 3 && panels.is_contiguous() &&
+              panels.size(1) == x.size(1) && panels.size(2) == kPanel && N > (panels.size(0) - 1) * kPanel &&
+              N <= panels.size(0) * kPanel, "packed_linear: panels must be pack_linear_weight's [ceil(N/P), K, P]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "packed_linear: bias must be a contiguous float32 [N]");
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), num_panels = panels.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+#ifdef MINIVLLM_HAVE_VEC
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
+      const int64_t m1 = std::min(M, m0 + kChunkRows);
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = wp + p * K * kPanel;
+        const int64_t col = p * kPanel, cols = std::min(kPanel, N - col);
+        const float* pb = bp != nullptr ? bp + col : nullptr;
+        for (int64_t r = m0; r < m1; r += kBlockRows) {
+          const int64_t rows = std::min<int64_t>(kBlockRows, m1 - r);
+          kMicro[rows](xp + r * ldx, ldx, panel, K, op + r * N + col, N, cols, pb);
+        }
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+#define MINIVLLM_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define MINIVLLM_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+MINIVLLM_FRAGMENT(MINIVLLM_OPS_NAMESPACE, m) {
+  m.def("packed_panel_width() -> int", &packed_panel_width);
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor panels, int N, Tensor? bias) -> Tensor");
+}
+
+MINIVLLM_LIBRARY_IMPL(MINIVLLM_OPS_NAMESPACE, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("packed_linear", &packed_linear);
+}
