@@ -42,14 +42,21 @@ constexpr int64_t kChunkRows = 48;
 using V = minivllm_vec::VecBest;
 constexpr int64_t kPanel = 2 * V::kWidth;
 
-// out[r, 0 .. cols) = x[r, :] . panel[:, c] (+ bias) for R rows; cols <= kPanel (the last panel)
+// out[r, 0 .. cols) = x[r, :] . panel[:, c] (+ bias) for R rows; cols <= kPanel (the last panel).
+// Also fetches row k of the panel `pf` (nullptr: none) into L2 for every k with k % pf_every ==
+// pf_phase (see packed_linear).
 template <int R>
 void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
-                  int64_t cols, const float* bias) {
+                  int64_t cols, const float* bias, const float* pf, int64_t pf_every, int64_t pf_phase) {
   using T = V::T;
   T acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = 0, phase = pf_phase; k < K; ++k) {
+    if (pf != nullptr && phase-- == 0) {
+      phase = pf_every - 1;
+      for (int line = 0; line < kPanel; line += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + k * kPanel + line), _MM_HINT_T1);
+    }
     const T b0 = V::load(panel + k * kPanel), b1 = V::load(panel + k * kPanel + V::kWidth);
     for (int r = 0; r < R; ++r) {
       const T a = V::set1(x[r * ldx + k]);
@@ -78,7 +85,8 @@ void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, fl
   }
 }
 
-using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*);
+using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*,
+                        const float*, int64_t, int64_t);
 constexpr MicroFn kMicro[kBlockRows + 1] = {nullptr,         micro_kernel<1>, micro_kernel<2>, micro_kernel<3>,
                                             micro_kernel<4>, micro_kernel<5>, micro_kernel<6>};
 #else
@@ -124,9 +132,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
         const float* panel = wp + p * K * kPanel;
         const int64_t col = p * kPanel, cols = std::min(kPanel, N - col);
         const float* pb = bp != nullptr ? bp + col : nullptr;
-        for (int64_t r = m0; r < m1; r += kBlockRows) {
+        // Prefetch: the row blocks of this panel share out the fetching of the thread's next
+        // panel, so it streams in from memory while this one is computed. Without it the first
+        // row block of every panel waited on memory (it wants ~32 GB/s a core) and the others ran
+        // from L2: 32 decode rows took 66 ms over the model's cold weights against 54 warm.
+        // A single row block is bound by the memory anyway and leaves it to the hardware.
+        // Block j fetches the rows k = j, j + blocks, ... of the next panel: an even pace.
+        const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
+        const float* next = blocks > 1 && p + 1 < end ? panel + K * kPanel : nullptr;
+        for (int64_t r = m0, j = 0; r < m1; r += kBlockRows, ++j) {
           const int64_t rows = std::min<int64_t>(kBlockRows, m1 - r);
-          kMicro[rows](xp + r * ldx, ldx, panel, K, op + r * N + col, N, cols, pb);
+          kMicro[rows](xp + r * ldx, ldx, panel, K, op + r * N + col, N, cols, pb, next, blocks, j);
         }
       }
     }
