@@ -32,7 +32,7 @@ def main() -> None:
     prompts, params_list = wl.prompt_inputs()[:args.num_requests], wl.params[:args.num_requests]
     for i, (prompt, params) in enumerate(zip(prompts, params_list)):
         eng.add_request(str(i), prompt, SamplingParams(**params))
-    steps, n, t0 = [], 0, time.perf_counter()
+    steps, phases, n, t0 = [], [], 0, time.perf_counter()
     while eng.has_unfinished_requests():
         if n == 20 and args.profile:
             with torch.profiler.profile() as prof:
@@ -44,12 +44,17 @@ def main() -> None:
         t = time.perf_counter()
         eng.step()
         steps.append(time.perf_counter() - t)
+        phases.append(dict(eng.last_step))
         n += 1
     total = time.perf_counter() - t0
     prefill_steps = 2 if args.num_requests > 1 else 1
     print(f"{n} steps in {total:.2f} s = {sum(p['max_tokens'] for p in params_list) / total:.1f} tok/s; "
           f"prefill steps {[round(s, 2) for s in steps[:prefill_steps]]} s; median decode step "
           f"{1e3 * statistics.median(steps[prefill_steps:]):.1f} ms")
+    decode = phases[prefill_steps + 1:-1]  # steady decode steps (LLMEngine.last_step's phases)
+    names = sorted({k for p in decode for k in p if k not in ("tokens", "seqs", "running")})
+    print("median decode phases (ms):", {k: round(1e3 * statistics.median(p.get(k, 0.0) for p in decode), 2)
+                                         for k in names})
 
 
 if __name__ == "__main__":

@@ -55,6 +55,18 @@ inline int64_t slot_of(const int32_t* table, int64_t t, int64_t block_size) {
   return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
 }
 
+// fn(t, row) for keys t = 0 .. len - 1 in order, row = base + slot(t) * slot_stride: block by
+// block, with no division per key (two per key cost as much as the arithmetic of a key)
+template <class Fn>
+inline void for_each_key(const float* base, const int32_t* table, int64_t len, int64_t block_size,
+                         int64_t slot_stride, Fn&& fn) {
+  for (int64_t first = 0, b = 0; first < len; first += block_size, ++b) {
+    const float* row = base + static_cast<int64_t>(table[b]) * block_size * slot_stride;
+    const int64_t last = std::min(len, first + block_size);
+    for (int64_t t = first; t < last; ++t, row += slot_stride) fn(t, row);
+  }
+}
+
 // The portable path: plain loops, std::exp.
 void attend_portable(const Task& task, const Shape& s, std::vector<float>& scores) {
   const int64_t G = s.G, D = s.D, len = task.len;
@@ -114,48 +126,94 @@ inline void softmax_row(float* sg, int64_t len, float max) {
   for (; t < len; ++t) sg[t] *= inv;
 }
 
-// C = D / W vectors per head row; G <= 8 query heads held in registers (spilled if needed).
-template <class V, int C>
+// Vectors of the output rows accumulated per pass over V: all G heads' accumulators of a pass stay
+// in registers (16 ymm with AVX2, 32 zmm with AVX-512, leaving room for the broadcasts). With
+// the whole row at once (G = 3, D = 64: 24 ymm) they lived on the stack, and every FMA became
+// a load and a store: the V pass ran ~3x slower than its arithmetic.
+template <class V, int C, int G>
+constexpr int vectors_per_v_pass() {
+  constexpr int budget = V::kWidth == 16 ? 24 : 12;
+  int n = C;
+  while (n > 1 && n * G > budget) n /= 2;
+  return n;
+}
+
+// C = D / W vectors per head row, G query heads (both compile-time, so loops unroll and the
+// accumulators can live in registers).
+template <class V, int C, int G>
 void attend_vec(const Task& task, const Shape& s, std::vector<float>& scores) {
   using T = typename V::T;
   constexpr int W = V::kWidth;
   constexpr int64_t D = C * W;
-  const int64_t G = s.G, len = task.len;
+  const int64_t len = task.len;
   scores.resize(G * len);
   float* sc = scores.data();
-  T q[8][C];
-  float mx[8];
-  for (int64_t g = 0; g < G; ++g) {
+  T q[G][C];
+  float mx[G];
+  for (int g = 0; g < G; ++g) {
     mx[g] = -INFINITY;
     for (int c = 0; c < C; ++c) q[g][c] = V::mul(V::load(task.q + g * D + c * W), V::set1(s.scale));
   }
-  for (int64_t t = 0; t < len; ++t) {
-    const float* k = task.k + slot_of(task.table, t, s.block_size) * s.slot_stride;
-    T kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = V::load(k + c * W);
-    for (int64_t g = 0; g < G; ++g) {
-      T acc = V::mul(q[g][0], kv[0]);
-      for (int c = 1; c < C; ++c) acc = V::fmadd(q[g][c], kv[c], acc);
-      const float x = V::reduce_add(acc);
-      sc[g * len + t] = x;
-      mx[g] = std::max(mx[g], x);
+  // scores: groups of 8 keys of one block reduced together (one hadd tree for 8 dot products
+  // instead of 8 horizontal sums, which were half the instructions of this pass), then the rest
+  __m256 mx8[G];
+  for (int g = 0; g < G; ++g) mx8[g] = _mm256_set1_ps(-INFINITY);
+  for (int64_t first = 0, b = 0; first < len; first += s.block_size, ++b) {
+    const float* k = task.k + static_cast<int64_t>(task.table[b]) * s.block_size * s.slot_stride;
+    const int64_t last = std::min(len, first + s.block_size);
+    int64_t t = first;
+    for (; t + 8 <= last; t += 8, k += 8 * s.slot_stride) {
+      for (int g = 0; g < G; ++g) {
+        T acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = V::mul(q[g][0], V::load(k + j * s.slot_stride));
+        for (int c = 1; c < C; ++c)
+          for (int j = 0; j < 8; ++j) acc[j] = V::fmadd(q[g][c], V::load(k + j * s.slot_stride + c * W), acc[j]);
+        const __m256 x = V::reduce_add_8(acc);
+        _mm256_storeu_ps(sc + g * len + t, x);
+        mx8[g] = _mm256_max_ps(mx8[g], x);
+      }
+    }
+    for (; t < last; ++t, k += s.slot_stride) {
+      for (int g = 0; g < G; ++g) {
+        T acc = V::mul(q[g][0], V::load(k));
+        for (int c = 1; c < C; ++c) acc = V::fmadd(q[g][c], V::load(k + c * W), acc);
+        const float x = V::reduce_add(acc);
+        sc[g * len + t] = x;
+        mx[g] = std::max(mx[g], x);
+      }
     }
   }
-  for (int64_t g = 0; g < G; ++g) softmax_row<V>(sc + g * len, len, mx[g]);
-  T o[8][C];
-  for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) o[g][c] = V::zero();
-  for (int64_t t = 0; t < len; ++t) {
-    const float* v = task.v + slot_of(task.table, t, s.block_size) * s.slot_stride;
-    T vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = V::load(v + c * W);
-    for (int64_t g = 0; g < G; ++g) {
-      const T p = V::set1(sc[g * len + t]);
-      for (int c = 0; c < C; ++c) o[g][c] = V::fmadd(p, vv[c], o[g][c]);
-    }
+  for (int g = 0; g < G; ++g) {
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, mx8[g]);
+    mx[g] = std::max(mx[g], *std::max_element(m8, m8 + 8));
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) V::store(task.out + g * D + c * W, o[g][c]);
+  for (int g = 0; g < G; ++g) softmax_row<V>(sc + g * len, len, mx[g]);
+  constexpr int P = vectors_per_v_pass<V, C, G>();
+  for (int c0 = 0; c0 < C; c0 += P) {  // vectors c0 .. c0 + P - 1 of every head's output row
+    T o[G][P];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < P; ++c) o[g][c] = V::zero();
+    for_each_key(task.v + c0 * W, task.table, len, s.block_size, s.slot_stride, [&](int64_t t, const float* v) {
+      for (int g = 0; g < G; ++g) {
+        const T p = V::set1(sc[g * len + t]);
+        for (int c = 0; c < P; ++c) o[g][c] = V::fmadd(p, V::load(v + c * W), o[g][c]);
+      }
+    });
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < P; ++c) V::store(task.out + g * D + (c0 + c) * W, o[g][c]);
+  }
+}
+
+// attend_vec for head dim D and G = 1 .. 8 (nullptr for other G)
+template <class V, int D>
+void* attend_vec_for_group(int64_t G) {
+  constexpr int C = D / V::kWidth;
+  using Fn = void (*)(const Task&, const Shape&, std::vector<float>&);
+  constexpr Fn table[9] = {nullptr,          attend_vec<V, C, 1>, attend_vec<V, C, 2>, attend_vec<V, C, 3>,
+                           attend_vec<V, C, 4>, attend_vec<V, C, 5>, attend_vec<V, C, 6>, attend_vec<V, C, 7>,
+                           attend_vec<V, C, 8>};
+  return G >= 1 && G <= 8 ? reinterpret_cast<void*>(table[G]) : nullptr;
 }
 #endif
 
@@ -164,8 +222,8 @@ using AttendFn = void (*)(const Task&, const Shape&, std::vector<float>&);
 AttendFn pick_path(int64_t G, int64_t D) {
 #ifdef MINIVLLM_HAVE_VEC
   using V = minivllm_vec::VecBest;
-  if (G <= 8 && D == 64) return attend_vec<V, 64 / V::kWidth>;
-  if (G <= 8 && D == 128) return attend_vec<V, 128 / V::kWidth>;
+  void* fn = D == 64 ? attend_vec_for_group<V, 64>(G) : D == 128 ? attend_vec_for_group<V, 128>(G) : nullptr;
+  if (fn != nullptr) return reinterpret_cast<AttendFn>(fn);
 #endif
   (void)G;
   (void)D;

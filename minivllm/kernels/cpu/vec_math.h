@@ -47,6 +47,14 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+// [sum(a[0]), ..., sum(a[7])]: an hadd tree, then the two 128-bit halves added
+inline __m256 reduce_add_8x256(const __m256 a[8]) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
 inline float reduce_add256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -74,6 +82,13 @@ struct Vec512 {
   static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T exp(T x) { return exp512(x); }
   static float reduce_add(T v) { return _mm512_reduce_add_ps(v); }
+  // the sums of 8 vectors, as 8 floats
+  static __m256 reduce_add_8(const T a[8]) {
+    __m256 h[8];
+    for (int j = 0; j < 8; ++j)
+      h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
+    return reduce_add_8x256(h);
+  }
 };
 #endif
 
@@ -92,6 +107,7 @@ struct Vec256 {
   static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T exp(T x) { return exp256(x); }
   static float reduce_add(T v) { return reduce_add256(v); }
+  static __m256 reduce_add_8(const T a[8]) { return reduce_add_8x256(a); }
 };
 #endif
 
