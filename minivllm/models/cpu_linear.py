@@ -2,12 +2,13 @@
 
 Two packings, one per layer:
 - minivllm's (`kernels/cpu/packed_linear.cpp`): column panels streamed once per call by a
-  register-blocked micro-kernel, at every row count. On a 2-core AMD EPYC (AVX2) it beat oneDNN
-  at every row count from 1 to 2,048 (decode at 32 rows: 166 vs 131 GFLOP/s; one row: the
-  weights read at the memory's bandwidth, where MKL and oneDNN read at 12-20 GB/s; docs/perf.md,
-  session 7). Used where the kernels were built for AVX2 (`kernel_linear_preferred`).
-- oneDNN's, described below, everywhere else (AVX-512 builds, where it was measured best, and
-  builds without vector kernels).
+  register-blocked micro-kernel, at every row count. On a 2-core AMD EPYC (Zen 3, AVX2) it beat
+  oneDNN at every row count from 1 to 2,048 (the model's 32-row chain over cold weights 1.5x,
+  one row 1.4x: the weights read at the memory's bandwidth). Used on AMD CPUs
+  (`kernel_linear_preferred`).
+- oneDNN's, described below, everywhere else: on an Intel Xeon (Sapphire Rapids) oneDNN was
+  1.6x faster at 32 rows (both kernel builds, AVX-512 and AVX2; ours was 1.1-1.9x faster at one
+  row only). scripts/probe_cpu_linear.py measures both on any CPU; docs/perf.md, session 7.
 
 On the CPU, oneDNN with a weight reordered once into its blocked layout runs the linear shapes
 of a batch 1.5-2x faster than `F.linear` (MKL on a plain row-major weight) from a few tokens up,
@@ -35,8 +36,8 @@ from torch import nn
 MIN_PACKED_ROWS = 3
 ENV_FLAG = "MINIVLLM_CPU_PACKED_LINEAR"
 KERNEL_ENV_FLAG = "MINIVLLM_CPU_LINEAR_KERNEL"
-# ISAs whose builds of the panel kernel were measured faster than oneDNN (docs/perf.md)
-KERNEL_PREFERRED_ISAS = ("avx2",)
+# CPU vendors where the panel kernel was measured faster than oneDNN (docs/perf.md, session 7)
+KERNEL_PREFERRED_VENDORS = ("AuthenticAMD",)
 
 
 def packed_linear_available() -> bool:
@@ -50,7 +51,19 @@ def kernel_linear_preferred(ops) -> bool:
     forced = os.environ.get(KERNEL_ENV_FLAG)
     if forced is not None:
         return forced != "0"
-    return ops.vector_isa() in KERNEL_PREFERRED_ISAS
+    return _cpu_vendor() in KERNEL_PREFERRED_VENDORS
+
+
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel"), "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 class PackedLinear(nn.Module):

@@ -321,3 +321,22 @@ def test_packed_module_runs_the_panels_and_keeps_tied_weights(ops):
         torch.testing.assert_close(model.head(x), ref_head, rtol=1e-5, atol=1e-5)
         with pytest.raises(ValueError, match="23 features, expected 24"):
             model.proj(torch.randn(4, 23))
+
+
+def test_kernel_linear_choice(ops, monkeypatch):
+    """The panel kernel runs the linears on AMD CPUs (measured faster there), oneDNN on others;
+    MINIVLLM_CPU_LINEAR_KERNEL forces it either way, MINIVLLM_CPU_PACKED_LINEAR=0 switches it
+    off, and a build without the packed path never selects it."""
+    from minivllm.models import cpu_linear
+    monkeypatch.delenv(cpu_linear.KERNEL_ENV_FLAG, raising=False)
+    monkeypatch.delenv(cpu_linear.ENV_FLAG, raising=False)
+    has_path = ops.packed_panel_width() > 0
+    monkeypatch.setattr(cpu_linear, "_cpu_vendor", lambda: "AuthenticAMD")
+    assert cpu_linear.kernel_linear_preferred(ops) == has_path
+    assert not cpu_linear.kernel_linear_preferred(None)
+    monkeypatch.setattr(cpu_linear, "_cpu_vendor", lambda: "GenuineIntel")
+    assert not cpu_linear.kernel_linear_preferred(ops)
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV_FLAG, "1")
+    assert cpu_linear.kernel_linear_preferred(ops) == has_path
+    monkeypatch.setenv(cpu_linear.ENV_FLAG, "0")
+    assert not cpu_linear.kernel_linear_preferred(ops)
