@@ -259,6 +259,26 @@ void check_inputs(const at::Tensor& query, const at::Tensor& k_cache, const at::
   }
 }
 
+// Task ranges [bounds[j], bounds[j + 1]) of about equal work, one per thread: tasks i = b * Hk + h
+// cost their sequence's key count (plus a little fixed work). Decode rows differ in length (W5:
+// 60 to 330 keys), so equal task counts left one thread waiting on the other.
+std::vector<int64_t> split_by_keys(const int32_t* lens, int64_t B, int64_t Hk, int64_t parts) {
+  constexpr int64_t kTaskOverhead = 16;  // keys' worth of work a task costs besides its keys
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += Hk * (lens[b] + kTaskOverhead);
+  parts = std::max<int64_t>(1, std::min(parts, B * Hk));
+  std::vector<int64_t> bounds{0};
+  int64_t done = 0;
+  for (int64_t i = 0; i < B * Hk; ++i) {
+    done += lens[i / Hk] + kTaskOverhead;
+    // close a part once it holds its share (the last part takes what is left)
+    if (static_cast<int64_t>(bounds.size()) < parts && done * parts >= total * static_cast<int64_t>(bounds.size()))
+      bounds.push_back(i + 1);
+  }
+  bounds.push_back(B * Hk);
+  return bounds;
+}
+
 }  // namespace
 
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -275,9 +295,10 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
   const int64_t q_row = query.stride(0), t_row = block_tables.stride(0);
-  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> bounds = split_by_keys(lens, B, Hk, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // reused by this thread's tasks
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i = bounds[begin]; i < bounds[end]; ++i) {
       const int64_t b = i / Hk, h = i % Hk;
       const Task task{q + b * q_row + h * shape.G * D, kc + h * D, vc + h * D, tables + b * t_row, lens[b],
                       o + (b * Hq + h * shape.G) * D};
