@@ -47,16 +47,22 @@ VARIANT_FLAGS = {
 }
 
 
-def _cpu_flags() -> set[str]:
-    """The x86 CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+def cpuinfo_field(name: str) -> str:
+    """The first value of `name` in Linux's /proc/cpuinfo ("flags", "vendor_id"); "" elsewhere."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def _cpu_flags() -> set[str]:
+    """The x86 CPU's feature flags (empty off Linux or x86)."""
+    return set(cpuinfo_field("flags").split())
 
 
 def runnable_variants() -> list[str]:

@@ -56,14 +56,8 @@ def kernel_linear_preferred(ops) -> bool:
 
 def _cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel"), "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    from minivllm.kernels.cpu_kernels import cpuinfo_field
+    return cpuinfo_field("vendor_id")
 
 
 class PackedLinear(nn.Module):
