@@ -25,7 +25,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "vec_math.h"
 

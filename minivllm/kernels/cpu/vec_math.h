@@ -1,5 +1,6 @@
-// Vector math shared by the CPU kernels: exp of a full vector, for AVX-512 builds (16 floats)
-// and AVX2 + FMA builds (8 floats). Portable builds use std::exp.
+// Vector math shared by the CPU kernels: one name per operation over the ISA, so each kernel is
+// written once as a template: Vec512 (AVX-512, 16 floats) and Vec256 (AVX2 + FMA, 8 floats).
+// VecBest is the widest the build has; portable builds have neither (and use std::exp).
 #pragma once
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -8,45 +9,7 @@
 
 namespace minivllm_vec {
 
-// Both versions: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so r is exact enough),
-// exp(r) from a degree-6 polynomial (relative error ~2e-7), times 2^n. Below -87.3 the input
-// is clamped there (the true result is ~0 or denormal).
-#define MINIVLLM_EXP_POLY(set1, fmadd, fnmadd, mul, add, x, n, p)            \
-  auto r = fnmadd(n, set1(0.693359375f), x);                       \
-  r = fnmadd(n, set1(-2.12194440e-4f), r);                                   \
-  p = set1(1.9875691500e-4f);                                                \
-  p = fmadd(p, r, set1(1.3981999507e-3f));                                   \
-  p = fmadd(p, r, set1(8.3334519073e-3f));                                   \
-  p = fmadd(p, r, set1(4.1665795894e-2f));                                   \
-  p = fmadd(p, r, set1(1.6666665459e-1f));                                   \
-  p = fmadd(p, r, set1(5.0000001201e-1f));                                   \
-  p = fmadd(p, mul(r, r), add(r, set1(1.f)));
-
-#ifdef __AVX512F__
-// 16 floats; scalef gives inf above ~88.7.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 p;
-  MINIVLLM_EXP_POLY(_mm512_set1_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_mul_ps, _mm512_add_ps, x, n, p)
-  return _mm512_scalef_ps(p, n);
-}
-#endif
-
 #if defined(__AVX2__) && defined(__FMA__)
-// 8 floats; 2^n is built in the exponent bits, so the input is also clamped above at 88.3
-// (n <= 127): results there saturate at ~2.1e38 instead of overflowing to inf.
-inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 p;
-  MINIVLLM_EXP_POLY(_mm256_set1_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_mul_ps, _mm256_add_ps, x, n, p)
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 // [sum(a[0]), ..., sum(a[7])]: an hadd tree, then the two 128-bit halves added
 inline __m256 reduce_add_8x256(const __m256 a[8]) {
   const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
@@ -54,19 +17,8 @@ inline __m256 reduce_add_8x256(const __m256 a[8]) {
   const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
   return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
-
-inline float reduce_add256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
 
-#undef MINIVLLM_EXP_POLY
-
-// One name per operation for the vector kernels, so each is written once as a template over
-// the ISA: Vec512 (16 floats) and Vec256 (8 floats, AVX2 + FMA).
 #ifdef __AVX512F__
 struct Vec512 {
   using T = __m512;
@@ -79,8 +31,9 @@ struct Vec512 {
   static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static T div(T a, T b) { return _mm512_div_ps(a, b); }
-  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static T exp(T x) { return exp512(x); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
+  static T fnmadd(T a, T b, T c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+  static T exp(T x);  // below
   static float reduce_add(T v) { return _mm512_reduce_add_ps(v); }
   // the sums of 8 vectors, as 8 floats
   static __m256 reduce_add_8(const T a[8]) {
@@ -104,11 +57,58 @@ struct Vec256 {
   static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static T div(T a, T b) { return _mm256_div_ps(a, b); }
-  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static T exp(T x) { return exp256(x); }
-  static float reduce_add(T v) { return reduce_add256(v); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }   // a * b + c
+  static T fnmadd(T a, T b, T c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
+  static T exp(T x);  // below
+  static float reduce_add(T v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
   static __m256 reduce_add_8(const T a[8]) { return reduce_add_8x256(a); }
 };
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// exp(x) = 2^n exp(r) with n = round(x / ln2) and r = x - n ln2, |r| <= ln2 / 2 (ln2 split in two
+// so r is exact enough); this returns exp(r) from a degree-6 polynomial (relative error ~2e-7).
+// Each ISA's exp clamps x, rounds n and scales by 2^n its own way.
+template <class V>
+inline typename V::T exp_of_remainder(typename V::T x, typename V::T n) {
+  typename V::T r = V::fnmadd(n, V::set1(0.693359375f), x);
+  r = V::fnmadd(n, V::set1(-2.12194440e-4f), r);
+  typename V::T p = V::set1(1.9875691500e-4f);
+  p = V::fmadd(p, r, V::set1(1.3981999507e-3f));
+  p = V::fmadd(p, r, V::set1(8.3334519073e-3f));
+  p = V::fmadd(p, r, V::set1(4.1665795894e-2f));
+  p = V::fmadd(p, r, V::set1(1.6666665459e-1f));
+  p = V::fmadd(p, r, V::set1(5.0000001201e-1f));
+  return V::fmadd(p, V::mul(r, r), V::add(r, V::set1(1.f)));
+}
+#endif
+
+#ifdef __AVX512F__
+// Below -87.3 the input is clamped there (the true result is ~0 or denormal); scalef gives inf
+// above ~88.7.
+inline Vec512::T Vec512::exp(T x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_scalef_ps(exp_of_remainder<Vec512>(x, n), n);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Clamped below at -87.3 as above; 2^n is built in the exponent bits, so the input is also
+// clamped above at 88.3 (n <= 127): results there saturate at ~2.1e38 instead of inf.
+inline Vec256::T Vec256::exp(T x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(exp_of_remainder<Vec256>(x, n), _mm256_castsi256_ps(bits));
+}
 #endif
 
 // The widest the build has (undefined in portable builds).
