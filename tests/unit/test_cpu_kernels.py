@@ -267,11 +267,12 @@ def test_panel_width_follows_the_build(ops):
     assert ops.packed_panel_width() == {"avx512": 32, "avx2": 16, "portable": 0}[isa]
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 47, 48, 49, 100])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 13, 32, 47, 48, 49, 100])
 @pytest.mark.parametrize("k,n,bias", [(64, 48, False), (100, 37, True), (576, 1344, False), (33, 1, True)])
 def test_packed_linear_matches_f_linear(ops, rows, k, n, bias):
-    """Row counts around the 6-row blocks and 48-row chunks, output widths that are not a multiple
-    of the panel (zero-padded columns must not leak), with and without bias."""
+    """Row counts around the 6-row blocks (shared evenly: 13 rows are blocks of 5, 4, 4) and the
+    48-row chunks, output widths that are not a multiple of the panel (zero-padded columns must not
+    leak), with and without bias."""
     if ops.packed_panel_width() == 0:
         pytest.skip("no packed path in the portable build")
     torch.manual_seed(rows * 7 + k + n)
