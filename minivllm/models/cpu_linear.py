@@ -93,6 +93,16 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T] int64, forward(x).argmax(-1); on the panels without writing the [T, out]
+        result (the kernel keeps each row's best column as it goes, with torch's tie order)."""
+        if self.panels is None:
+            return self.forward(x).argmax(-1)
+        if x.dim() != 2 or x.shape[-1] != self.in_features:
+            raise ValueError(f"argmax_rows takes [T, {self.in_features}] rows, got {tuple(x.shape)}")
+        rows = x if x.stride(-1) == 1 else x.contiguous()
+        return self.ops.packed_linear_argmax(rows, self.panels, self.out_features, self.bias)
+
 
 def pack_linears(model: nn.Module, min_rows: int = MIN_PACKED_ROWS, ops=None) -> int:
     """Replace every CPU float32 nn.Linear of `model` by a PackedLinear (on minivllm's panel

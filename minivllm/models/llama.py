@@ -59,3 +59,9 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T] int64: compute_logits(hidden).argmax(-1), without the [T, V] logits where
+        the LM head can fold the argmax into its kernel (PackedLinear.argmax_rows on the CPU)."""
+        fused = getattr(self.lm_head, "argmax_rows", None)
+        return fused(hidden) if fused is not None else self.compute_logits(hidden).argmax(-1)

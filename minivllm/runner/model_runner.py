@@ -22,7 +22,7 @@ from minivllm.runner.input_batch import StepInputs, build_step_inputs
 from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, format_bytes
 from minivllm.runner.memory import plan_num_blocks
 from minivllm.sample.batch import SamplingBatch, SamplingRequestState
-from minivllm.sample.sampler import HostSamplerOutput, Sampler
+from minivllm.sample.sampler import HostSamplerOutput, Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -182,10 +182,10 @@ class ModelRunner:
         inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
                                    pin=self.device.type == "cuda")
         self._fill_placeholders(inputs)
-        logits = self._forward_logits(inputs)
+        hidden = self._forward_sampling_rows(inputs)
         if not inputs.sampling_req_ids:
             return LaunchedStep([], [])
-        return self._launch_sampling(logits, inputs.sampling_req_ids)
+        return self._launch_sampling(hidden, inputs.sampling_req_ids)
 
     def _fill_placeholders(self, inputs: StepInputs) -> None:
         """Tokens the previous step sampled are not on the host yet: copy them on the device."""
@@ -203,18 +203,28 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward_sampling_rows(self, inputs: StepInputs) -> torch.Tensor:
+        """The final hidden states of the tokens that sample: [len(sampling_req_ids), H]."""
         hidden = self.graphs.try_run(inputs) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if len(inputs.sampling_req_ids) == hidden.shape[0]:  # every token samples (decode): no gather
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+            return hidden
+        return hidden[inputs.logits_indices]
 
-    def _launch_sampling(self, logits: torch.Tensor, req_ids: list[str]) -> LaunchedStep:
+    def _launch_sampling(self, hidden: torch.Tensor, req_ids: list[str]) -> LaunchedStep:
         states = [self.requests[r].sampling for r in req_ids]
-        batch = SamplingBatch.build(states, logits.shape[-1], self.device, self.generator)
-        out = self.sampler(logits, batch)
+        # On the CPU a batch that only takes the argmax of the raw logits skips them: the LM head
+        # folds the argmax into its kernel (models/cpu_linear.py; W5 decode: 0.9 ms a step of
+        # ~11 ms for the LM head and argmax at 32 rows). Elsewhere the logits come first, as the
+        # batch's device copies are queued behind them.
+        logits = None if self.device.type == "cpu" else self.model.compute_logits(hidden)
+        vocab_size = logits.shape[-1] if logits is not None else self.model.lm_head.out_features
+        batch = SamplingBatch.build(states, vocab_size, self.device, self.generator)
+        if logits is None and batch.argmax_of_raw_logits:
+            out = SamplerOutput(self.model.compute_greedy_tokens(hidden))
+        else:
+            out = self.sampler(logits if logits is not None else self.model.compute_logits(hidden), batch)
         for state in states:
             state.num_pending += 1
         self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(req_ids)})

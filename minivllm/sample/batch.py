@@ -163,6 +163,13 @@ class SamplingBatch:
         return (self.logit_add_index is not None or self.blocked_mask is not None
                 or self.penalties is not None)
 
+    @property
+    def argmax_of_raw_logits(self) -> bool:
+        """True when every row's token is the argmax of its raw logits and nothing else is asked
+        of them (all greedy, no masks or penalties, no logprobs): the runner may then take the
+        argmax without the logits (models/cpu_linear.py)."""
+        return self.all_greedy and not self.modifies_logits and self.max_num_logprobs is None
+
     @classmethod
     def build(
         cls,

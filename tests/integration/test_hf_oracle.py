@@ -130,3 +130,27 @@ def test_async_scheduling_with_preemption_equals_hf(chat_token_ids, hf_greedy):
     a = llm.generate(_prompts(chat_token_ids[:3]), penalized, use_tqdm=False)
     b = sync.generate(_prompts(chat_token_ids[:3]), penalized, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_fused_greedy_lm_head_equals_hf(monkeypatch, chat_token_ids, hf_greedy):
+    """With the panel kernel forced on, an all-greedy batch takes its tokens from the LM head's
+    fused argmax (no logits) and still equals HF; a batch asking for logprobs takes the logits
+    path in the same engine and gives the same tokens."""
+    from minivllm.kernels import cpu_kernels
+    ops = cpu_kernels.load()
+    if ops is None or ops.packed_panel_width() == 0:
+        pytest.skip("no panel kernel in this build")
+    monkeypatch.setenv("MINIVLLM_CPU_LINEAR_KERNEL", "1")
+    llm = LLM(dtype="float32", device="cpu")
+    model = llm.llm_engine.executor.runner.model
+    fused_calls = []
+    argmax_rows = model.lm_head.argmax_rows
+    monkeypatch.setattr(model.lm_head, "argmax_rows", lambda x: fused_calls.append(x.shape[0]) or argmax_rows(x))
+    outs = llm.generate(_prompts(chat_token_ids), GREEDY, use_tqdm=False)
+    _assert_same_as_hf(outs, hf_greedy)
+    assert model.lm_head.panels is not None and len(fused_calls) >= MAX_NEW
+    calls_before = len(fused_calls)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=1)
+    outs = llm.generate(_prompts(chat_token_ids), with_logprobs, use_tqdm=False)
+    _assert_same_as_hf(outs, hf_greedy)
+    assert len(fused_calls) == calls_before

@@ -286,6 +286,44 @@ def test_packed_linear_matches_f_linear(ops, rows, k, n, bias):
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 5, 13, 32, 49])
+@pytest.mark.parametrize("k,n,bias", [(64, 48, False), (100, 37, True), (576, 3000, False), (33, 1, True)])
+def test_packed_linear_argmax_matches_argmax_of_the_product(ops, rows, k, n, bias):
+    """The fused argmax equals packed_linear(...).argmax(-1) exactly (same arithmetic) and F.linear's
+    argmax (random inputs: no near-ties)."""
+    if ops.packed_panel_width() == 0:
+        pytest.skip("no packed path in the portable build")
+    torch.manual_seed(rows * 11 + k + n)
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    b = torch.randn(n) if bias else None
+    panels = ops.pack_linear_weight(w)
+    got = ops.packed_linear_argmax(x, panels, n, b)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert torch.equal(got, ops.packed_linear(x, panels, n, b).argmax(-1))
+    assert torch.equal(got, torch.nn.functional.linear(x, w, b).argmax(-1))
+
+
+def test_packed_linear_argmax_keeps_torchs_tie_and_nan_order(ops):
+    """Equal maxima in several panels (and in both threads' shares): the lowest column wins; a NaN
+    logit wins over every number, the first NaN over later ones (torch.argmax's order)."""
+    if ops.packed_panel_width() == 0:
+        pytest.skip("no packed path in the portable build")
+    torch.manual_seed(0)
+    n = 8 * ops.packed_panel_width() + 3
+    w = torch.randn(n, 64)
+    w[5, 1] = -1.0  # so that rows 0 and 1 give column n - 1 a logit of -inf (below)
+    w[n - 2] = w[n // 2] = w[5]  # columns 5, n/2, n-2 give the same, largest, logit for x = w[5]
+    w[n - 1] = 0.0
+    w[n - 1, 1] = float("inf")
+    x = w[5].repeat(4, 1)
+    x[2, 0] = float("nan")  # row 2: every logit NaN -> column 0
+    x[3, 1] = 1.0  # row 3: column n - 1 gets +inf
+    panels = ops.pack_linear_weight(w)
+    got = ops.packed_linear_argmax(x, panels, n, None)
+    assert got.tolist() == torch.nn.functional.linear(x, w).argmax(-1).tolist()
+    assert got[:2].tolist() == [5, 5] and got[2] == 0 and got[3] == n - 1
+
+
 def test_packed_linear_reads_strided_rows(ops):
     """x as a column slice of a wider tensor (rows strided, elements contiguous)."""
     if ops.packed_panel_width() == 0:

@@ -45,3 +45,24 @@ def test_pack_linears_keeps_tied_weights_and_skips_non_fp32():
     assert pack_linears(model) == 2
     assert isinstance(model.head, PackedLinear) and model.head.weight is model.embed.weight
     assert isinstance(model.inner[0], PackedLinear) and type(model.inner[1]) is nn.Linear
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_argmax_rows_equals_argmax_of_forward(use_kernel):
+    """PackedLinear.argmax_rows: the panel kernel's fused argmax, or forward().argmax(-1) on oneDNN."""
+    from minivllm.kernels import cpu_kernels
+    ops = cpu_kernels.load() if use_kernel else None
+    if use_kernel and (ops is None or ops.packed_panel_width() == 0):
+        pytest.skip("no panel kernel in this build")
+    if not use_kernel and not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    torch.manual_seed(1)
+    lin = nn.Linear(40, 300, bias=False)
+    packed = PackedLinear(lin, ops=ops)
+    for rows in (1, 7, 32):
+        x = torch.randn(rows, 40)
+        assert torch.equal(packed.argmax_rows(x), packed(x).argmax(-1))
+        assert torch.equal(packed.argmax_rows(x), lin(x).argmax(-1))
+    if use_kernel:
+        with pytest.raises(ValueError, match="argmax_rows"):
+            packed.argmax_rows(torch.randn(2, 41))

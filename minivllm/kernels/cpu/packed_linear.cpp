@@ -25,6 +25,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <memory>
+#include <utility>
+#include <vector>
 
 #include "vec_math.h"
 
@@ -107,49 +111,138 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kPanel > 0, "packed_linear: this build has no vector path");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "packed_linear: x must be a float32 CPU [M, K] tensor with contiguous rows");
+namespace {
+
+void check_packed_inputs(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kPanel > 0, op, ": this build has no vector path");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
+              ": x must be a float32 CPU [M, K] tensor with contiguous rows");
   TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.dim() == 3 && panels.is_contiguous() &&
               panels.size(1) == x.size(1) && panels.size(2) == kPanel && N > (panels.size(0) - 1) * kPanel &&
-              N <= panels.size(0) * kPanel, "packed_linear: panels must be pack_linear_weight's [ceil(N/P), K, P]");
+              N <= panels.size(0) * kPanel, op, ": panels must be pack_linear_weight's [ceil(N/P), K, P]");
   if (bias.has_value())
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "packed_linear: bias must be a contiguous float32 [N]");
-  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), num_panels = panels.size(0);
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, op,
+                ": bias must be a contiguous float32 [N]");
+}
+
+#ifdef MINIVLLM_HAVE_VEC
+// One thread's share of y = x W^T + b: panels [begin, end) for all M rows. Where a row block's
+// results go is up to `sink`: sink.tile(r, col) gives the destination (pointer, row stride) of
+// the block starting at row r, column col; sink.done(r, rows, col, cols) runs after the block.
+template <class Sink>
+void run_panels(const float* xp, int64_t ldx, const float* wp, int64_t M, int64_t K, int64_t N, const float* bp,
+                int64_t begin, int64_t end, Sink& sink) {
+  for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
+    const int64_t m1 = std::min(M, m0 + kChunkRows);
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = wp + p * K * kPanel;
+      const int64_t col = p * kPanel, cols = std::min(kPanel, N - col);
+      const float* pb = bp != nullptr ? bp + col : nullptr;
+      // Prefetch: the row blocks of this panel share out the fetching of the thread's next
+      // panel, so it streams in from memory while this one is computed. Without it the first
+      // row block of every panel waited on memory (it wants ~32 GB/s a core) and the others ran
+      // from L2: 32 decode rows took 66 ms over the model's cold weights against 54 warm.
+      // A single row block is bound by the memory anyway and leaves it to the hardware.
+      // Block j fetches the rows k = j, j + blocks, ... of the next panel: an even pace.
+      const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
+      const float* next = blocks > 1 && p + 1 < end ? panel + K * kPanel : nullptr;
+      // rows shared evenly among the blocks (32 rows: 6, 6, 5, 5, 5, 5): a last block of one
+      // or two rows has too few accumulators to hide the FMA latency (measured: 32 rows over
+      // the model's cold weights 54.0 -> 52.8 ms against blocks of 6, 6, 6, 6, 6, 2)
+      const int64_t base_rows = (m1 - m0) / blocks, extra = (m1 - m0) % blocks;
+      for (int64_t r = m0, j = 0, rows = 0; r < m1; r += rows, ++j) {
+        rows = base_rows + (j < extra ? 1 : 0);
+        const auto [dst, ldo] = sink.tile(r, col);
+        kMicro[rows](xp + r * ldx, ldx, panel, K, dst, ldo, cols, pb, next, blocks, j);
+        sink.done(r, rows, col, cols);
+      }
+    }
+  }
+}
+
+struct MatrixSink {  // results straight into out [M, N]
+  float* out;
+  int64_t N;
+  std::pair<float*, int64_t> tile(int64_t r, int64_t col) const { return {out + r * N + col, N}; }
+  void done(int64_t, int64_t, int64_t, int64_t) const {}
+};
+
+// torch.argmax's order: a NaN beats every number (the first NaN wins), and among equal values
+// the lowest column wins (columns arrive in increasing order, so only a strict win replaces)
+inline bool beats(float v, float best, int64_t best_col) {
+  return best_col < 0 || v > best || (std::isnan(v) && !std::isnan(best));
+}
+
+struct ArgmaxSink {  // a block's results into a small tile, folded into each row's running argmax
+  alignas(64) float tile_buf[kBlockRows * kPanel];
+  std::vector<float> best;     // [M]
+  std::vector<int64_t> where;  // [M], -1 before the thread's first column
+  explicit ArgmaxSink(int64_t M) : best(M, 0.f), where(M, -1) {}
+  std::pair<float*, int64_t> tile(int64_t, int64_t) { return {tile_buf, kPanel}; }
+  void done(int64_t r, int64_t rows, int64_t col, int64_t cols) {
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t c = 0; c < cols; ++c) {
+        const float v = tile_buf[i * kPanel + c];
+        if (beats(v, best[r + i], where[r + i])) {
+          best[r + i] = v;
+          where[r + i] = col + c;
+        }
+      }
+  }
+};
+#endif
+
+}  // namespace
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const std::optional<at::Tensor>& bias) {
+  check_packed_inputs("packed_linear", x, panels, N, bias);
+  const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
 #ifdef MINIVLLM_HAVE_VEC
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
-      const int64_t m1 = std::min(M, m0 + kChunkRows);
-      for (int64_t p = begin; p < end; ++p) {
-        const float* panel = wp + p * K * kPanel;
-        const int64_t col = p * kPanel, cols = std::min(kPanel, N - col);
-        const float* pb = bp != nullptr ? bp + col : nullptr;
-        // Prefetch: the row blocks of this panel share out the fetching of the thread's next
-        // panel, so it streams in from memory while this one is computed. Without it the first
-        // row block of every panel waited on memory (it wants ~32 GB/s a core) and the others ran
-        // from L2: 32 decode rows took 66 ms over the model's cold weights against 54 warm.
-        // A single row block is bound by the memory anyway and leaves it to the hardware.
-        // Block j fetches the rows k = j, j + blocks, ... of the next panel: an even pace.
-        const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
-        const float* next = blocks > 1 && p + 1 < end ? panel + K * kPanel : nullptr;
-        // rows shared evenly among the blocks (32 rows: 6, 6, 5, 5, 5, 5): a last block of one
-        // or two rows has too few accumulators to hide the FMA latency (measured: 32 rows over
-        // the model's cold weights 54.0 -> 52.8 ms against blocks of 6, 6, 6, 6, 6, 2)
-        const int64_t base_rows = (m1 - m0) / blocks, extra = (m1 - m0) % blocks;
-        for (int64_t r = m0, j = 0, rows = 0; r < m1; r += rows, ++j) {
-          rows = base_rows + (j < extra ? 1 : 0);
-          kMicro[rows](xp + r * ldx, ldx, panel, K, op + r * N + col, N, cols, pb, next, blocks, j);
-        }
-      }
-    }
+  MatrixSink sink{out.data_ptr<float>(), N};
+  at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
+    MatrixSink mine = sink;
+    run_panels(xp, x.stride(0), wp, M, K, N, bp, begin, end, mine);
   });
+#endif
+  return out;
+}
+
+// argmax over the columns of x W^T + b, per row, without the [M, N] result: the greedy token of
+// each row from the LM head (SmolLM2: 49,152 columns, 6 MB of logits at 32 rows not written and
+// not read back). Equal to packed_linear(...).argmax(-1): the same arithmetic, torch's tie order.
+at::Tensor packed_linear_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                                const std::optional<at::Tensor>& bias) {
+  check_packed_inputs("packed_linear_argmax", x, panels, N, bias);
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+#ifdef MINIVLLM_HAVE_VEC
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  // each thread's running argmax over its panels, merged in panel order below
+  std::vector<std::pair<int64_t, std::unique_ptr<ArgmaxSink>>> parts(at::get_num_threads());
+  at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
+    auto sink = std::make_unique<ArgmaxSink>(M);
+    run_panels(xp, x.stride(0), wp, M, K, N, bp, begin, end, *sink);
+    parts[at::get_thread_num()] = {begin, std::move(sink)};
+  });
+  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    float best = 0.f;
+    int64_t where = -1;
+    for (const auto& part : parts)
+      if (part.second != nullptr && part.second->where[r] >= 0 && beats(part.second->best[r], best, where)) {
+        best = part.second->best[r];
+        where = part.second->where[r];
+      }
+    op[r] = where;
+  }
 #endif
   return out;
 }
@@ -161,9 +254,11 @@ MINIVLLM_FRAGMENT(MINIVLLM_OPS_NAMESPACE, m) {
   m.def("packed_panel_width() -> int", &packed_panel_width);
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor panels, int N, Tensor? bias) -> Tensor");
+  m.def("packed_linear_argmax(Tensor x, Tensor panels, int N, Tensor? bias) -> Tensor");
 }
 
 MINIVLLM_LIBRARY_IMPL(MINIVLLM_OPS_NAMESPACE, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
+  m.impl("packed_linear_argmax", &packed_linear_argmax);
 }
