@@ -2,7 +2,9 @@
 the gathered blocks; prefill rows run one SDPA call each. Tested against reference.py.
 
 On a CPU with the compiled decode kernel (`kernels/cpu_kernels.py`, handed over by the runner
-through `use_cpu_kernel`), float32 decode rows go to it instead: it reads the blocks in place.
+through `use_cpu_kernel`), float32 steps go to it instead: it reads the blocks in place. A step
+with prompt tokens becomes one kernel call too, each query token a row of its own that attends
+to its causal prefix (`_causal_rows`).
 
 Everything that depends only on the step's metadata (which rows decode, the gather indices, the
 length mask) is worked out once per step, at the first layer, and reused by the other layers:
@@ -32,6 +34,9 @@ class _StepPlan:
     tables: torch.Tensor | None  # [B, max_blocks] int32 block tables of the decode rows
     lens: torch.Tensor | None  # [B] int32 their sequence lengths
     prefills: list[tuple[int, int, int, int]]  # (row, start, end, seq_len) of multi-token rows
+    # set by the backend when the CPU kernel serves every token of a step with prefill rows:
+    # ([T, max_blocks] int32 tables, [T] int32 causal lengths), see _causal_rows
+    causal_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _plan_step(meta: AttentionMetadata, block_size: int, num_tokens: int, device) -> _StepPlan:
@@ -65,6 +70,19 @@ def _plan_step(meta: AttentionMetadata, block_size: int, num_tokens: int, device
                      tables, lens_t, prefills)
 
 
+def _causal_rows(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every query token of the step as a row of the decode kernel: its sequence's block table
+    and its causal key count. New token t of a sequence whose new tokens end at e (query_start_loc)
+    sits at position seq_len - (e - t) and attends to that many keys plus one. None when the
+    tokens do not tile the sequences exactly (padding rows: never on the CPU)."""
+    qsl = meta.query_start_loc.to(torch.int64)
+    if int(qsl[-1]) != num_tokens:
+        return None
+    seq_of_token = torch.repeat_interleave(torch.arange(qsl.numel() - 1), qsl[1:] - qsl[:-1])  # [T]
+    lens = meta.seq_lens.to(torch.int64)[seq_of_token] - qsl[1:][seq_of_token] + torch.arange(num_tokens) + 1
+    return meta.block_tables.index_select(0, seq_of_token), lens.to(torch.int32)
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -93,13 +111,24 @@ class TorchAttentionBackend:
         block_size = k_cache.shape[1]
         if self._plan is None or self._plan[0] is not meta or self._plan[1].block_size != block_size:
             plan = _plan_step(meta, block_size, query.shape[0], query.device)
-            if self._cpu_ops is not None and plan.decode_rows:  # once per step, before any kernel call
-                cpu_kernels.check_decode_rows(plan.tables, plan.lens, k_cache.shape[0], block_size)
+            if self._cpu_ops is not None and plan.prefills and cpu_kernels.supports(query, k_cache):
+                # prompt tokens go to the kernel too, one row each (one call for the whole step
+                # instead of an SDPA call per sequence and layer: W5's prefill attention 0.44 ->
+                # 0.13 s, docs/perf.md session 8)
+                plan.causal_rows = _causal_rows(meta, query.shape[0])
+            if self._cpu_ops is not None and (plan.decode_rows or plan.causal_rows is not None):
+                # once per step, before any kernel call (the causal rows read the same blocks,
+                # up to each sequence's length)
+                cpu_kernels.check_decode_rows(meta.block_tables, meta.seq_lens, k_cache.shape[0], block_size)
             self._plan = (meta, plan)
         return self._plan[1]
 
     def attend(self, query: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         plan = self._step_plan(meta, k_cache, query)
+        if plan.causal_rows is not None:
+            tables, lens = plan.causal_rows
+            return cpu_kernels.paged_decode_attention(self._cpu_ops, query, k_cache, v_cache, tables, lens, scale,
+                                                      checked=True)
         if plan.decode_rows and plan.decode_tokens is None:
             return self._decode(query, k_cache, v_cache, plan, scale)  # a decode-only step
         out = torch.empty_like(query)

@@ -122,7 +122,8 @@ def test_backend_checks_block_ids_once_per_step(ops):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_backend_with_kernel_matches_reference(ops, seed):
-    """Mixed steps: the kernel serves the one-token rows, SDPA the prefill rows."""
+    """Mixed steps (decode rows, whole prompts, chunks after a cached prefix): the kernel serves
+    every token, a prompt token as a row over its causal prefix."""
     rng = random.Random(1000 + seed)
     torch.manual_seed(seed)
     bs, kv_heads, group, d = rng.choice([4, 16]), rng.choice([1, 3]), rng.choice([1, 3]), 64
@@ -150,6 +151,7 @@ def test_backend_with_kernel_matches_reference(ops, seed):
     backend = TorchAttentionBackend()
     backend.use_cpu_kernel(ops)
     assert (backend.attend(q, k_cache, v_cache, meta, 0.125) - ref).abs().max().item() < 1e-4
+    assert (backend._plan[1].causal_rows is not None) == (max(q_lens) > 1)  # one kernel call, no SDPA
 
 
 # ---- fused small ops (kernels/cpu/fused_ops.cpp) ------------------------------------------
