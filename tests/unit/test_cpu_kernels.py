@@ -305,6 +305,27 @@ def test_packed_linear_argmax_matches_argmax_of_the_product(ops, rows, k, n, bia
     assert torch.equal(got, torch.nn.functional.linear(x, w, b).argmax(-1))
 
 
+@pytest.mark.parametrize("rows", [0, 1, 5, 13, 32, 49])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_silu_mul_equals_silu_mul_of_the_product(ops, rows, bias):
+    """The gate-up epilogue gives silu_mul(packed_linear(...)) bit for bit, and torch's
+    silu(gate) * up up to float32 rounding; several panels per half, rows around the blocks."""
+    p = ops.packed_panel_width()
+    if p == 0:
+        pytest.skip("no packed path in the portable build")
+    torch.manual_seed(rows + 3 * bias)
+    k, n = 100, 2 * 5 * p  # 5 panels of gate columns, 5 of up
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    b = torch.randn(n) if bias else None
+    panels = ops.pack_linear_weight(w)
+    got = ops.packed_linear_silu_mul(x, panels, n, b)
+    assert got.shape == (rows, n // 2)
+    assert torch.equal(got, ops.silu_mul(ops.packed_linear(x, panels, n, b)))
+    ref = torch.nn.functional.linear(x, w, b)
+    expected = torch.nn.functional.silu(ref[:, :n // 2]) * ref[:, n // 2:]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3 * max(1.0, float(expected.abs().max()) if rows else 1.0))
+
+
 def test_packed_linear_argmax_keeps_torchs_tie_and_nan_order(ops):
     """Equal maxima in several panels (and in both threads' shares): the lowest column wins; a NaN
     logit wins over every number, the first NaN over later ones (torch.argmax's order)."""

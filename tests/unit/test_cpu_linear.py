@@ -66,3 +66,22 @@ def test_argmax_rows_equals_argmax_of_forward(use_kernel):
     if use_kernel:
         with pytest.raises(ValueError, match="argmax_rows"):
             packed.argmax_rows(torch.randn(2, 41))
+
+
+def test_silu_mul_rows_fuses_only_on_whole_panels():
+    """gate_up on the panel kernel: silu_mul_rows equals silu_mul(forward(x)); a width whose halves
+    do not start on a panel boundary is not fused (and says so), and neither is oneDNN's."""
+    from minivllm.kernels import cpu_kernels
+    ops = cpu_kernels.load()
+    if ops is None or ops.packed_panel_width() == 0:
+        pytest.skip("no panel kernel in this build")
+    p = ops.packed_panel_width()
+    torch.manual_seed(2)
+    fused = PackedLinear(nn.Linear(48, 4 * p, bias=True), ops=ops)
+    x = torch.randn(9, 48)
+    assert fused.fuses_silu_mul
+    assert torch.equal(fused.silu_mul_rows(x), ops.silu_mul(fused(x)))
+    odd = PackedLinear(nn.Linear(48, 2 * p + 2, bias=False), ops=ops)
+    assert not odd.fuses_silu_mul and not PackedLinear(nn.Linear(48, 4 * p)).fuses_silu_mul
+    with pytest.raises(ValueError, match="silu_mul_rows"):
+        odd.silu_mul_rows(x)

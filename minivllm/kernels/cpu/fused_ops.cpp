@@ -44,21 +44,6 @@ inline float sum_of_squares(const float* x, int64_t n) {
   return s;
 }
 
-// silu(g) * u over n floats
-inline void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
-  int64_t i = 0;
-#ifdef MINIVLLM_HAVE_VEC
-  using V = minivllm_vec::VecBest;
-  for (; i + V::kWidth <= n; i += V::kWidth) {
-    const V::T x = V::load(g + i);
-    const V::T e = V::exp(V::sub(V::zero(), x));  // exp(-x): inf (AVX-512) or ~2e38 (AVX2) for x < -88.3
-    const V::T s = V::div(x, V::add(V::set1(1.f), e));
-    V::store(out + i, V::mul(s, V::load(u + i)));
-  }
-#endif
-  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-}
-
 void check_cpu_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
               " must be a contiguous float32 CPU tensor");
@@ -151,7 +136,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const float* g = gate_up.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) silu_mul_row(g + t * 2 * I, g + t * 2 * I + I, o + t * I, I);
+    for (int64_t t = begin; t < end; ++t) minivllm_vec::silu_mul_row(g + t * 2 * I, g + t * 2 * I + I, o + t * I, I);
   });
   return out;
 }

@@ -161,6 +161,41 @@ void run_panels(const float* xp, int64_t ldx, const float* wp, int64_t M, int64_
   }
 }
 
+// One thread's share of silu(x Wg^T + bg) * (x Wu^T + bu), the MLP's gate-up product and its
+// activation in one pass, for a gate_up weight [Wg; Wu] (N = 2 I columns, I a multiple of kPanel)
+// packed whole: gate panels [begin, end) of the I / kPanel, each with its up panel I / kPanel
+// panels on. A row block goes into two small tiles, then silu_mul_row writes its I columns: the
+// [M, 2 I] product is never written out and read back.
+void run_gate_up_panels(const float* xp, int64_t ldx, const float* wp, int64_t M, int64_t K, int64_t I,
+                        const float* bp, int64_t begin, int64_t end, float* out) {
+  const int64_t up_offset = I / kPanel * K * kPanel;  // floats from a gate panel to its up panel
+  alignas(64) float gate_tile[kBlockRows * kPanel];
+  alignas(64) float up_tile[kBlockRows * kPanel];
+  for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
+    const int64_t m1 = std::min(M, m0 + kChunkRows);
+    for (int64_t p = begin; p < end; ++p) {
+      const float* gate = wp + p * K * kPanel;
+      const float* up = gate + up_offset;
+      const int64_t col = p * kPanel;
+      const float* gate_bias = bp != nullptr ? bp + col : nullptr;
+      const float* up_bias = bp != nullptr ? bp + I + col : nullptr;
+      // both next panels fetched at an even pace, as in run_panels
+      const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
+      const bool fetch = blocks > 1 && p + 1 < end;
+      const int64_t base_rows = (m1 - m0) / blocks, extra = (m1 - m0) % blocks;
+      for (int64_t r = m0, j = 0, rows = 0; r < m1; r += rows, ++j) {
+        rows = base_rows + (j < extra ? 1 : 0);
+        kMicro[rows](xp + r * ldx, ldx, gate, K, gate_tile, kPanel, kPanel, gate_bias,
+                     fetch ? gate + K * kPanel : nullptr, blocks, j);
+        kMicro[rows](xp + r * ldx, ldx, up, K, up_tile, kPanel, kPanel, up_bias, fetch ? up + K * kPanel : nullptr,
+                     blocks, j);
+        for (int64_t i = 0; i < rows; ++i)
+          minivllm_vec::silu_mul_row(gate_tile + i * kPanel, up_tile + i * kPanel, out + (r + i) * I + col, kPanel);
+      }
+    }
+  }
+}
+
 struct MatrixSink {  // results straight into out [M, N]
   float* out;
   int64_t N;
@@ -212,6 +247,28 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
   return out;
 }
 
+// silu(gate) * up of the MLP in one pass: x [M, K] and gate_up's panels (N = 2 I columns, gate
+// then up, I a multiple of packed_panel_width()) -> [M, I]. Equal to silu_mul(packed_linear(...)):
+// the same products and the same activation code.
+at::Tensor packed_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                                  const std::optional<at::Tensor>& bias) {
+  check_packed_inputs("packed_linear_silu_mul", x, panels, N, bias);
+  TORCH_CHECK(kPanel > 0 && N % (2 * kPanel) == 0, "packed_linear_silu_mul: N must be a multiple of 2 * ",
+              kPanel, ", got ", N);
+  const int64_t M = x.size(0), K = x.size(1), I = N / 2;
+  at::Tensor out = at::empty({M, I}, x.options());
+#ifdef MINIVLLM_HAVE_VEC
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, I / kPanel, 1, [&](int64_t begin, int64_t end) {
+    run_gate_up_panels(xp, x.stride(0), wp, M, K, I, bp, begin, end, op);
+  });
+#endif
+  return out;
+}
+
 // argmax over the columns of x W^T + b, per row, without the [M, N] result: the greedy token of
 // each row from the LM head (SmolLM2: 49,152 columns, 6 MB of logits at 32 rows not written and
 // not read back). Equal to packed_linear(...).argmax(-1): the same arithmetic, torch's tie order.
@@ -255,10 +312,12 @@ MINIVLLM_FRAGMENT(MINIVLLM_OPS_NAMESPACE, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor panels, int N, Tensor? bias) -> Tensor");
   m.def("packed_linear_argmax(Tensor x, Tensor panels, int N, Tensor? bias) -> Tensor");
+  m.def("packed_linear_silu_mul(Tensor x, Tensor panels, int N, Tensor? bias) -> Tensor");
 }
 
 MINIVLLM_LIBRARY_IMPL(MINIVLLM_OPS_NAMESPACE, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
   m.impl("packed_linear_argmax", &packed_linear_argmax);
+  m.impl("packed_linear_silu_mul", &packed_linear_silu_mul);
 }

@@ -3,6 +3,9 @@
 // VecBest is the widest the build has; portable builds have neither (and use std::exp).
 #pragma once
 
+#include <cmath>
+#include <cstdint>
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -123,5 +126,21 @@ using VecBest = Vec256;
 #else
 #define MINIVLLM_VECTOR_ISA "portable"
 #endif
+
+// out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u over n floats (fused_ops.cpp's silu_mul and
+// packed_linear.cpp's gate-up epilogue: one formula, so both give the same bits)
+inline void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef MINIVLLM_HAVE_VEC
+  using V = VecBest;
+  for (; i + V::kWidth <= n; i += V::kWidth) {
+    const V::T x = V::load(g + i);
+    const V::T e = V::exp(V::sub(V::zero(), x));  // exp(-x): inf (AVX-512) or ~2e38 (AVX2) for x < -88.3
+    const V::T s = V::div(x, V::add(V::set1(1.f), e));
+    V::store(out + i, V::mul(s, V::load(u + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
 
 }  // namespace minivllm_vec
