@@ -269,18 +269,23 @@ def test_panel_width_follows_the_build(ops):
     assert ops.packed_panel_width() == {"avx512": 32, "avx2": 16, "portable": 0}[isa]
 
 
+def _random_packed_linear(ops, rows: int, k: int, n: int, bias: bool, seed: int):
+    """(w [n, k], x [rows, k], b [n] or None, w's panels); skips where the build has no packed path."""
+    if ops.packed_panel_width() == 0:
+        pytest.skip("no packed path in the portable build")
+    torch.manual_seed(seed)
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    b = torch.randn(n) if bias else None
+    return w, x, b, ops.pack_linear_weight(w)
+
+
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 13, 32, 47, 48, 49, 100])
 @pytest.mark.parametrize("k,n,bias", [(64, 48, False), (100, 37, True), (576, 1344, False), (33, 1, True)])
 def test_packed_linear_matches_f_linear(ops, rows, k, n, bias):
     """Row counts around the 6-row blocks (shared evenly: 13 rows are blocks of 5, 4, 4) and the
     48-row chunks, output widths that are not a multiple of the panel (zero-padded columns must not
     leak), with and without bias."""
-    if ops.packed_panel_width() == 0:
-        pytest.skip("no packed path in the portable build")
-    torch.manual_seed(rows * 7 + k + n)
-    w, x = torch.randn(n, k), torch.randn(rows, k)
-    b = torch.randn(n) if bias else None
-    panels = ops.pack_linear_weight(w)
+    w, x, b, panels = _random_packed_linear(ops, rows, k, n, bias, seed=rows * 7 + k + n)
     p = ops.packed_panel_width()
     assert panels.shape == (-(-n // p), k, p)
     out = ops.packed_linear(x, panels, n, b)
@@ -293,12 +298,7 @@ def test_packed_linear_matches_f_linear(ops, rows, k, n, bias):
 def test_packed_linear_argmax_matches_argmax_of_the_product(ops, rows, k, n, bias):
     """The fused argmax equals packed_linear(...).argmax(-1) exactly (same arithmetic) and F.linear's
     argmax (random inputs: no near-ties)."""
-    if ops.packed_panel_width() == 0:
-        pytest.skip("no packed path in the portable build")
-    torch.manual_seed(rows * 11 + k + n)
-    w, x = torch.randn(n, k), torch.randn(rows, k)
-    b = torch.randn(n) if bias else None
-    panels = ops.pack_linear_weight(w)
+    w, x, b, panels = _random_packed_linear(ops, rows, k, n, bias, seed=rows * 11 + k + n)
     got = ops.packed_linear_argmax(x, panels, n, b)
     assert got.dtype == torch.int64 and got.shape == (rows,)
     assert torch.equal(got, ops.packed_linear(x, panels, n, b).argmax(-1))

@@ -113,7 +113,17 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 
 namespace {
 
-void check_packed_inputs(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t N,
+// A packed op's inputs as raw pointers and sizes: x [M, K] (row stride ldx), the panels of a
+// weight with N output columns, the bias (nullptr: none).
+struct Operands {
+  const float* x;
+  int64_t ldx, M, K, N;
+  const float* panels;
+  const float* bias;
+};
+
+// Checks a packed op's inputs (op names the op in the error) and returns them as Operands.
+Operands packed_operands(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t N,
                          const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(kPanel > 0, op, ": this build has no vector path");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
@@ -124,6 +134,8 @@ void check_packed_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, op,
                 ": bias must be a contiguous float32 [N]");
+  return {x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), N, panels.data_ptr<float>(),
+          bias.has_value() ? bias->data_ptr<float>() : nullptr};
 }
 
 #ifdef MINIVLLM_HAVE_VEC
@@ -131,8 +143,9 @@ void check_packed_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
 // results go is up to `sink`: sink.tile(r, col) gives the destination (pointer, row stride) of
 // the block starting at row r, column col; sink.done(r, rows, col, cols) runs after the block.
 template <class Sink>
-void run_panels(const float* xp, int64_t ldx, const float* wp, int64_t M, int64_t K, int64_t N, const float* bp,
-                int64_t begin, int64_t end, Sink& sink) {
+void run_panels(const Operands& a, int64_t begin, int64_t end, Sink& sink) {
+  const float *xp = a.x, *wp = a.panels, *bp = a.bias;
+  const int64_t ldx = a.ldx, M = a.M, K = a.K, N = a.N;
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t m1 = std::min(M, m0 + kChunkRows);
     for (int64_t p = begin; p < end; ++p) {
@@ -166,8 +179,9 @@ void run_panels(const float* xp, int64_t ldx, const float* wp, int64_t M, int64_
 // packed whole: gate panels [begin, end) of the I / kPanel, each with its up panel I / kPanel
 // panels on. A row block goes into two small tiles, then silu_mul_row writes its I columns: the
 // [M, 2 I] product is never written out and read back.
-void run_gate_up_panels(const float* xp, int64_t ldx, const float* wp, int64_t M, int64_t K, int64_t I,
-                        const float* bp, int64_t begin, int64_t end, float* out) {
+void run_gate_up_panels(const Operands& a, int64_t begin, int64_t end, float* out) {
+  const float *xp = a.x, *wp = a.panels, *bp = a.bias;
+  const int64_t ldx = a.ldx, M = a.M, K = a.K, I = a.N / 2;
   const int64_t up_offset = I / kPanel * K * kPanel;  // floats from a gate panel to its up panel
   alignas(64) float gate_tile[kBlockRows * kPanel];
   alignas(64) float up_tile[kBlockRows * kPanel];
@@ -231,17 +245,13 @@ struct ArgmaxSink {  // a block's results into a small tile, folded into each ro
 }  // namespace
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const std::optional<at::Tensor>& bias) {
-  check_packed_inputs("packed_linear", x, panels, N, bias);
-  const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor out = at::empty({M, N}, x.options());
+  const Operands a = packed_operands("packed_linear", x, panels, N, bias);
+  at::Tensor out = at::empty({a.M, N}, x.options());
 #ifdef MINIVLLM_HAVE_VEC
-  const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  MatrixSink sink{out.data_ptr<float>(), N};
+  float* op = out.data_ptr<float>();
   at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
-    MatrixSink mine = sink;
-    run_panels(xp, x.stride(0), wp, M, K, N, bp, begin, end, mine);
+    MatrixSink sink{op, N};
+    run_panels(a, begin, end, sink);
   });
 #endif
   return out;
@@ -252,19 +262,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
 // the same products and the same activation code.
 at::Tensor packed_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                                   const std::optional<at::Tensor>& bias) {
-  check_packed_inputs("packed_linear_silu_mul", x, panels, N, bias);
-  TORCH_CHECK(kPanel > 0 && N % (2 * kPanel) == 0, "packed_linear_silu_mul: N must be a multiple of 2 * ",
+  const Operands a = packed_operands("packed_linear_silu_mul", x, panels, N, bias);
+  TORCH_CHECK(N % (2 * std::max<int64_t>(kPanel, 1)) == 0, "packed_linear_silu_mul: N must be a multiple of 2 * ",
               kPanel, ", got ", N);
-  const int64_t M = x.size(0), K = x.size(1), I = N / 2;
-  at::Tensor out = at::empty({M, I}, x.options());
+  at::Tensor out = at::empty({a.M, N / 2}, x.options());
 #ifdef MINIVLLM_HAVE_VEC
-  const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, I / kPanel, 1, [&](int64_t begin, int64_t end) {
-    run_gate_up_panels(xp, x.stride(0), wp, M, K, I, bp, begin, end, op);
-  });
+  at::parallel_for(0, N / 2 / kPanel, 1, [&](int64_t begin, int64_t end) { run_gate_up_panels(a, begin, end, op); });
 #endif
   return out;
 }
@@ -274,21 +278,18 @@ at::Tensor packed_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels,
 // not read back). Equal to packed_linear(...).argmax(-1): the same arithmetic, torch's tie order.
 at::Tensor packed_linear_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                                 const std::optional<at::Tensor>& bias) {
-  check_packed_inputs("packed_linear_argmax", x, panels, N, bias);
-  const int64_t M = x.size(0), K = x.size(1);
+  const Operands a = packed_operands("packed_linear_argmax", x, panels, N, bias);
+  const int64_t M = a.M;
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
 #ifdef MINIVLLM_HAVE_VEC
-  const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   // each thread's running argmax over its panels, merged in panel order below
   std::vector<std::pair<int64_t, std::unique_ptr<ArgmaxSink>>> parts(at::get_num_threads());
   at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
     auto sink = std::make_unique<ArgmaxSink>(M);
-    run_panels(xp, x.stride(0), wp, M, K, N, bp, begin, end, *sink);
+    run_panels(a, begin, end, *sink);
     parts[at::get_thread_num()] = {begin, std::move(sink)};
   });
-  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::sort(parts.begin(), parts.end(), [](const auto& lo, const auto& hi) { return lo.first < hi.first; });
   int64_t* op = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < M; ++r) {
     float best = 0.f;
