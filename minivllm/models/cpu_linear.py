@@ -78,6 +78,10 @@ class PackedLinear(nn.Module):
             self.panels = ops.pack_linear_weight(linear.weight.detach())
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        # silu_mul_rows can run: the panel kernel, and half the columns a whole number of panels
+        # (gate and up then start on panel boundaries). Fixed by the packing: decided once here.
+        width = ops.packed_panel_width() if ops is not None else 0
+        self.fuses_silu_mul = width > 0 and self.out_features % (2 * width) == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
@@ -93,12 +97,11 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    @property
-    def fuses_silu_mul(self) -> bool:
-        """Whether silu_mul_rows can run: the panel kernel, and half the columns a whole number of
-        panels (gate and up then start on panel boundaries)."""
-        p = self.ops.packed_panel_width() if self.panels is not None else 0
-        return p > 0 and self.out_features % (2 * p) == 0
+    def _rows(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """x [T, in] with contiguous rows for the fused ops (`op` names the caller in the error)."""
+        if x.dim() != 2 or x.shape[-1] != self.in_features:
+            raise ValueError(f"{op} takes [T, {self.in_features}] rows, got {tuple(x.shape)}")
+        return x if x.stride(-1) == 1 else x.contiguous()
 
     def silu_mul_rows(self, x: torch.Tensor) -> torch.Tensor:
         """For an MLP's gate_up layer (gate columns, then up): x [T, in] -> silu(gate) * up
@@ -106,20 +109,14 @@ class PackedLinear(nn.Module):
         Equals ops.silu_mul(forward(x)) bit for bit. Needs fuses_silu_mul."""
         if not self.fuses_silu_mul:
             raise ValueError("silu_mul_rows needs the panel kernel and out_features a multiple of 2 panels")
-        if x.dim() != 2 or x.shape[-1] != self.in_features:
-            raise ValueError(f"silu_mul_rows takes [T, {self.in_features}] rows, got {tuple(x.shape)}")
-        rows = x if x.stride(-1) == 1 else x.contiguous()
-        return self.ops.packed_linear_silu_mul(rows, self.panels, self.out_features, self.bias)
+        return self.ops.packed_linear_silu_mul(self._rows(x, "silu_mul_rows"), self.panels, self.out_features, self.bias)
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T] int64, forward(x).argmax(-1); on the panels without writing the [T, out]
         result (the kernel keeps each row's best column as it goes, with torch's tie order)."""
         if self.panels is None:
             return self.forward(x).argmax(-1)
-        if x.dim() != 2 or x.shape[-1] != self.in_features:
-            raise ValueError(f"argmax_rows takes [T, {self.in_features}] rows, got {tuple(x.shape)}")
-        rows = x if x.stride(-1) == 1 else x.contiguous()
-        return self.ops.packed_linear_argmax(rows, self.panels, self.out_features, self.bias)
+        return self.ops.packed_linear_argmax(self._rows(x, "argmax_rows"), self.panels, self.out_features, self.bias)
 
 
 def pack_linears(model: nn.Module, min_rows: int = MIN_PACKED_ROWS, ops=None) -> int:

@@ -224,7 +224,9 @@ class ModelRunner:
         if logits is None and batch.argmax_of_raw_logits:
             out = SamplerOutput(self.model.compute_greedy_tokens(hidden))
         else:
-            out = self.sampler(logits if logits is not None else self.model.compute_logits(hidden), batch)
+            if logits is None:
+                logits = self.model.compute_logits(hidden)
+            out = self.sampler(logits, batch)
         for state in states:
             state.num_pending += 1
         self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(req_ids)})

@@ -139,6 +139,27 @@ Operands packed_operands(const char* op, const at::Tensor& x, const at::Tensor& 
 }
 
 #ifdef MINIVLLM_HAVE_VEC
+// fn(r, rows, j, blocks) for the row blocks j = 0 .. blocks - 1 of rows [m0, m1), block j
+// starting at row r. The rows are shared evenly (32 rows: 6, 6, 5, 5, 5, 5): a last block of one
+// or two rows has too few accumulators to hide the FMA latency (measured: 32 rows over the
+// model's cold weights 54.0 -> 52.8 ms against blocks of 6, 6, 6, 6, 6, 2).
+//
+// The callers' prefetch: the row blocks of a panel share out the fetching of the thread's next
+// panel, so it streams in from memory while this one is computed. Without it the first row
+// block of every panel waited on memory (it wants ~32 GB/s a core) and the others ran from L2:
+// 32 decode rows took 66 ms over the model's cold weights against 54 warm. A single row block is
+// bound by the memory anyway and leaves it to the hardware. Block j fetches the rows k = j,
+// j + blocks, ... of the next panel: an even pace.
+template <class Fn>
+inline void for_each_row_block(int64_t m0, int64_t m1, Fn&& fn) {
+  const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
+  const int64_t base_rows = (m1 - m0) / blocks, extra = (m1 - m0) % blocks;
+  for (int64_t r = m0, j = 0, rows = 0; r < m1; r += rows, ++j) {
+    rows = base_rows + (j < extra ? 1 : 0);
+    fn(r, rows, j, blocks);
+  }
+}
+
 // One thread's share of y = x W^T + b: panels [begin, end) for all M rows. Where a row block's
 // results go is up to `sink`: sink.tile(r, col) gives the destination (pointer, row stride) of
 // the block starting at row r, column col; sink.done(r, rows, col, cols) runs after the block.
@@ -152,24 +173,12 @@ void run_panels(const Operands& a, int64_t begin, int64_t end, Sink& sink) {
       const float* panel = wp + p * K * kPanel;
       const int64_t col = p * kPanel, cols = std::min(kPanel, N - col);
       const float* pb = bp != nullptr ? bp + col : nullptr;
-      // Prefetch: the row blocks of this panel share out the fetching of the thread's next
-      // panel, so it streams in from memory while this one is computed. Without it the first
-      // row block of every panel waited on memory (it wants ~32 GB/s a core) and the others ran
-      // from L2: 32 decode rows took 66 ms over the model's cold weights against 54 warm.
-      // A single row block is bound by the memory anyway and leaves it to the hardware.
-      // Block j fetches the rows k = j, j + blocks, ... of the next panel: an even pace.
-      const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
-      const float* next = blocks > 1 && p + 1 < end ? panel + K * kPanel : nullptr;
-      // rows shared evenly among the blocks (32 rows: 6, 6, 5, 5, 5, 5): a last block of one
-      // or two rows has too few accumulators to hide the FMA latency (measured: 32 rows over
-      // the model's cold weights 54.0 -> 52.8 ms against blocks of 6, 6, 6, 6, 6, 2)
-      const int64_t base_rows = (m1 - m0) / blocks, extra = (m1 - m0) % blocks;
-      for (int64_t r = m0, j = 0, rows = 0; r < m1; r += rows, ++j) {
-        rows = base_rows + (j < extra ? 1 : 0);
+      for_each_row_block(m0, m1, [&](int64_t r, int64_t rows, int64_t j, int64_t blocks) {
+        const float* next = blocks > 1 && p + 1 < end ? panel + K * kPanel : nullptr;
         const auto [dst, ldo] = sink.tile(r, col);
         kMicro[rows](xp + r * ldx, ldx, panel, K, dst, ldo, cols, pb, next, blocks, j);
         sink.done(r, rows, col, cols);
-      }
+      });
     }
   }
 }
@@ -193,19 +202,15 @@ void run_gate_up_panels(const Operands& a, int64_t begin, int64_t end, float* ou
       const int64_t col = p * kPanel;
       const float* gate_bias = bp != nullptr ? bp + col : nullptr;
       const float* up_bias = bp != nullptr ? bp + I + col : nullptr;
-      // both next panels fetched at an even pace, as in run_panels
-      const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
-      const bool fetch = blocks > 1 && p + 1 < end;
-      const int64_t base_rows = (m1 - m0) / blocks, extra = (m1 - m0) % blocks;
-      for (int64_t r = m0, j = 0, rows = 0; r < m1; r += rows, ++j) {
-        rows = base_rows + (j < extra ? 1 : 0);
+      for_each_row_block(m0, m1, [&](int64_t r, int64_t rows, int64_t j, int64_t blocks) {
+        const bool fetch = blocks > 1 && p + 1 < end;  // both next panels, as in run_panels
         kMicro[rows](xp + r * ldx, ldx, gate, K, gate_tile, kPanel, kPanel, gate_bias,
                      fetch ? gate + K * kPanel : nullptr, blocks, j);
         kMicro[rows](xp + r * ldx, ldx, up, K, up_tile, kPanel, kPanel, up_bias, fetch ? up + K * kPanel : nullptr,
                      blocks, j);
         for (int64_t i = 0; i < rows; ++i)
           minivllm_vec::silu_mul_row(gate_tile + i * kPanel, up_tile + i * kPanel, out + (r + i) * I + col, kPanel);
-      }
+      });
     }
   }
 }
