@@ -36,6 +36,12 @@ from torch import nn
 MIN_PACKED_ROWS = 3
 ENV_FLAG = "MINIVLLM_CPU_PACKED_LINEAR"
 KERNEL_ENV_FLAG = "MINIVLLM_CPU_LINEAR_KERNEL"
+SCREEN_ENV_FLAG = "MINIVLLM_CPU_SCREENED_ARGMAX"
+SCREEN_GROUP = 32  # features per activation scale in kernels/cpu/screened_argmax.cpp
+# argmax_rows takes the int8 screen up to this many rows: measured on a 2-core AMD EPYC (Zen 3),
+# SmolLM2's LM head, 1 row 4.9 -> 1.3 ms, 8 rows 6.1 -> 3.2, 16 rows 7.1 -> 6.4, 24 rows 8.8 -> 8.5,
+# 32 rows even (docs/perf.md, session 9)
+SCREEN_MAX_ROWS = 16
 # CPU vendors where the panel kernel was measured faster than oneDNN (docs/perf.md, session 7)
 KERNEL_PREFERRED_VENDORS = ("AuthenticAMD",)
 
@@ -74,6 +80,7 @@ class PackedLinear(nn.Module):
         # packed copies are plain attributes, not parameters or buffers: derived data, rebuilt by
         # packing again. panels: [ceil(N / P), K, P] float32; packed: an opaque oneDNN tensor
         self.panels = self.packed = None
+        self.screen = None  # prepare_screened_argmax's tensors
         if ops is not None:
             self.panels = ops.pack_linear_weight(linear.weight.detach())
         else:
@@ -116,7 +123,53 @@ class PackedLinear(nn.Module):
         result (the kernel keeps each row's best column as it goes, with torch's tie order)."""
         if self.panels is None:
             return self.forward(x).argmax(-1)
-        return self.ops.packed_linear_argmax(self._rows(x, "argmax_rows"), self.panels, self.out_features, self.bias)
+        rows = self._rows(x, "argmax_rows")
+        if self.screen is not None and rows.shape[0] <= SCREEN_MAX_ROWS:
+            return self.ops.screened_argmax(rows, *self.screen, self.weight.detach(), self.panels, self.out_features, self.bias,
+                                            max(64, self.out_features // 16))
+        return self.ops.packed_linear_argmax(rows, self.panels, self.out_features, self.bias)
+
+    def prepare_screened_argmax(self) -> bool:
+        """Give argmax_rows the int8 screen (kernels/cpu/screened_argmax.cpp: the same answer at a
+        quarter of the weight bytes). For an LM head; False where it cannot run (no panel kernel or
+        no AVX2, in_features not a multiple of 32, non-finite weights, MINIVLLM_CPU_SCREENED_ARGMAX=0)."""
+        if (self.panels is None or os.environ.get(SCREEN_ENV_FLAG, "1") == "0"
+                or not self.ops.screened_argmax_available() or self.in_features % SCREEN_GROUP != 0):
+            return False
+        self.screen = screen_weight_stats(self.weight.detach(), self.bias)
+        return self.screen is not None
+
+
+def screen_weight_stats(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple | None:
+    """The int8 screen of a weight [N, K] for screened_argmax: (screen panels [ceil(N/16), K/4, 64]
+    uint8, scales s [N], bound terms e' [N], f' [N], c [N]), None if the weight is not finite.
+
+    Column i: w_i ~ s_i q_i, q_i int8 in [-127, 127], stored offset as q_i + 128 (the kernel's
+    vpmaddubsw wants unsigned bytes). The kernel bounds |logit_i - screen logit_i| by
+    e'_i ||x|| + f'_i ||x - x_quantized|| + c_i, with e' >= ||w_i - s_i q_i|| and f' >= ||s_i q_i||.
+    Each carries a slack for float rounding, 4x the classic n u bounds (u = 2^-24, n the length
+    of the sums): of these norms (computed in float32), of the screen's sums and of the fp32
+    product the screen stands in for; c_i covers the rounding where the bias is added."""
+    w = weight.detach().float()
+    if not bool(torch.isfinite(w).all()) or (bias is not None and not bool(torch.isfinite(bias).all())):
+        return None
+    n, k = w.shape
+    s = w.abs().amax(1) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(w / s[:, None]).clamp_(-127, 127)
+    u = 2.0 ** -24
+    slack = 4 * (k + k // SCREEN_GROUP + 8) * u
+    norm_w, norm_q = w.norm(dim=1), (s[:, None] * q).norm(dim=1)
+    up = 1 + 4 * k * u  # a float32 norm of k terms is within ~k u of the exact one
+    err = ((w - s[:, None] * q).norm(dim=1) + slack * (norm_w + norm_q)) * up
+    norm_q = norm_q * up * (1 + slack)
+    const = 4 * u * (bias.detach().float().abs() if bias is not None else torch.zeros(n)) + 1e-30
+    n_pad = -(-n // 16) * 16
+    offset = torch.full((n_pad, k), 128, dtype=torch.uint8)
+    offset[:n] = (q + 128).to(torch.uint8)
+    # [N_pad, K] -> [panels, 16 columns, K/4 quads, 4] -> [panels, quads, 16 columns x 4 bytes]
+    screen = offset.view(n_pad // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(n_pad // 16, k // 4, 64)
+    return screen, s.contiguous(), err.contiguous(), norm_q.contiguous(), const.float().contiguous()
 
 
 def pack_linears(model: nn.Module, min_rows: int = MIN_PACKED_ROWS, ops=None) -> int:

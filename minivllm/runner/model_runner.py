@@ -82,7 +82,8 @@ class ModelRunner:
             return
         from minivllm.kernels import cpu_kernels
         from minivllm.models.cpu_forward import enable_cpu_forward
-        from minivllm.models.cpu_linear import kernel_linear_preferred, pack_linears, packed_linear_available
+        from minivllm.models.cpu_linear import (SCREEN_MAX_ROWS, PackedLinear, kernel_linear_preferred, pack_linears,
+                                                packed_linear_available)
         backend = self.model.layers[0].self_attn.backend  # one instance serves every layer
         ops = None
         if cpu_kernels.kernel_enabled() and hasattr(backend, "use_cpu_kernel"):
@@ -92,6 +93,10 @@ class ModelRunner:
         if kernel_linear_preferred(ops):
             logger.info("CPU: %d linear layers on minivllm's packed-panel kernel (%s)",
                         pack_linears(self.model, ops=ops), ops.vector_isa())
+            lm_head = getattr(self.model, "lm_head", None)
+            if isinstance(lm_head, PackedLinear) and lm_head.prepare_screened_argmax():
+                logger.info("CPU: greedy tokens of up to %d rows through the LM head's int8 screen "
+                            "(kernels/cpu/screened_argmax.cpp)", SCREEN_MAX_ROWS)
         elif packed_linear_available():
             logger.info("CPU: %d linear layers on prepacked oneDNN weights", pack_linears(self.model))
         if enable_cpu_forward(self.model, ops):  # after packing: it binds the final linear modules

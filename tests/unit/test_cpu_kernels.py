@@ -347,6 +347,65 @@ def test_packed_linear_argmax_keeps_torchs_tie_and_nan_order(ops):
     assert got[:2].tolist() == [5, 5] and got[2] == 0 and got[3] == n - 1
 
 
+def _screened(ops, x, w, b, panels, max_candidates=None):
+    """screened_argmax with w's screen (models/cpu_linear.py); skips where the build has none."""
+    from minivllm.models.cpu_linear import screen_weight_stats
+    if ops.packed_panel_width() == 0 or not ops.screened_argmax_available():
+        pytest.skip("no int8 screen in this build")
+    n = w.shape[0]
+    cap = n if max_candidates is None else max_candidates
+    return ops.screened_argmax(x, *screen_weight_stats(w, b), w.contiguous(), panels, n, b, cap)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 17, 32])
+@pytest.mark.parametrize("k,n,bias", [(64, 48, False), (96, 37, True), (576, 3000, False)])
+def test_screened_argmax_equals_the_exact_kernel(ops, rows, k, n, bias):
+    """The int8 screen then the exact products of its candidates give packed_linear_argmax's answer
+    exactly: rows around the 4-row blocks, widths that are not a multiple of 16, with and without
+    bias, and rows whose features differ in scale by 50x (the group scales' case)."""
+    w, x, b, panels = _random_packed_linear(ops, rows, k, n, bias, seed=rows * 13 + k + n)
+    x[:, ::7] *= 50.0
+    got = _screened(ops, x, w, b, panels)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert torch.equal(got, ops.packed_linear_argmax(x, panels, n, b))
+
+
+def test_screened_argmax_decides_near_ties_by_the_exact_product(ops):
+    """Columns the int8 screen cannot tell apart: copies of the best column moved by less than one
+    quantization step (some by 1 ulp), and an exact copy (the lower column must win the tie). The
+    screen has to keep all of them as candidates, and the fp32 products pick the same column as
+    the exact kernel."""
+    torch.manual_seed(5)
+    n, k = 400, 64
+    w = torch.randn(n, k)
+    x = torch.randn(6, k)
+    best = ops.packed_linear(x, ops.pack_linear_weight(w), n, None).argmax(-1) if ops.packed_panel_width() else None
+    if best is None:
+        pytest.skip("no packed path in the portable build")
+    for r in range(6):  # near copies of row r's best column, spread over several panels
+        src = w[int(best[r])].clone()
+        for j, col in enumerate(range(10 + 60 * r, 10 + 60 * r + 5)):
+            w[col] = src
+            w[col, j] = torch.nextafter(src[j], torch.tensor(float("inf")) if j % 2 else torch.tensor(-float("inf")))
+        w[10 + 60 * r + 5] = src  # an exact copy: a tie
+    panels = ops.pack_linear_weight(w)
+    got = _screened(ops, x, w, None, panels)
+    assert torch.equal(got, ops.packed_linear_argmax(x, panels, n, None))
+
+
+def test_screened_argmax_hands_hard_rows_to_the_exact_kernel(ops):
+    """Rows with NaN or inf (torch's argmax order must hold), an all-zero row (every logit ties: column
+    0), and a candidate cap of 0 (every row falls back) all give packed_linear_argmax's answer."""
+    w, x, b, panels = _random_packed_linear(ops, 6, 64, 100, False, seed=9)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    x[3] = 0.0
+    expected = ops.packed_linear_argmax(x, panels, 100, None)
+    assert torch.equal(_screened(ops, x, w, None, panels), expected)
+    assert torch.equal(_screened(ops, x, w, None, panels, max_candidates=0), expected)
+    assert expected[3] == 0
+
+
 def test_packed_linear_reads_strided_rows(ops):
     """x as a column slice of a wider tensor (rows strided, elements contiguous)."""
     if ops.packed_panel_width() == 0:

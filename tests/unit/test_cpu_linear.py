@@ -1,5 +1,7 @@
 """PackedLinear (oneDNN-prepacked CPU weights) against the plain nn.Linear it replaces."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -66,6 +68,32 @@ def test_argmax_rows_equals_argmax_of_forward(use_kernel):
     if use_kernel:
         with pytest.raises(ValueError, match="argmax_rows"):
             packed.argmax_rows(torch.randn(2, 41))
+
+
+def test_argmax_rows_through_the_int8_screen(monkeypatch):
+    """prepare_screened_argmax gives argmax_rows the int8 screen up to SCREEN_MAX_ROWS rows (the
+    exact kernel above): the answers equal forward().argmax(-1) either way. It declines where the
+    screen cannot run: in_features not a multiple of 32, MINIVLLM_CPU_SCREENED_ARGMAX=0."""
+    from minivllm.kernels import cpu_kernels
+    from minivllm.models.cpu_linear import SCREEN_ENV_FLAG, SCREEN_MAX_ROWS
+    ops = cpu_kernels.load()
+    if ops is None or ops.packed_panel_width() == 0 or not ops.screened_argmax_available():
+        pytest.skip("no panel kernel or no int8 screen in this build")
+    torch.manual_seed(4)
+    packed = PackedLinear(nn.Linear(64, 1000, bias=True), ops=ops)
+    assert packed.prepare_screened_argmax() and packed.screen is not None
+    calls = []
+    screened = ops.screened_argmax
+    monkeypatch.setattr(packed, "ops", SimpleNamespace(
+        screened_argmax=lambda *a: calls.append(a[0].shape[0]) or screened(*a),
+        packed_linear_argmax=ops.packed_linear_argmax, packed_linear=ops.packed_linear))
+    for rows in (1, SCREEN_MAX_ROWS, SCREEN_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 64) * 3
+        assert torch.equal(packed.argmax_rows(x), packed(x).argmax(-1))
+    assert calls == [1, SCREEN_MAX_ROWS]
+    assert not PackedLinear(nn.Linear(40, 100), ops=ops).prepare_screened_argmax()
+    monkeypatch.setenv(SCREEN_ENV_FLAG, "0")
+    assert not PackedLinear(nn.Linear(64, 100), ops=ops).prepare_screened_argmax()
 
 
 def test_silu_mul_rows_fuses_only_on_whole_panels():
