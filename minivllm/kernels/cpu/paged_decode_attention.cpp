@@ -145,49 +145,41 @@ void attend_vec(const Task& task, const Shape& s, std::vector<float>& scores) {
   using T = typename V::T;
   constexpr int W = V::kWidth;
   constexpr int64_t D = C * W;
+  static_assert(C % 2 == 0, "the score pass splits each dot product in two chains");
   const int64_t len = task.len;
   scores.resize(G * len);
   float* sc = scores.data();
-  T q[G][C];
+  alignas(64) float qs[G][D];  // the scaled queries, read from L1 as the FMAs' memory operands
   float mx[G];
   for (int g = 0; g < G; ++g) {
     mx[g] = -INFINITY;
-    for (int c = 0; c < C; ++c) q[g][c] = V::mul(V::load(task.q + g * D + c * W), V::set1(s.scale));
+    for (int c = 0; c < C; ++c) V::store(qs[g] + c * W, V::mul(V::load(task.q + g * D + c * W), V::set1(s.scale)));
   }
-  // scores: groups of 8 keys of one block reduced together (one hadd tree for 8 dot products
-  // instead of 8 horizontal sums, which were half the instructions of this pass), then the rest
-  __m256 mx8[G];
-  for (int g = 0; g < G; ++g) mx8[g] = _mm256_set1_ps(-INFINITY);
-  for (int64_t first = 0, b = 0; first < len; first += s.block_size, ++b) {
-    const float* k = task.k + static_cast<int64_t>(task.table[b]) * s.block_size * s.slot_stride;
-    const int64_t last = std::min(len, first + s.block_size);
-    int64_t t = first;
-    for (; t + 8 <= last; t += 8, k += 8 * s.slot_stride) {
+  // scores, one key at a time for all G heads (each K vector loaded once), each dot product in
+  // two chains then one horizontal sum. Key by key, every load instruction steps one slot
+  // (Hk * D floats) a key, a stride the hardware prefetcher follows; the earlier order (8 keys
+  // of one block per head, reduced together by one hadd tree) stepped 8 slots, 6 KB with
+  // SmolLM2's heads, and waited on memory: this pass over cold K went 9.8 -> 7.0 ms for W5's 32
+  // decode rows x 30 layers (docs/perf.md, session 9).
+  for_each_key(task.k, task.table, len, s.block_size, s.slot_stride, [&](int64_t t, const float* k) {
+    T a[G][2];
+    for (int g = 0; g < G; ++g) {
+      a[g][0] = V::mul(V::load(qs[g]), V::load(k));
+      a[g][1] = V::mul(V::load(qs[g] + W), V::load(k + W));
+    }
+    for (int c = 2; c < C; c += 2) {
+      const T k0 = V::load(k + c * W), k1 = V::load(k + (c + 1) * W);
       for (int g = 0; g < G; ++g) {
-        T acc[8];
-        for (int j = 0; j < 8; ++j) acc[j] = V::mul(q[g][0], V::load(k + j * s.slot_stride));
-        for (int c = 1; c < C; ++c)
-          for (int j = 0; j < 8; ++j) acc[j] = V::fmadd(q[g][c], V::load(k + j * s.slot_stride + c * W), acc[j]);
-        const __m256 x = V::reduce_add_8(acc);
-        _mm256_storeu_ps(sc + g * len + t, x);
-        mx8[g] = _mm256_max_ps(mx8[g], x);
+        a[g][0] = V::fmadd(V::load(qs[g] + c * W), k0, a[g][0]);
+        a[g][1] = V::fmadd(V::load(qs[g] + (c + 1) * W), k1, a[g][1]);
       }
     }
-    for (; t < last; ++t, k += s.slot_stride) {
-      for (int g = 0; g < G; ++g) {
-        T acc = V::mul(q[g][0], V::load(k));
-        for (int c = 1; c < C; ++c) acc = V::fmadd(q[g][c], V::load(k + c * W), acc);
-        const float x = V::reduce_add(acc);
-        sc[g * len + t] = x;
-        mx[g] = std::max(mx[g], x);
-      }
+    for (int g = 0; g < G; ++g) {
+      const float x = V::reduce_add(V::add(a[g][0], a[g][1]));
+      sc[g * len + t] = x;
+      mx[g] = std::max(mx[g], x);
     }
-  }
-  for (int g = 0; g < G; ++g) {
-    alignas(32) float m8[8];
-    _mm256_store_ps(m8, mx8[g]);
-    mx[g] = std::max(mx[g], *std::max_element(m8, m8 + 8));
-  }
+  });
   for (int g = 0; g < G; ++g) softmax_row<V>(sc + g * len, len, mx[g]);
   constexpr int P = vectors_per_v_pass<V, C, G>();
   for (int c0 = 0; c0 < C; c0 += P) {  // vectors c0 .. c0 + P - 1 of every head's output row

@@ -12,16 +12,6 @@
 
 namespace minivllm_vec {
 
-#if defined(__AVX2__) && defined(__FMA__)
-// [sum(a[0]), ..., sum(a[7])]: an hadd tree, then the two 128-bit halves added
-inline __m256 reduce_add_8x256(const __m256 a[8]) {
-  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
-}
-#endif
-
 #ifdef __AVX512F__
 struct Vec512 {
   using T = __m512;
@@ -38,13 +28,6 @@ struct Vec512 {
   static T fnmadd(T a, T b, T c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
   static T exp(T x);  // below
   static float reduce_add(T v) { return _mm512_reduce_add_ps(v); }
-  // the sums of 8 vectors, as 8 floats
-  static __m256 reduce_add_8(const T a[8]) {
-    __m256 h[8];
-    for (int j = 0; j < 8; ++j)
-      h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
-    return reduce_add_8x256(h);
-  }
 };
 #endif
 
@@ -69,7 +52,6 @@ struct Vec256 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  static __m256 reduce_add_8(const T a[8]) { return reduce_add_8x256(a); }
 };
 #endif
 
