@@ -42,6 +42,9 @@ SCREEN_GROUP = 32  # features per activation scale in kernels/cpu/screened_argma
 # SmolLM2's LM head, 1 row 4.9 -> 1.3 ms, 8 rows 6.1 -> 3.2, 16 rows 7.1 -> 6.4, 24 rows 8.8 -> 8.5,
 # 32 rows even (docs/perf.md, session 9)
 SCREEN_MAX_ROWS = 16
+# a row whose screen leaves more candidates than out_features / SCREEN_MAX_CANDIDATES_DIV (at
+# least 64) takes the exact kernel: their fp32 products would cost more than the screen saves
+SCREEN_MAX_CANDIDATES_DIV = 16
 # CPU vendors where the panel kernel was measured faster than oneDNN (docs/perf.md, session 7)
 KERNEL_PREFERRED_VENDORS = ("AuthenticAMD",)
 
@@ -120,13 +123,15 @@ class PackedLinear(nn.Module):
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T] int64, forward(x).argmax(-1); on the panels without writing the [T, out]
-        result (the kernel keeps each row's best column as it goes, with torch's tie order)."""
+        result (the kernel keeps each row's best column as it goes, with torch's tie order), or for
+        up to SCREEN_MAX_ROWS rows through the int8 screen when prepared (the same answer)."""
         if self.panels is None:
             return self.forward(x).argmax(-1)
         rows = self._rows(x, "argmax_rows")
         if self.screen is not None and rows.shape[0] <= SCREEN_MAX_ROWS:
-            return self.ops.screened_argmax(rows, *self.screen, self.weight.detach(), self.panels, self.out_features, self.bias,
-                                            max(64, self.out_features // 16))
+            max_candidates = max(64, self.out_features // SCREEN_MAX_CANDIDATES_DIV)
+            return self.ops.screened_argmax(rows, *self.screen, self.weight.detach(), self.panels, self.out_features,
+                                            self.bias, max_candidates)
         return self.ops.packed_linear_argmax(rows, self.panels, self.out_features, self.bias)
 
     def prepare_screened_argmax(self) -> bool:
