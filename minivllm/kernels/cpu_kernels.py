@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 ENV_FLAG = "MINIVLLM_CPU_KERNELS"
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = [SOURCE_DIR / "paged_decode_attention.cpp", SOURCE_DIR / "fused_ops.cpp", SOURCE_DIR / "packed_linear.cpp",
-           SOURCE_DIR / "screened_argmax.cpp"]
+           SOURCE_DIR / "screened_argmax.cpp", SOURCE_DIR / "affine_block_linear.cpp"]
 _loaded: dict[str, object] = {}  # variant -> op namespace, or None when its build failed
 
 

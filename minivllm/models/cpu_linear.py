@@ -45,6 +45,12 @@ SCREEN_MAX_ROWS = 16
 # a row whose screen leaves more candidates than out_features / SCREEN_MAX_CANDIDATES_DIV (at
 # least 64) takes the exact kernel: their fp32 products would cost more than the screen saves
 SCREEN_MAX_CANDIDATES_DIV = 16
+AFFINE_ENV_FLAG = "MINIVLLM_CPU_AFFINE_BLOCKS"
+AFFINE_BLOCK = 32  # weights per (d, m) along K in kernels/cpu/affine_block_linear.cpp
+# forward takes the affine blocks up to this many rows: measured on a 2-core AMD EPYC (Zen 3),
+# SmolLM2's 120 decoder linears, 1 row 16.1 -> 6.8 ms, 4 rows 17.3 -> 8.0, 8 rows 20.7 -> 13.9,
+# 12 rows 25.3 -> 20.2, 16 rows even, 32 rows 49.5 -> 58.5 (docs/perf.md, session 9)
+AFFINE_MAX_ROWS = 12
 # CPU vendors where the panel kernel was measured faster than oneDNN (docs/perf.md, session 7)
 KERNEL_PREFERRED_VENDORS = ("AuthenticAMD",)
 
@@ -84,6 +90,7 @@ class PackedLinear(nn.Module):
         # packing again. panels: [ceil(N / P), K, P] float32; packed: an opaque oneDNN tensor
         self.panels = self.packed = None
         self.screen = None  # prepare_screened_argmax's tensors
+        self.affine = None  # prepare_affine_blocks' (q, d, m)
         if ops is not None:
             self.panels = ops.pack_linear_weight(linear.weight.detach())
         else:
@@ -101,7 +108,10 @@ class PackedLinear(nn.Module):
             rows = x.reshape(-1, self.in_features)
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            y = self.ops.packed_linear(rows, self.panels, self.out_features, self.bias)
+            if self.affine is not None and rows.shape[0] <= AFFINE_MAX_ROWS:
+                y = self.ops.affine_block_linear(rows, *self.affine, self.out_features, self.bias)
+            else:
+                y = self.ops.packed_linear(rows, self.panels, self.out_features, self.bias)
             return y.view(*lead, self.out_features)
         if x.numel() < self.min_rows * self.in_features:
             return F.linear(x, self.weight, self.bias)
@@ -119,7 +129,10 @@ class PackedLinear(nn.Module):
         Equals ops.silu_mul(forward(x)) bit for bit. Needs fuses_silu_mul."""
         if not self.fuses_silu_mul:
             raise ValueError("silu_mul_rows needs the panel kernel and out_features a multiple of 2 panels")
-        return self.ops.packed_linear_silu_mul(self._rows(x, "silu_mul_rows"), self.panels, self.out_features, self.bias)
+        rows = self._rows(x, "silu_mul_rows")
+        if self.affine is not None and rows.shape[0] <= AFFINE_MAX_ROWS:
+            return self.ops.silu_mul(self.ops.affine_block_linear(rows, *self.affine, self.out_features, self.bias))
+        return self.ops.packed_linear_silu_mul(rows, self.panels, self.out_features, self.bias)
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T] int64, forward(x).argmax(-1); on the panels without writing the [T, out]
@@ -133,6 +146,20 @@ class PackedLinear(nn.Module):
             return self.ops.screened_argmax(rows, *self.screen, self.weight.detach(), self.panels, self.out_features,
                                             self.bias, max_candidates)
         return self.ops.packed_linear_argmax(rows, self.panels, self.out_features, self.bias)
+
+    def prepare_affine_blocks(self) -> bool:
+        """Give forward (up to AFFINE_MAX_ROWS rows) the weight as 4-bit affine blocks when every
+        block of 32 weights along K is exactly d * q + m in float32 (q in [0, 15], d a float16
+        value, m the block's minimum: weights dequantized from 4-bit GGUF blocks, the bundled
+        model's linears). The kernel (kernels/cpu/affine_block_linear.cpp) gives the same results
+        bit for bit from 1.25 bytes a weight. False where the weight is not of that form (checked
+        block by block), or there is no panel kernel or no AVX2, or MINIVLLM_CPU_AFFINE_BLOCKS=0."""
+        if (self.panels is None or os.environ.get(AFFINE_ENV_FLAG, "1") == "0"
+                or not self.ops.affine_block_linear_available() or self.in_features % AFFINE_BLOCK != 0):
+            return False
+        q, d, m = self.ops.affine_blocks_of(self.weight.detach().contiguous())
+        self.affine = (q, d, m) if q.numel() > 0 else None
+        return self.affine is not None
 
     def prepare_screened_argmax(self) -> bool:
         """Give argmax_rows the int8 screen (kernels/cpu/screened_argmax.cpp: the same answer at a

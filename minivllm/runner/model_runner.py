@@ -82,8 +82,8 @@ class ModelRunner:
             return
         from minivllm.kernels import cpu_kernels
         from minivllm.models.cpu_forward import enable_cpu_forward
-        from minivllm.models.cpu_linear import (SCREEN_MAX_ROWS, PackedLinear, kernel_linear_preferred, pack_linears,
-                                                packed_linear_available)
+        from minivllm.models.cpu_linear import (AFFINE_MAX_ROWS, SCREEN_MAX_ROWS, PackedLinear, kernel_linear_preferred,
+                                                pack_linears, packed_linear_available)
         backend = self.model.layers[0].self_attn.backend  # one instance serves every layer
         ops = None
         if cpu_kernels.kernel_enabled() and hasattr(backend, "use_cpu_kernel"):
@@ -93,6 +93,10 @@ class ModelRunner:
         if kernel_linear_preferred(ops):
             logger.info("CPU: %d linear layers on minivllm's packed-panel kernel (%s)",
                         pack_linears(self.model, ops=ops), ops.vector_isa())
+            affine = sum(lin.prepare_affine_blocks() for lin in self.model.modules() if isinstance(lin, PackedLinear))
+            if affine:
+                logger.info("CPU: %d linear layers also as exact 4-bit affine blocks for steps of up to %d rows "
+                            "(kernels/cpu/affine_block_linear.cpp)", affine, AFFINE_MAX_ROWS)
             lm_head = getattr(self.model, "lm_head", None)
             if isinstance(lm_head, PackedLinear) and lm_head.prepare_screened_argmax():
                 logger.info("CPU: greedy tokens of up to %d rows through the LM head's int8 screen "

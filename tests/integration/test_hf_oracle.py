@@ -135,7 +135,8 @@ def test_async_scheduling_with_preemption_equals_hf(chat_token_ids, hf_greedy):
 def test_fused_greedy_lm_head_equals_hf(monkeypatch, chat_token_ids, hf_greedy):
     """With the panel kernel forced on, an all-greedy batch takes its tokens from the LM head's
     fused argmax (no logits) and still equals HF; a batch asking for logprobs takes the logits
-    path in the same engine and gives the same tokens."""
+    path in the same engine and gives the same tokens; single prompts (the int8 screen and the
+    affine blocks, where the build has them) too."""
     from minivllm.kernels import cpu_kernels
     ops = cpu_kernels.load()
     if ops is None or ops.packed_panel_width() == 0:
@@ -154,3 +155,11 @@ def test_fused_greedy_lm_head_equals_hf(monkeypatch, chat_token_ids, hf_greedy):
     outs = llm.generate(_prompts(chat_token_ids), with_logprobs, use_tqdm=False)
     _assert_same_as_hf(outs, hf_greedy)
     assert len(fused_calls) == calls_before
+    # few-row steps: the LM head's int8 screen and the decoder's exact 4-bit affine blocks (the
+    # bundled GGUF's linears are Q4_1), one prompt at a time, still equal HF
+    if ops.screened_argmax_available() and ops.affine_block_linear_available():
+        assert model.lm_head.screen is not None
+        assert all(layer.mlp.down_proj.affine is not None for layer in model.layers)
+        for i in (0, len(chat_token_ids) - 1):
+            outs = llm.generate(_prompts(chat_token_ids[i:i + 1]), GREEDY, use_tqdm=False)
+            _assert_same_as_hf(outs, hf_greedy[i:i + 1])

@@ -406,6 +406,48 @@ def test_screened_argmax_hands_hard_rows_to_the_exact_kernel(ops):
     assert expected[3] == 0
 
 
+def _affine_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """[n, k] float32 weights that are exactly d * q + m per block of 32 along k, as dequantized
+    from 4-bit blocks: d a float16 value, q in [0, 15] with 0 and 15 in every block, m (the
+    block's minimum) a float16 value."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = n * k // 32
+    d = (torch.rand(blocks, 1, generator=g) * 0.01 + 1e-4).half().float()
+    m = (torch.randn(blocks, 1, generator=g) * 0.05).half().float()
+    q = torch.randint(0, 16, (blocks, 32), generator=g).float()
+    q[:, 0], q[:, 1] = 0, 15
+    return (d * q + m).view(n, k)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 4, 5, 9])
+@pytest.mark.parametrize("k,n,bias", [(64, 48, False), (96, 37, True), (576, 960, False)])
+def test_affine_block_linear_equals_the_panel_kernel(ops, rows, k, n, bias):
+    """Weights that are exact 4-bit affine blocks: affine_blocks_of finds them and
+    affine_block_linear gives packed_linear's results bit for bit (widths not a multiple of 16,
+    rows over the 4-row passes, with and without bias)."""
+    if ops.packed_panel_width() == 0 or not ops.affine_block_linear_available():
+        pytest.skip("no affine-block path in this build")
+    w = _affine_weight(n, k, seed=rows + k + n)
+    torch.manual_seed(rows)
+    x, b = torch.randn(rows, k), (torch.randn(n) if bias else None)
+    q, d, m = ops.affine_blocks_of(w)
+    assert q.shape == (-(-n // 16), k, 16) and d.shape == m.shape == (-(-n // 16), k // 32, 16)
+    assert torch.equal(ops.affine_block_linear(x, q, d, m, n, b), ops.packed_linear(x, ops.pack_linear_weight(w), n, b))
+
+
+def test_affine_blocks_of_refuses_weights_that_are_not_exact_blocks(ops):
+    """A random float32 weight, one changed weight in an exact one, or K not a multiple of 32: no
+    blocks (empty tensors), so the engine keeps the plain panels."""
+    if not ops.affine_block_linear_available():
+        pytest.skip("no affine-block path in this build")
+    assert ops.affine_blocks_of(torch.randn(32, 64))[0].numel() == 0
+    w = _affine_weight(32, 64, seed=1)
+    assert ops.affine_blocks_of(w)[0].numel() > 0
+    w[7, 40] = torch.nextafter(w[7, 40], torch.tensor(1.0))
+    assert ops.affine_blocks_of(w)[0].numel() == 0
+    assert ops.affine_blocks_of(_affine_weight(16, 96, seed=2)[:, :80].contiguous())[0].numel() == 0
+
+
 def test_packed_linear_reads_strided_rows(ops):
     """x as a column slice of a wider tensor (rows strided, elements contiguous)."""
     if ops.packed_panel_width() == 0:

@@ -96,6 +96,40 @@ def test_argmax_rows_through_the_int8_screen(monkeypatch):
     assert not PackedLinear(nn.Linear(64, 100), ops=ops).prepare_screened_argmax()
 
 
+def test_forward_through_affine_blocks(monkeypatch):
+    """prepare_affine_blocks on a weight of exact 4-bit affine blocks: forward and silu_mul_rows take
+    the affine kernel up to AFFINE_MAX_ROWS rows and give the panel kernel's results bit for bit;
+    a random weight, or MINIVLLM_CPU_AFFINE_BLOCKS=0, keeps the panels."""
+    from minivllm.kernels import cpu_kernels
+    from minivllm.models.cpu_linear import AFFINE_ENV_FLAG, AFFINE_MAX_ROWS
+    ops = cpu_kernels.load()
+    if ops is None or ops.packed_panel_width() == 0 or not ops.affine_block_linear_available():
+        pytest.skip("no panel kernel or no affine-block path in this build")
+    p = ops.packed_panel_width()
+    lin = nn.Linear(64, 4 * p, bias=True)
+    g = torch.Generator().manual_seed(3)
+    d = (torch.rand(4 * p * 2, 1, generator=g) * 0.01).half().float()
+    q = torch.randint(0, 16, (4 * p * 2, 32), generator=g).float()
+    q[:, 0], q[:, 1] = 0, 15
+    with torch.no_grad():
+        lin.weight.copy_((d * q - 0.03).view(4 * p, 64))
+    packed, plain = PackedLinear(lin, ops=ops), PackedLinear(lin, ops=ops)
+    assert packed.prepare_affine_blocks() and packed.fuses_silu_mul
+    calls = []
+    affine = ops.affine_block_linear
+    monkeypatch.setattr(packed, "ops", SimpleNamespace(
+        affine_block_linear=lambda *a: calls.append(a[0].shape[0]) or affine(*a), silu_mul=ops.silu_mul,
+        packed_linear=ops.packed_linear, packed_linear_silu_mul=ops.packed_linear_silu_mul))
+    for rows in (1, AFFINE_MAX_ROWS, AFFINE_MAX_ROWS + 1):
+        x = torch.randn(rows, 64)
+        assert torch.equal(packed(x), plain(x))
+        assert torch.equal(packed.silu_mul_rows(x), plain.silu_mul_rows(x))
+    assert calls == [1, 1, AFFINE_MAX_ROWS, AFFINE_MAX_ROWS]
+    assert not PackedLinear(nn.Linear(64, 32), ops=ops).prepare_affine_blocks()
+    monkeypatch.setenv(AFFINE_ENV_FLAG, "0")
+    assert not PackedLinear(lin, ops=ops).prepare_affine_blocks()
+
+
 def test_silu_mul_rows_fuses_only_on_whole_panels():
     """gate_up on the panel kernel: silu_mul_rows equals silu_mul(forward(x)); a width whose halves
     do not start on a panel boundary is not fused (and says so), and neither is oneDNN's."""
