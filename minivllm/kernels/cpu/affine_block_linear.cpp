@@ -19,7 +19,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -31,9 +30,7 @@
 #define MINIVLLM_HAVE_AFFINE 1
 #endif
 
-#ifndef MINIVLLM_OPS_NAMESPACE
-#define MINIVLLM_OPS_NAMESPACE minivllm_cpu
-#endif
+#include "op_library.h"
 
 namespace {
 
@@ -200,9 +197,6 @@ at::Tensor affine_block_linear(const at::Tensor& x, const at::Tensor& q, const a
 #endif
   return out;
 }
-
-#define MINIVLLM_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define MINIVLLM_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 MINIVLLM_FRAGMENT(MINIVLLM_OPS_NAMESPACE, m) {
   m.def("affine_block_linear_available() -> bool", &affine_block_linear_available);

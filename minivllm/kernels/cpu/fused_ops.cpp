@@ -18,16 +18,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 
+#include "op_library.h"
 #include "vec_math.h"
-
-#ifndef MINIVLLM_OPS_NAMESPACE
-#define MINIVLLM_OPS_NAMESPACE minivllm_cpu
-#endif
 
 namespace {
 
@@ -140,9 +136,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   });
   return out;
 }
-
-#define MINIVLLM_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define MINIVLLM_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 MINIVLLM_FRAGMENT(MINIVLLM_OPS_NAMESPACE, m) {
   m.def("add_rms_norm(Tensor(a!) residual, Tensor? hidden, Tensor weight, float eps) -> Tensor");

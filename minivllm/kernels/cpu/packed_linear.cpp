@@ -22,7 +22,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -30,11 +29,8 @@
 #include <utility>
 #include <vector>
 
+#include "op_library.h"
 #include "vec_math.h"
-
-#ifndef MINIVLLM_OPS_NAMESPACE
-#define MINIVLLM_OPS_NAMESPACE minivllm_cpu
-#endif
 
 namespace {
 
@@ -309,9 +305,6 @@ at::Tensor packed_linear_argmax(const at::Tensor& x, const at::Tensor& panels, i
 #endif
   return out;
 }
-
-#define MINIVLLM_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define MINIVLLM_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 MINIVLLM_FRAGMENT(MINIVLLM_OPS_NAMESPACE, m) {
   m.def("packed_panel_width() -> int", &packed_panel_width);

@@ -22,18 +22,14 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
 
+#include "op_library.h"
 #include "vec_math.h"
-
-#ifndef MINIVLLM_OPS_NAMESPACE
-#define MINIVLLM_OPS_NAMESPACE minivllm_cpu
-#endif
 
 namespace {
 
@@ -302,12 +298,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
 // "avx512", "avx2" or "portable": the vector paths this build has
 std::string vector_isa() { return MINIVLLM_VECTOR_ISA; }
 
-// TORCH_LIBRARY_* paste their argument: go through a second macro so the namespace is expanded
-// (a fragment: kernels/cpu/fused_ops.cpp adds the other ops of the same library)
-#define MINIVLLM_LIBRARY(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define MINIVLLM_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
-
-MINIVLLM_LIBRARY(MINIVLLM_OPS_NAMESPACE, m) {
+MINIVLLM_FRAGMENT(MINIVLLM_OPS_NAMESPACE, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
   m.def("vector_isa() -> str", &vector_isa);

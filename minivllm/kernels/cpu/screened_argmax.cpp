@@ -35,7 +35,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -48,9 +47,7 @@
 #define MINIVLLM_HAVE_SCREEN 1
 #endif
 
-#ifndef MINIVLLM_OPS_NAMESPACE
-#define MINIVLLM_OPS_NAMESPACE minivllm_cpu
-#endif
+#include "op_library.h"
 
 // packed_linear.cpp: the exact fused argmax, for the rows the screen hands back
 at::Tensor packed_linear_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t N,
@@ -355,9 +352,6 @@ bool screened_argmax_available() {
   return false;
 #endif
 }
-
-#define MINIVLLM_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define MINIVLLM_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 MINIVLLM_FRAGMENT(MINIVLLM_OPS_NAMESPACE, m) {
   m.def("screened_argmax_available() -> bool", &screened_argmax_available);
