@@ -94,6 +94,28 @@ def _ensure_ninja_on_path() -> None:
             return
 
 
+# A build takes ~20-70 s. A build lock older than this was left by a process killed while
+# building (torch's cpp_extension would then wait for it forever, hanging every later start).
+STALE_LOCK_S = 300.0
+
+
+def _wait_for_build_lock(build_dir: Path, stale_after: float = STALE_LOCK_S, poll: float = 1.0) -> None:
+    """Wait while another process holds `build_dir`'s build lock; remove the lock once it is older
+    than `stale_after` seconds, so an interrupted build is redone instead of waited on."""
+    lock = build_dir / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after:
+            logger.warning("CPU kernels: removing a build lock %.0f s old (%s): an earlier build was interrupted; "
+                           "building again", age, lock)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(poll)
+
+
 def load(variant: str | None = None):
     """Build (first time) and load the kernel; returns its op namespace or None.
 
@@ -116,6 +138,7 @@ def load(variant: str | None = None):
     try:
         from torch.utils import cpp_extension
         _ensure_ninja_on_path()
+        _wait_for_build_lock(Path(cpp_extension._get_build_directory(namespace, verbose=False)))
         # -fopenmp only compiles at::parallel_for's pragmas: the link line has no -lgomp, so the
         # library uses the OpenMP runtime torch already loaded (one thread pool, not two)
         cpp_extension.load(name=namespace, sources=[str(p) for p in SOURCES], extra_cflags=flags,

@@ -503,3 +503,23 @@ def test_kernel_linear_choice(ops, monkeypatch):
     assert cpu_linear.kernel_linear_preferred(ops) == has_path
     monkeypatch.setenv(cpu_linear.ENV_FLAG, "0")
     assert not cpu_linear.kernel_linear_preferred(ops)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_waited_on(tmp_path):
+    """A build lock left by a process killed mid-build is removed (torch would wait on it forever);
+    a fresh one, another process building now, is waited on until it goes."""
+    import os
+    import threading
+    import time
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 2 * cpu_kernels.STALE_LOCK_S
+    os.utime(lock, (old, old))
+    cpu_kernels._wait_for_build_lock(tmp_path)
+    assert not lock.exists()
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()  # the other build finishes
+    t = time.perf_counter()
+    cpu_kernels._wait_for_build_lock(tmp_path, poll=0.05)
+    assert not lock.exists() and time.perf_counter() - t >= 0.25
+    cpu_kernels._wait_for_build_lock(tmp_path)  # no lock: returns at once
