@@ -9,7 +9,8 @@
 // block by block, and the engine keeps the plain panels where any block is not exact).
 //
 // Exactness: d * q is exact in float32 (d has 11 significant bits, q 4), so fma(d, q, m) rounds
-// once, as the dequantization did: the rebuilt weight is the float32 weight, bit for bit. Each
+// once, as the dequantization did: the rebuilt weight is the float32 weight (the check compares
+// with ==, so a -0 may come back as +0, which no product or sum below can tell apart). Each
 // output column is then the panel kernel's own chain, acc = fma(x_k, w_k, acc) over k from +0,
 // then + bias: the results equal packed_linear's bit for bit.
 //
@@ -120,7 +121,10 @@ bool fit_block(const float* w, float& d_out, float& m_out, uint8_t* q_out) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> affine_blocks_of(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
               weight.is_contiguous(), "affine_blocks_of: weight must be a contiguous float32 CPU [N, K]");
-  const auto none = [&] { return std::make_tuple(at::empty({0}, weight.options().dtype(at::kByte)), at::empty({0}, weight.options()), at::empty({0}, weight.options())); };
+  const auto none = [&] {  // not affine blocks: three empty tensors
+    return std::make_tuple(at::empty({0}, weight.options().dtype(at::kByte)), at::empty({0}, weight.options()),
+                           at::empty({0}, weight.options()));
+  };
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kCols - 1) / kCols, B = K / kBlock;
   if (K % kBlock != 0) return none();
   at::Tensor q = at::zeros({panels, K, kCols}, weight.options().dtype(at::kByte));
