@@ -108,14 +108,21 @@ class PackedLinear(nn.Module):
             rows = x.reshape(-1, self.in_features)
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            if self.affine is not None and rows.shape[0] <= AFFINE_MAX_ROWS:
-                y = self.ops.affine_block_linear(rows, *self.affine, self.out_features, self.bias)
-            else:
-                y = self.ops.packed_linear(rows, self.panels, self.out_features, self.bias)
-            return y.view(*lead, self.out_features)
+            return self._panel_product(rows).view(*lead, self.out_features)
         if x.numel() < self.min_rows * self.in_features:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _from_affine_blocks(self, rows: torch.Tensor) -> bool:
+        """Whether a product of these rows reads the affine blocks: prepared, up to AFFINE_MAX_ROWS rows."""
+        return self.affine is not None and rows.shape[0] <= AFFINE_MAX_ROWS
+
+    def _panel_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, in] (contiguous rows) -> [T, out] on the panel kernel, from the affine blocks
+        where _from_affine_blocks (the same bits), else from the panels."""
+        if self._from_affine_blocks(rows):
+            return self.ops.affine_block_linear(rows, *self.affine, self.out_features, self.bias)
+        return self.ops.packed_linear(rows, self.panels, self.out_features, self.bias)
 
     def _rows(self, x: torch.Tensor, op: str) -> torch.Tensor:
         """x [T, in] with contiguous rows for the fused ops (`op` names the caller in the error)."""
@@ -130,8 +137,8 @@ class PackedLinear(nn.Module):
         if not self.fuses_silu_mul:
             raise ValueError("silu_mul_rows needs the panel kernel and out_features a multiple of 2 panels")
         rows = self._rows(x, "silu_mul_rows")
-        if self.affine is not None and rows.shape[0] <= AFFINE_MAX_ROWS:
-            return self.ops.silu_mul(self.ops.affine_block_linear(rows, *self.affine, self.out_features, self.bias))
+        if self._from_affine_blocks(rows):
+            return self.ops.silu_mul(self._panel_product(rows))
         return self.ops.packed_linear_silu_mul(rows, self.panels, self.out_features, self.bias)
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:

@@ -168,7 +168,7 @@ struct RowScreen {
 // The screen's inputs as raw pointers (bias nullptr: none).
 struct Screen {
   const uint8_t* panels;
-  const float *scale, *err, *norm, *slack, *bias;
+  const float *scale, *err, *norm, *bias_bound, *bias;  // the op's scales, bound_err, bound_norm, bound_bias
   int64_t N, K;
 };
 
@@ -183,12 +183,12 @@ std::vector<RowScreen> screen_panels(const Screen& sc, const QuantRows& q, int64
   for (int64_t c = begin; c < end; ++c) {
     const int64_t col0 = c * kScreenCols, cols = std::min(kScreenCols, sc.N - col0);
     // the panel's per-column terms, padded past N so the last panel takes the same path
-    alignas(32) float s[kScreenCols] = {}, e[kScreenCols] = {}, f[kScreenCols] = {}, k[kScreenCols] = {},
+    alignas(32) float s[kScreenCols] = {}, e[kScreenCols] = {}, f[kScreenCols] = {}, cb[kScreenCols] = {},
                       b[kScreenCols] = {};
     std::copy(sc.scale + col0, sc.scale + col0 + cols, s);
     std::copy(sc.err + col0, sc.err + col0 + cols, e);
     std::copy(sc.norm + col0, sc.norm + col0 + cols, f);
-    std::copy(sc.slack + col0, sc.slack + col0 + cols, k);
+    std::copy(sc.bias_bound + col0, sc.bias_bound + col0 + cols, cb);
     if (sc.bias != nullptr) std::copy(sc.bias + col0, sc.bias + col0 + cols, b);
     for (int64_t r0 = 0; r0 < M; r0 += kScreenRows) {
       const int64_t R = std::min<int64_t>(kScreenRows, M - r0);
@@ -203,7 +203,7 @@ std::vector<RowScreen> screen_panels(const Screen& sc, const QuantRows& q, int64
           const __m256 a = _mm256_fmadd_ps(_mm256_load_ps(s + 8 * v), _mm256_load_ps(tile + r * kScreenCols + 8 * v),
                                            _mm256_load_ps(b + 8 * v));
           const __m256 d = _mm256_fmadd_ps(_mm256_load_ps(e + 8 * v), xn,
-                                           _mm256_fmadd_ps(_mm256_load_ps(f + 8 * v), xr, _mm256_load_ps(k + 8 * v)));
+                                           _mm256_fmadd_ps(_mm256_load_ps(f + 8 * v), xr, _mm256_load_ps(cb + 8 * v)));
           _mm256_store_ps(lo + 8 * v, _mm256_sub_ps(a, d));
           _mm256_store_ps(hi + 8 * v, _mm256_add_ps(a, d));
           reach |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(hi + 8 * v), bar, _CMP_GE_OQ)) << (8 * v);
