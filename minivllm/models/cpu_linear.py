@@ -39,9 +39,10 @@ KERNEL_ENV_FLAG = "MINIVLLM_CPU_LINEAR_KERNEL"
 SCREEN_ENV_FLAG = "MINIVLLM_CPU_SCREENED_ARGMAX"
 SCREEN_GROUP = 32  # features per activation scale in kernels/cpu/screened_argmax.cpp
 # argmax_rows takes the int8 screen up to this many rows: measured on a 2-core AMD EPYC (Zen 3),
-# SmolLM2's LM head, 1 row 4.9 -> 1.3 ms, 8 rows 6.1 -> 3.2, 16 rows 7.1 -> 6.4, 24 rows 8.8 -> 8.5,
-# 32 rows even (docs/perf.md, session 9)
-SCREEN_MAX_ROWS = 16
+# SmolLM2's LM head on W5's hidden states, screen vs fp32 kernel: 1 row 1.2 vs 4.5 ms, 8 rows 2.6 vs
+# 5.9, 32 rows 8.6 vs 11.4, 64 rows 16.9 vs 24.3, 256 rows 69 vs 86 (docs/perf.md, session 10);
+# not measured beyond
+SCREEN_MAX_ROWS = 256
 # a row whose screen leaves more candidates than out_features / SCREEN_MAX_CANDIDATES_DIV (at
 # least 64) takes the exact kernel: their fp32 products would cost more than the screen saves
 SCREEN_MAX_CANDIDATES_DIV = 16

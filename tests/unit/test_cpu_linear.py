@@ -87,10 +87,10 @@ def test_argmax_rows_through_the_int8_screen(monkeypatch):
     monkeypatch.setattr(packed, "ops", SimpleNamespace(
         screened_argmax=lambda *a: calls.append(a[0].shape[0]) or screened(*a),
         packed_linear_argmax=ops.packed_linear_argmax, packed_linear=ops.packed_linear))
-    for rows in (1, SCREEN_MAX_ROWS, SCREEN_MAX_ROWS + 1, 40):
+    for rows in (1, 40, SCREEN_MAX_ROWS, SCREEN_MAX_ROWS + 1):
         x = torch.randn(rows, 64) * 3
         assert torch.equal(packed.argmax_rows(x), packed(x).argmax(-1))
-    assert calls == [1, SCREEN_MAX_ROWS]
+    assert calls == [1, 40, SCREEN_MAX_ROWS]
     assert not PackedLinear(nn.Linear(40, 100), ops=ops).prepare_screened_argmax()
     monkeypatch.setenv(SCREEN_ENV_FLAG, "0")
     assert not PackedLinear(nn.Linear(64, 100), ops=ops).prepare_screened_argmax()

@@ -5,9 +5,10 @@
 // Why: the LM head is the largest linear (SmolLM2: 49,152 x 576, 113 MB of fp32 weights). At a
 // few rows it is bound by reading them (single-stream decode: ~5 of ~25 ms a token), and greedy
 // decoding needs only each row's best column, almost every column being far below it. On a
-// 2-core AMD EPYC (Zen 3) one row takes 1.3 ms instead of 4.9, eight rows 3.2 instead of 6.1;
-// from ~20 rows on the int8 arithmetic (vpmaddubsw + vpmaddwd, ~60 GMAC/s a core there) is no
-// faster than the fp32 kernel's FMAs, so models/cpu_linear.py uses it up to SCREEN_MAX_ROWS.
+// 2-core AMD EPYC (Zen 3) one row takes 1.2 ms instead of 4.5, eight rows 2.6 instead of 5.9.
+// With many rows the screen is bound by its int8 arithmetic (vpmaddubsw + vpmaddwd, ~65 GMAC/s a
+// core there, against ~50 for the fp32 kernel's FMAs): 32 rows 8.6 ms instead of 11.4, 256 rows
+// 69 instead of 86. models/cpu_linear.py uses it up to SCREEN_MAX_ROWS.
 //
 // How, for a row x and a column w_i (exact arithmetic in the bounds):
 //   - offline (screen_weight_stats in models/cpu_linear.py): w_i ~ s_i q_i with q_i int8 in
@@ -37,6 +38,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -175,9 +177,9 @@ struct Screen {
 #ifdef MINIVLLM_HAVE_SCREEN
 // Screen panels [begin, end) for all rows: a_i = s_i * (the int8 product) + b_i and its bound
 // d_i = e'_i ||x|| + f'_i rn + c_i, folded into each row's RowScreen as (a - d, a + d).
-std::vector<RowScreen> screen_panels(const Screen& sc, const QuantRows& q, int64_t M, int64_t begin, int64_t end) {
+void screen_panels(const Screen& sc, const QuantRows& q, int64_t M, int64_t begin, int64_t end,
+                   std::vector<RowScreen>& rows) {
   const int64_t G = sc.K / kGroup, panel_bytes = sc.K / 4 * 64;
-  std::vector<RowScreen> rows(M);
   alignas(32) float tile[kScreenRows * kScreenCols];
   alignas(32) float lo[kScreenCols], hi[kScreenCols];
   for (int64_t c = begin; c < end; ++c) {
@@ -213,7 +215,6 @@ std::vector<RowScreen> screen_panels(const Screen& sc, const QuantRows& q, int64
       }
     }
   }
-  return rows;
 }
 #endif
 
@@ -304,10 +305,21 @@ at::Tensor screened_argmax(const at::Tensor& x, const at::Tensor& screen, const 
                   bound_norm.data_ptr<float>(), bound_bias.data_ptr<float>(), bp, N, K};
   const QuantRows q = quantize_rows(xp, ldx, M, K);
 
-  // 1. the screen: its panels shared among the threads, each with a RowScreen per row
-  std::vector<std::vector<RowScreen>> parts(at::get_num_threads());
-  at::parallel_for(0, screen.size(0), 1, [&](int64_t begin, int64_t end) {
-    parts[at::get_thread_num()] = screen_panels(sc, q, M, begin, end);
+  // 1. the screen: each thread takes chunks of panels from a shared counter, in column order,
+  // into its own RowScreen per row. Not static halves: a thread whose columns rarely reach its
+  // rows' bar (on SmolLM2, the upper half of the vocabulary, whose logits are low) keeps adding
+  // columns to its candidate lists before its bar rises, and ran ~40 % longer than the other
+  // (32 rows: 11.0 -> 8.4 ms with the chunks, docs/perf.md session 10).
+  const int64_t threads = at::get_num_threads(), P = screen.size(0);
+  const int64_t chunk = std::max<int64_t>(16, P / (16 * threads));  // ~16 chunks a thread
+  std::vector<std::vector<RowScreen>> parts(threads);
+  std::atomic<int64_t> next_panel{0};
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      parts[t].resize(M);
+      for (int64_t c = next_panel.fetch_add(chunk); c < P; c = next_panel.fetch_add(chunk))
+        screen_panels(sc, q, M, c, std::min(P, c + chunk), parts[t]);
+    }
   });
 
   // 2. each row's candidates, then their exact logits; the rows the screen cannot narrow (or with
