@@ -370,6 +370,25 @@ def test_screened_argmax_equals_the_exact_kernel(ops, rows, k, n, bias):
     assert torch.equal(got, ops.packed_linear_argmax(x, panels, n, b))
 
 
+def test_screened_argmax_same_answer_on_any_thread_count(ops):
+    """The threads take chunks of panels from a shared counter, each into its own candidate lists:
+    the answer must not depend on how many threads there are or which chunks each one took. A wide
+    head (1,250 panels, many chunks) and 64 rows whose best columns lie all over it, the upper
+    half of the columns included."""
+    w, x, b, panels = _random_packed_linear(ops, 64, 64, 20000, True, seed=21)
+    w[15000:] *= 1.5  # the upper half wins most rows
+    panels = ops.pack_linear_weight(w)
+    expected = ops.packed_linear_argmax(x, panels, 20000, b)
+    assert (expected >= 10000).sum() > 32
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(_screened(ops, x, w, b, panels), expected)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_screened_argmax_decides_near_ties_by_the_exact_product(ops):
     """Columns the int8 screen cannot tell apart: copies of the best column moved by less than one
     quantization step (some by 1 ulp), and an exact copy (the lower column must win the tie). The
