@@ -13,7 +13,8 @@
 // Work split: one task per (sequence, KV head), spread over torch's intra-op threads by
 // at::parallel_for. A task loads its G = Hq / Hk query heads once, then makes two passes over
 // the keys: scores (q . k * scale, with the running max), then exp and the weighted sum of V.
-// Scores of one task fit in a per-thread buffer (G * seq_len floats).
+// A thread runs the score passes of a sequence's tasks, then their value passes; the scores
+// live in a per-thread buffer (Hk * G * seq_len floats).
 //
 // Built at first use by minivllm/kernels/cpu_kernels.py with torch.utils.cpp_extension.
 // Built with AVX-512 (-mavx512f) or AVX2 + FMA (-mavx2 -mfma), D = 64 or 128 and G <= 8 take
@@ -40,12 +41,23 @@ struct Task {
   const int32_t* table;  // this sequence's block ids
   int64_t len;           // keys to attend to
   float* out;            // [G, D]
+  // floats of each token slot after this head's D, i.e. the later KV heads' rows, to fetch into
+  // L2 as the task reads its own (0: none). See paged_decode_attention.
+  int64_t fetch_rest = 0;
 };
+
+// the most K (or V) bytes of one sequence its first head's task fetches for the others: 3/4 of a
+// Zen 3 core's L2 (512 KB), leaving room for the rest of the tasks' data
+constexpr int64_t kFetchRestBytes = 384 * 1024;
 
 struct Shape {
   int64_t G, D, block_size, slot_stride;  // slot_stride = Hk * D floats between token slots
   float scale;
 };
+
+// What a call of a task's attend function does: the score pass (scores, then softmax in place
+// in the task's score buffer), the value pass (the weighted sum of V from those scores), or both.
+enum Phase : int { kScores = 1, kValues = 2 };
 
 inline int64_t slot_of(const int32_t* table, int64_t t, int64_t block_size) {
   return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
@@ -63,10 +75,10 @@ inline void for_each_key(const float* base, const int32_t* table, int64_t len, i
   }
 }
 
-// The portable path: plain loops, std::exp.
-void attend_portable(const Task& task, const Shape& s, std::vector<float>& scores) {
+// The portable path: plain loops, std::exp. Scores of the task's G heads into scores [G, len],
+// softmax in place.
+void portable_scores(const Task& task, const Shape& s, float* scores) {
   const int64_t G = s.G, D = s.D, len = task.len;
-  scores.resize(G * len);
   for (int64_t t = 0; t < len; ++t) {
     const float* k = task.k + slot_of(task.table, t, s.block_size) * s.slot_stride;
     for (int64_t g = 0; g < G; ++g) {
@@ -77,7 +89,7 @@ void attend_portable(const Task& task, const Shape& s, std::vector<float>& score
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * len;
+    float* sg = scores + g * len;
     const float m = *std::max_element(sg, sg + len);
     float sum = 0.f;
     for (int64_t t = 0; t < len; ++t) {
@@ -87,6 +99,11 @@ void attend_portable(const Task& task, const Shape& s, std::vector<float>& score
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
   }
+}
+
+// The weighted sum of V from portable_scores' probabilities.
+void portable_values(const Task& task, const Shape& s, const float* scores) {
+  const int64_t G = s.G, D = s.D, len = task.len;
   std::fill(task.out, task.out + G * D, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     const float* v = task.v + slot_of(task.table, t, s.block_size) * s.slot_stride;
@@ -96,6 +113,11 @@ void attend_portable(const Task& task, const Shape& s, std::vector<float>& score
       for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
     }
   }
+}
+
+void attend_portable(const Task& task, const Shape& s, float* scores, int phases) {
+  if (phases & kScores) portable_scores(task, s, scores);
+  if (phases & kValues) portable_values(task, s, scores);
 }
 
 #ifdef MINIVLLM_HAVE_VEC
@@ -135,16 +157,15 @@ constexpr int vectors_per_v_pass() {
 }
 
 // C = D / W vectors per head row, G query heads (both compile-time, so loops unroll and the
-// accumulators can live in registers).
+// accumulators can live in registers). The score pass: scores of the task's G heads into
+// sc [G, len], softmax in place.
 template <class V, int C, int G>
-void attend_vec(const Task& task, const Shape& s, std::vector<float>& scores) {
+void vec_scores(const Task& task, const Shape& s, float* sc) {
   using T = typename V::T;
   constexpr int W = V::kWidth;
   constexpr int64_t D = C * W;
   static_assert(C % 2 == 0, "the score pass splits each dot product in two chains");
-  const int64_t len = task.len;
-  scores.resize(G * len);
-  float* sc = scores.data();
+  const int64_t len = task.len, rest = task.fetch_rest;
   alignas(64) float qs[G][D];  // the scaled queries, read from L1 as the FMAs' memory operands
   float mx[G];
   for (int g = 0; g < G; ++g) {
@@ -158,6 +179,8 @@ void attend_vec(const Task& task, const Shape& s, std::vector<float>& scores) {
   // SmolLM2's heads, and waited on memory: this pass over cold K went 9.8 -> 7.0 ms for W5's 32
   // decode rows x 30 layers (docs/perf.md, session 9).
   for_each_key(task.k, task.table, len, s.block_size, s.slot_stride, [&](int64_t t, const float* k) {
+    // the later heads' rows of this slot (see paged_decode_attention), a 64-byte line at a time
+    for (int64_t f = D; f < D + rest; f += 16) _mm_prefetch(reinterpret_cast<const char*>(k + f), _MM_HINT_T1);
     T a[G][2];
     for (int g = 0; g < G; ++g) {
       a[g][0] = V::mul(V::load(qs[g]), V::load(k));
@@ -177,12 +200,25 @@ void attend_vec(const Task& task, const Shape& s, std::vector<float>& scores) {
     }
   });
   for (int g = 0; g < G; ++g) softmax_row<V>(sc + g * len, len, mx[g]);
+}
+
+// The value pass: the weighted sum of V from vec_scores' probabilities.
+template <class V, int C, int G>
+void vec_values(const Task& task, const Shape& s, const float* sc) {
+  using T = typename V::T;
+  constexpr int W = V::kWidth;
+  constexpr int64_t D = C * W;
+  const int64_t len = task.len, rest = task.fetch_rest;
   constexpr int P = vectors_per_v_pass<V, C, G>();
   for (int c0 = 0; c0 < C; c0 += P) {  // vectors c0 .. c0 + P - 1 of every head's output row
     T o[G][P];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < P; ++c) o[g][c] = V::zero();
+    // the first pass also fetches what the later passes (vectors P .. C - 1) and the later heads'
+    // tasks will read of each V slot
+    const int64_t fetch_end = c0 == 0 ? D + rest : 0;
     for_each_key(task.v + c0 * W, task.table, len, s.block_size, s.slot_stride, [&](int64_t t, const float* v) {
+      for (int64_t f = P * W; f < fetch_end; f += 16) _mm_prefetch(reinterpret_cast<const char*>(v + f), _MM_HINT_T1);
       for (int g = 0; g < G; ++g) {
         const T p = V::set1(sc[g * len + t]);
         for (int c = 0; c < P; ++c) o[g][c] = V::fmadd(p, V::load(v + c * W), o[g][c]);
@@ -193,11 +229,17 @@ void attend_vec(const Task& task, const Shape& s, std::vector<float>& scores) {
   }
 }
 
+template <class V, int C, int G>
+void attend_vec(const Task& task, const Shape& s, float* sc, int phases) {
+  if (phases & kScores) vec_scores<V, C, G>(task, s, sc);
+  if (phases & kValues) vec_values<V, C, G>(task, s, sc);
+}
+
 // attend_vec for head dim D and G = 1 .. 8 (nullptr for other G)
 template <class V, int D>
 void* attend_vec_for_group(int64_t G) {
   constexpr int C = D / V::kWidth;
-  using Fn = void (*)(const Task&, const Shape&, std::vector<float>&);
+  using Fn = void (*)(const Task&, const Shape&, float*, int);
   constexpr Fn table[9] = {nullptr,          attend_vec<V, C, 1>, attend_vec<V, C, 2>, attend_vec<V, C, 3>,
                            attend_vec<V, C, 4>, attend_vec<V, C, 5>, attend_vec<V, C, 6>, attend_vec<V, C, 7>,
                            attend_vec<V, C, 8>};
@@ -205,7 +247,7 @@ void* attend_vec_for_group(int64_t G) {
 }
 #endif
 
-using AttendFn = void (*)(const Task&, const Shape&, std::vector<float>&);
+using AttendFn = void (*)(const Task&, const Shape&, float*, int);
 
 AttendFn pick_path(int64_t G, int64_t D) {
 #ifdef MINIVLLM_HAVE_VEC
@@ -286,11 +328,27 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   const std::vector<int64_t> bounds = split_by_keys(lens, B, Hk, at::get_num_threads());
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // reused by this thread's tasks
-    for (int64_t i = bounds[begin]; i < bounds[end]; ++i) {
-      const int64_t b = i / Hk, h = i % Hk;
-      const Task task{q + b * q_row + h * shape.G * D, kc + h * D, vc + h * D, tables + b * t_row, lens[b],
-                      o + (b * Hq + h * shape.G) * D};
-      attend(task, shape, scores);
+    // the thread's tasks grouped by sequence: all score passes of a group, then its value passes
+    for (int64_t first = bounds[begin], last; first < bounds[end]; first = last) {
+      const int64_t b = first / Hk, len = lens[b];
+      last = std::min(bounds[end], (b + 1) * Hk);
+      scores.resize((last - first) * shape.G * len);
+      // A sequence's tasks each read every key's slot, but only their own D floats of its
+      // Hk * D: a strided walk (SmolLM2: 4 of every 12 lines) that reads memory ~20 % slower
+      // than whole blocks (docs/perf.md, session 10). So where this thread has all Hk tasks of
+      // the sequence, the first one's passes fetch the rest of each slot into L2, and the
+      // others' passes, which come right after, read it from there; where the sequence's K (or
+      // V) fits in kFetchRestBytes (SmolLM2: 512 keys): longer, it would be evicted first.
+      const bool whole = first % Hk == 0 && last - first == Hk;
+      const bool fits = len * shape.slot_stride * static_cast<int64_t>(sizeof(float)) <= kFetchRestBytes;
+      for (const int phase : {kScores, kValues})
+        for (int64_t i = first; i < last; ++i) {
+          const int64_t h = i % Hk;
+          const int64_t rest = i == first && whole && fits ? (Hk - 1) * D : 0;
+          const Task task{q + b * q_row + h * shape.G * D, kc + h * D, vc + h * D, tables + b * t_row, len,
+                          o + (b * Hq + h * shape.G) * D, rest};
+          attend(task, shape, scores.data() + (i - first) * shape.G * len, phase);
+        }
     }
   });
 }
