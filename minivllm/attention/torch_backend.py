@@ -139,6 +139,18 @@ class TorchAttentionBackend:
         return out
 
 
+    def attend_rows(self, query: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                    rows: torch.Tensor) -> torch.Tensor | None:
+        """attend(...)[rows] computed for those token rows only, where the CPU kernel serves every
+        token of the step as a row of its own (a step with prompt tokens); None elsewhere."""
+        plan = self._step_plan(meta, k_cache, query)
+        if plan.causal_rows is None:
+            return None
+        tables, lens = plan.causal_rows
+        return cpu_kernels.paged_decode_attention(self._cpu_ops, query.index_select(0, rows), k_cache, v_cache,
+                                                  tables.index_select(0, rows), lens.index_select(0, rows), scale,
+                                                  checked=True)
+
     def _decode(self, q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
         if self._cpu_ops is not None and cpu_kernels.supports(q, k_cache):
             return cpu_kernels.paged_decode_attention(self._cpu_ops, q, k_cache, v_cache, plan.tables, plan.lens,

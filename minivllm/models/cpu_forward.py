@@ -121,16 +121,19 @@ class CpuForward:
                               _fused_gate_up_act(layer.mlp.gate_up_proj) if ops is not None else None)
                        for layer in model.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> final-normed hidden states [T, H] (a new tensor)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, H] (a new tensor), or of
+        the token rows output_rows only ([R] int64) -> [R, H]."""
         residual = F.embedding(input_ids, self.embed)  # [T, H], owned: updated in place below
         if self.ops is not None:
-            return self._forward_fused(residual, positions, meta)
+            return self._forward_fused(residual, positions, meta, output_rows)
         cos2, sin2 = rotary_tables(self.cos_sin, positions)
         hidden = None
         for layer in self.layers:
             hidden = self._layer(layer, hidden, residual, cos2, sin2, meta)
-        return rms_norm_(residual.add_(hidden), self.final_norm, self.eps)
+        out = rms_norm_(residual.add_(hidden), self.final_norm, self.eps)
+        return out if output_rows is None else out[output_rows]
 
     def _layer(self, p: _Layer, hidden: torch.Tensor | None, residual: torch.Tensor, cos2: torch.Tensor,
                sin2: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -150,26 +153,45 @@ class CpuForward:
         return p.down(F.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:]))
 
 
-    def _forward_fused(self, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The same layers through the compiled kernels: four fused calls a layer."""
+    def _forward_fused(self, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       output_rows: torch.Tensor | None) -> torch.Tensor:
+        """The same layers through the compiled kernels: four fused calls a layer. With
+        output_rows, the last layer runs attention, o-proj and MLP for those rows only (its K/V
+        are still written for every token): W5's prompt tokens skip ~1/30 of their prefill."""
         ops, eps, t = self.ops, self.eps, residual.shape[0]
+        if output_rows is not None and output_rows.numel() == t:
+            output_rows = None  # every token: nothing to skip
         positions = positions.contiguous()
         first = self.layers[0].attn
         # the kernels index with these: checked once per step, in Python (kernels/cpu_kernels.py)
         check_rope_store(positions, meta.slot_mapping, self.cos_sin.shape[0],
                          first.k_cache.shape[0] * first.k_cache.shape[1])
         hidden = None
-        for p in self.layers:
+        last = len(self.layers) - 1
+        for i, p in enumerate(self.layers):
             attn = p.attn
             qkv = p.qkv(ops.add_rms_norm(residual, hidden, p.input_norm, eps))  # [T, (Hq + 2 Hk) D]
             # q and k rotated in place, k and v written to their cache slots
             ops.rope_store_kv(qkv, positions, self.cos_sin, self.num_heads, self.num_kv_heads, attn.k_cache,
                               attn.v_cache, meta.slot_mapping)
             q = qkv.view(t, -1, self.head_dim)[:, :self.num_heads]  # rows strided, heads contiguous
-            o = self.backend.attend(q, attn.k_cache, attn.v_cache, meta, self.scale)
-            x = ops.add_rms_norm(residual, p.o(o.reshape(t, -1)), p.post_norm, eps)
+            if i == last and output_rows is not None:
+                # from here on only the rows asked for: residual already holds this layer's input
+                o = self._attend_rows(q, attn, meta, output_rows)
+                residual = residual.index_select(0, output_rows)
+            else:
+                o = self.backend.attend(q, attn.k_cache, attn.v_cache, meta, self.scale)
+            x = ops.add_rms_norm(residual, p.o(o.reshape(o.shape[0], -1)), p.post_norm, eps)
             hidden = p.down(p.gate_up_act(x) if p.gate_up_act is not None else ops.silu_mul(p.gate_up(x)))
         return ops.add_rms_norm(residual, hidden, self.final_norm, eps)
+
+    def _attend_rows(self, q: torch.Tensor, attn, meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """Attention of the query rows `rows` of q [T, Hq, D] -> [R, Hq, D]: only those rows where
+        the backend can (the CPU kernel serving every token of the step), else all, then the rows."""
+        o = self.backend.attend_rows(q, attn.k_cache, attn.v_cache, meta, self.scale, rows)
+        if o is None:
+            o = self.backend.attend(q, attn.k_cache, attn.v_cache, meta, self.scale).index_select(0, rows)
+        return o
 
 
 def _fused_gate_up_act(gate_up) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -46,16 +46,20 @@ class CausalLM(nn.Module):
         # CPU float32: the same math in fewer ops (models/cpu_forward.py), set by the runner
         self.cpu_forward = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size], or only
+        the rows output_rows ([R] int64 token indices, e.g. the tokens that sample) -> [R, hidden_size].
+        Every token's K/V is written either way; the CPU forward also skips the last layer's
+        work after attention for the other tokens."""
         if self.cpu_forward is not None:
-            return self.cpu_forward.forward(input_ids, positions, meta)
+            return self.cpu_forward.forward(input_ids, positions, meta, output_rows)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden if output_rows is None else hidden[output_rows]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

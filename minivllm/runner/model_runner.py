@@ -215,11 +215,14 @@ class ModelRunner:
     def _forward_sampling_rows(self, inputs: StepInputs) -> torch.Tensor:
         """The final hidden states of the tokens that sample: [len(sampling_req_ids), H]."""
         hidden = self.graphs.try_run(inputs) if self.graphs is not None else None
-        if hidden is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        if len(inputs.sampling_req_ids) == hidden.shape[0]:  # every token samples (decode): no gather
-            return hidden
-        return hidden[inputs.logits_indices]
+        if hidden is not None:
+            if len(inputs.sampling_req_ids) == hidden.shape[0]:  # every token samples (decode): no gather
+                return hidden
+            return hidden[inputs.logits_indices]
+        every_token = len(inputs.sampling_req_ids) == inputs.input_ids.shape[0]
+        # only the sampling rows (the CPU forward then skips the last layer's work for the others)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta,
+                          output_rows=None if every_token else inputs.logits_indices)
 
     def _launch_sampling(self, hidden: torch.Tensor, req_ids: list[str]) -> LaunchedStep:
         states = [self.requests[r].sampling for r in req_ids]

@@ -118,6 +118,52 @@ def test_cpu_forward_equals_module_forward(packed):
         assert torch.equal(k1, k2) and torch.equal(v1, v2) and k1.abs().sum() > 0
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_forward_output_rows_equal_the_full_forward_rows(packed):
+    """With output_rows (the tokens that sample) the compiled-kernel forward runs the last layer's
+    attention, o-proj and MLP for those rows only: they equal the full forward's rows (bit for
+    bit on the panel kernel, whose rows are independent; within float32 rounding on F.linear,
+    whose GEMM sums in an order that depends on the row count), and every token's K/V is still
+    written. Steps: two prompts; a decode row beside a new prompt; decode only."""
+    from minivllm.core.interfaces import ScheduledRequest
+    from minivllm.kernels import cpu_kernels
+    from minivllm.models.cpu_forward import CpuForward
+    from minivllm.models.cpu_linear import pack_linears
+    from minivllm.runner.input_batch import build_step_inputs
+    ops = cpu_kernels.load()
+    if ops is None:
+        pytest.skip("no compiled CPU kernels")
+    model = _tiny_model()
+    if packed:
+        pack_linears(model, ops=ops)
+    model.layers[0].self_attn.backend.use_cpu_kernel(ops)
+    fast, bs, num_blocks = CpuForward(model, ops), 4, 24
+    caches = {path: [(torch.zeros(num_blocks, bs, 2, 16), torch.zeros(num_blocks, bs, 2, 16)) for _ in range(3)]
+              for path in ("full", "rows")}
+    blocks = {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7, 8], "c": [9, 10, 11, 12]}
+    a, b, c = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8, 2, 8]
+    steps = [[ScheduledRequest("a", a, 0, [], True), ScheduledRequest("b", b, 0, [], True)],
+             [ScheduledRequest("a", [11], len(a), [], True), ScheduledRequest("c", c, 0, [], True)],
+             [ScheduledRequest("a", [12], len(a) + 1, [], True), ScheduledRequest("c", [13], len(c), [], True)]]
+    with torch.inference_mode():
+        for sched in steps:
+            inputs = build_step_inputs(sched, blocks, bs, torch.device("cpu"), pin=False)
+            out = {}
+            for path in ("full", "rows"):
+                for layer, (k, v) in zip(model.layers, caches[path]):
+                    layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+                rows = inputs.logits_indices if path == "rows" else None
+                out[path] = fast.forward(inputs.input_ids, inputs.positions, inputs.meta, rows)
+            assert out["rows"].shape == (len(sched), 64)
+            expected = out["full"][inputs.logits_indices]
+            if packed:
+                assert torch.equal(out["rows"], expected)
+            else:
+                torch.testing.assert_close(out["rows"], expected, rtol=1e-5, atol=1e-6)
+    for (k1, v1), (k2, v2) in zip(caches["full"], caches["rows"]):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2) and k1.abs().sum() > 0
+
+
 def test_cpu_forward_is_not_enabled_with_qk_norm_or_switched_off(monkeypatch):
     from minivllm.models.cpu_forward import ENV_FLAG, enable_cpu_forward
     assert not enable_cpu_forward(_tiny_model(qk_norm=True))
