@@ -83,6 +83,23 @@ def _tiny_model(qk_norm=False):
     return model
 
 
+def _run_steps(model, steps, blocks, bs, caches, forward):
+    """Each scheduled step once per path of `caches` (path -> per-layer (k, v) caches), each path
+    on its own caches: [(sched, inputs, {path: forward(path, inputs)})]."""
+    from minivllm.runner.input_batch import build_step_inputs
+    results = []
+    with torch.inference_mode():
+        for sched in steps:
+            inputs = build_step_inputs(sched, blocks, bs, torch.device("cpu"), pin=False)
+            out = {}
+            for path, layer_caches in caches.items():
+                for layer, (k, v) in zip(model.layers, layer_caches):
+                    layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+                out[path] = forward(path, inputs)
+            results.append((sched, inputs, out))
+    return results
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_cpu_forward_equals_module_forward(packed):
     """Prefill of two prompts, then decode steps: the fast forward's hidden states and KV cache
@@ -90,7 +107,6 @@ def test_cpu_forward_equals_module_forward(packed):
     from minivllm.core.interfaces import ScheduledRequest
     from minivllm.models.cpu_forward import CpuForward
     from minivllm.models.cpu_linear import pack_linears
-    from minivllm.runner.input_batch import build_step_inputs
     model = _tiny_model()
     if packed:
         pack_linears(model)
@@ -104,16 +120,12 @@ def test_cpu_forward_equals_module_forward(packed):
     for i in range(4):  # decode steps: one token each
         steps.append([ScheduledRequest(r, [10 + i], len(ids) + i, [], True) for r, ids in prompts.items()])
     steps.append([ScheduledRequest("b", [20], len(prompts["b"]) + 4, [], True)])  # a lone sequence
-    with torch.inference_mode():
-        for sched in steps:
-            inputs = build_step_inputs(sched, blocks, bs, torch.device("cpu"), pin=False)
-            out = {}
-            for path in ("module", "fast"):
-                for layer, (k, v) in zip(model.layers, caches[path]):
-                    layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
-                model.cpu_forward = fast if path == "fast" else None
-                out[path] = model(inputs.input_ids, inputs.positions, inputs.meta)
-            assert torch.equal(out["fast"], out["module"])
+    def forward(path, inputs):
+        model.cpu_forward = fast if path == "fast" else None
+        return model(inputs.input_ids, inputs.positions, inputs.meta)
+
+    for _, _, out in _run_steps(model, steps, blocks, bs, caches, forward):
+        assert torch.equal(out["fast"], out["module"])
     for (k1, v1), (k2, v2) in zip(caches["module"], caches["fast"]):
         assert torch.equal(k1, k2) and torch.equal(v1, v2) and k1.abs().sum() > 0
 
@@ -129,7 +141,6 @@ def test_fused_forward_output_rows_equal_the_full_forward_rows(packed):
     from minivllm.kernels import cpu_kernels
     from minivllm.models.cpu_forward import CpuForward
     from minivllm.models.cpu_linear import pack_linears
-    from minivllm.runner.input_batch import build_step_inputs
     ops = cpu_kernels.load()
     if ops is None:
         pytest.skip("no compiled CPU kernels")
@@ -145,21 +156,17 @@ def test_fused_forward_output_rows_equal_the_full_forward_rows(packed):
     steps = [[ScheduledRequest("a", a, 0, [], True), ScheduledRequest("b", b, 0, [], True)],
              [ScheduledRequest("a", [11], len(a), [], True), ScheduledRequest("c", c, 0, [], True)],
              [ScheduledRequest("a", [12], len(a) + 1, [], True), ScheduledRequest("c", [13], len(c), [], True)]]
-    with torch.inference_mode():
-        for sched in steps:
-            inputs = build_step_inputs(sched, blocks, bs, torch.device("cpu"), pin=False)
-            out = {}
-            for path in ("full", "rows"):
-                for layer, (k, v) in zip(model.layers, caches[path]):
-                    layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
-                rows = inputs.logits_indices if path == "rows" else None
-                out[path] = fast.forward(inputs.input_ids, inputs.positions, inputs.meta, rows)
-            assert out["rows"].shape == (len(sched), 64)
-            expected = out["full"][inputs.logits_indices]
-            if packed:
-                assert torch.equal(out["rows"], expected)
-            else:
-                torch.testing.assert_close(out["rows"], expected, rtol=1e-5, atol=1e-6)
+    def forward(path, inputs):
+        rows = inputs.logits_indices if path == "rows" else None
+        return fast.forward(inputs.input_ids, inputs.positions, inputs.meta, rows)
+
+    for sched, inputs, out in _run_steps(model, steps, blocks, bs, caches, forward):
+        assert out["rows"].shape == (len(sched), 64)
+        expected = out["full"][inputs.logits_indices]
+        if packed:
+            assert torch.equal(out["rows"], expected)
+        else:
+            torch.testing.assert_close(out["rows"], expected, rtol=1e-5, atol=1e-6)
     for (k1, v1), (k2, v2) in zip(caches["full"], caches["rows"]):
         assert torch.equal(k1, k2) and torch.equal(v1, v2) and k1.abs().sum() > 0
 
