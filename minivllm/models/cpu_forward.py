@@ -159,8 +159,6 @@ class CpuForward:
         output_rows, the last layer runs attention, o-proj and MLP for those rows only (its K/V
         are still written for every token): W5's prompt tokens skip ~1/30 of their prefill."""
         ops, eps, t = self.ops, self.eps, residual.shape[0]
-        if output_rows is not None and output_rows.numel() == t:
-            output_rows = None  # every token: nothing to skip
         positions = positions.contiguous()
         first = self.layers[0].attn
         # the kernels index with these: checked once per step, in Python (kernels/cpu_kernels.py)

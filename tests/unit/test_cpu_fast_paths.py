@@ -150,25 +150,28 @@ def test_fused_forward_output_rows_equal_the_full_forward_rows(packed):
     model.layers[0].self_attn.backend.use_cpu_kernel(ops)
     fast, bs, num_blocks = CpuForward(model, ops), 4, 24
     caches = {path: [(torch.zeros(num_blocks, bs, 2, 16), torch.zeros(num_blocks, bs, 2, 16)) for _ in range(3)]
-              for path in ("full", "rows")}
+              for path in ("full", "rows", "reversed")}
     blocks = {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7, 8], "c": [9, 10, 11, 12]}
     a, b, c = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8, 2, 8]
     steps = [[ScheduledRequest("a", a, 0, [], True), ScheduledRequest("b", b, 0, [], True)],
              [ScheduledRequest("a", [11], len(a), [], True), ScheduledRequest("c", c, 0, [], True)],
              [ScheduledRequest("a", [12], len(a) + 1, [], True), ScheduledRequest("c", [13], len(c), [], True)]]
     def forward(path, inputs):
-        rows = inputs.logits_indices if path == "rows" else None
+        every_token_reversed = torch.arange(inputs.input_ids.shape[0] - 1, -1, -1)
+        rows = {"full": None, "rows": inputs.logits_indices, "reversed": every_token_reversed}[path]
         return fast.forward(inputs.input_ids, inputs.positions, inputs.meta, rows)
 
     for sched, inputs, out in _run_steps(model, steps, blocks, bs, caches, forward):
         assert out["rows"].shape == (len(sched), 64)
-        expected = out["full"][inputs.logits_indices]
-        if packed:
-            assert torch.equal(out["rows"], expected)
-        else:
-            torch.testing.assert_close(out["rows"], expected, rtol=1e-5, atol=1e-6)
-    for (k1, v1), (k2, v2) in zip(caches["full"], caches["rows"]):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2) and k1.abs().sum() > 0
+        # the rows asked for; and every token, in another order: the rows come back in that order
+        for got, expected in ((out["rows"], out["full"][inputs.logits_indices]), (out["reversed"], out["full"].flip(0))):
+            if packed:
+                assert torch.equal(got, expected)
+            else:
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for other in ("rows", "reversed"):
+        for (k1, v1), (k2, v2) in zip(caches["full"], caches[other]):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2) and k1.abs().sum() > 0
 
 
 def test_cpu_forward_is_not_enabled_with_qk_norm_or_switched_off(monkeypatch):
