@@ -126,9 +126,7 @@ class TorchAttentionBackend:
     def attend(self, query: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         plan = self._step_plan(meta, k_cache, query)
         if plan.causal_rows is not None:
-            tables, lens = plan.causal_rows
-            return cpu_kernels.paged_decode_attention(self._cpu_ops, query, k_cache, v_cache, tables, lens, scale,
-                                                      checked=True)
+            return self._causal(query, k_cache, v_cache, plan, scale)
         if plan.decode_rows and plan.decode_tokens is None:
             return self._decode(query, k_cache, v_cache, plan, scale)  # a decode-only step
         out = torch.empty_like(query)
@@ -146,9 +144,16 @@ class TorchAttentionBackend:
         plan = self._step_plan(meta, k_cache, query)
         if plan.causal_rows is None:
             return None
+        return self._causal(query, k_cache, v_cache, plan, scale, rows)
+
+    def _causal(self, query, k_cache, v_cache, plan: _StepPlan, scale: float,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Every token of the step (or the token rows `rows`) as a row of the CPU kernel over its
+        causal prefix (plan.causal_rows)."""
         tables, lens = plan.causal_rows
-        return cpu_kernels.paged_decode_attention(self._cpu_ops, query.index_select(0, rows), k_cache, v_cache,
-                                                  tables.index_select(0, rows), lens.index_select(0, rows), scale,
+        if rows is not None:
+            query, tables, lens = query.index_select(0, rows), tables.index_select(0, rows), lens.index_select(0, rows)
+        return cpu_kernels.paged_decode_attention(self._cpu_ops, query, k_cache, v_cache, tables, lens, scale,
                                                   checked=True)
 
     def _decode(self, q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
