@@ -179,7 +179,10 @@ class CpuForward:
                 residual = residual.index_select(0, output_rows)
             else:
                 o = self.backend.attend(q, attn.k_cache, attn.v_cache, meta, self.scale)
-            x = ops.add_rms_norm(residual, p.o(o.reshape(o.shape[0], -1)), p.post_norm, eps)
+            # the width is spelled out: with no rows to output (a step of prompt chunks that
+            # sample nothing) o is empty and reshape could not infer a -1
+            x = ops.add_rms_norm(residual, p.o(o.reshape(o.shape[0], self.num_heads * self.head_dim)),
+                                 p.post_norm, eps)
             hidden = p.down(p.gate_up_act(x) if p.gate_up_act is not None else ops.silu_mul(p.gate_up(x)))
         return ops.add_rms_norm(residual, hidden, self.final_norm, eps)
 

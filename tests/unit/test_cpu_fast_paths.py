@@ -136,7 +136,9 @@ def test_fused_forward_output_rows_equal_the_full_forward_rows(packed):
     attention, o-proj and MLP for those rows only: they equal the full forward's rows (bit for
     bit on the panel kernel, whose rows are independent; within float32 rounding on F.linear,
     whose GEMM sums in an order that depends on the row count), and every token's K/V is still
-    written. Steps: two prompts; a decode row beside a new prompt; decode only."""
+    written. Steps: two prompts; a decode row beside a new prompt; decode only; a prompt chunk
+    that samples nothing (zero rows: the long-prompt bug of issue 17) and one beside a decode row
+    (one row). Rows asked for: the sampling ones, none, the first, every token reversed."""
     from minivllm.core.interfaces import ScheduledRequest
     from minivllm.kernels import cpu_kernels
     from minivllm.models.cpu_forward import CpuForward
@@ -149,27 +151,33 @@ def test_fused_forward_output_rows_equal_the_full_forward_rows(packed):
         pack_linears(model, ops=ops)
     model.layers[0].self_attn.backend.use_cpu_kernel(ops)
     fast, bs, num_blocks = CpuForward(model, ops), 4, 24
+    paths = ("full", "rows", "none", "first", "reversed")
     caches = {path: [(torch.zeros(num_blocks, bs, 2, 16), torch.zeros(num_blocks, bs, 2, 16)) for _ in range(3)]
-              for path in ("full", "rows", "reversed")}
-    blocks = {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7, 8], "c": [9, 10, 11, 12]}
-    a, b, c = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8, 2, 8]
+              for path in paths}
+    blocks = {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7, 8], "c": [9, 10, 11, 12], "d": [13, 14, 15, 16]}
+    a, b, c, d = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8, 2, 8], [6, 2, 8, 3, 1, 8, 5]
     steps = [[ScheduledRequest("a", a, 0, [], True), ScheduledRequest("b", b, 0, [], True)],
              [ScheduledRequest("a", [11], len(a), [], True), ScheduledRequest("c", c, 0, [], True)],
-             [ScheduledRequest("a", [12], len(a) + 1, [], True), ScheduledRequest("c", [13], len(c), [], True)]]
+             [ScheduledRequest("a", [12], len(a) + 1, [], True), ScheduledRequest("c", [13], len(c), [], True)],
+             [ScheduledRequest("d", d[:4], 0, [], False)],  # a chunk that samples nothing
+             [ScheduledRequest("a", [14], len(a) + 2, [], True), ScheduledRequest("d", d[4:6], 4, [], False)]]
     def forward(path, inputs):
-        every_token_reversed = torch.arange(inputs.input_ids.shape[0] - 1, -1, -1)
-        rows = {"full": None, "rows": inputs.logits_indices, "reversed": every_token_reversed}[path]
+        t = inputs.input_ids.shape[0]
+        rows = {"full": None, "rows": inputs.logits_indices, "none": torch.zeros(0, dtype=torch.int64),
+                "first": torch.zeros(1, dtype=torch.int64), "reversed": torch.arange(t - 1, -1, -1)}[path]
         return fast.forward(inputs.input_ids, inputs.positions, inputs.meta, rows)
 
     for sched, inputs, out in _run_steps(model, steps, blocks, bs, caches, forward):
-        assert out["rows"].shape == (len(sched), 64)
+        assert out["rows"].shape == (sum(s.samples for s in sched), 64)
+        assert out["none"].shape == (0, 64)
         # the rows asked for; and every token, in another order: the rows come back in that order
-        for got, expected in ((out["rows"], out["full"][inputs.logits_indices]), (out["reversed"], out["full"].flip(0))):
+        for got, expected in ((out["rows"], out["full"][inputs.logits_indices]), (out["first"], out["full"][:1]),
+                              (out["reversed"], out["full"].flip(0))):
             if packed:
                 assert torch.equal(got, expected)
             else:
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    for other in ("rows", "reversed"):
+    for other in paths[1:]:
         for (k1, v1), (k2, v2) in zip(caches["full"], caches[other]):
             assert torch.equal(k1, k2) and torch.equal(v1, v2) and k1.abs().sum() > 0
 
