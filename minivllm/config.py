@@ -57,6 +57,15 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs (vLLM's structured_outputs_config): the grammar backend, and the
+    reasoning parser whose end marker starts the constraint (None: constrain from the first token)."""
+
+    backend: str = "xgrammar"
+    reasoning_parser: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -67,6 +76,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     # schedule step N+1 while step N runs on the device (default: on for CUDA)
     async_scheduling: bool = False
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @staticmethod
     def create(**kwargs) -> EngineConfig:

@@ -23,6 +23,13 @@ class UniProcExecutor:
         """Queue a step without waiting (async scheduling); pass the result to finish()."""
         return self.runner.launch(sched)
 
+    def launch_forward(self, sched: SchedulerOutput):
+        """Queue a step's forward only; launch_sampling() then samples it (with a grammar bitmask)."""
+        return self.runner.launch_forward(sched)
+
+    def launch_sampling(self, forward, grammar=None):
+        return self.runner.launch_sampling(forward, grammar)
+
     def finish(self, launched) -> RunnerOutput:
         return self.runner.finish(launched)
 

@@ -103,6 +103,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.block_manager.free(req)
+        if req.grammar is not None:
+            req.grammar.release()
         self.requests.pop(req.request_id, None)
         if req.group is not None:
             req.group.prompt_computed = True  # never leave siblings waiting on a finished leader
@@ -183,8 +185,8 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting.peek()
-            if req.group is not None and req.sample_index > 0 and not req.group.prompt_computed:
-                skipped.append(self.waiting.pop())  # wait for the first sibling's prompt
+            if self._must_wait(req):
+                skipped.append(self.waiting.pop())
                 continue
             cached = self.block_manager.find_cached_prefix(req)
             num_cached = len(cached) * self.block_manager.block_size
@@ -206,6 +208,13 @@ class Scheduler:
         # (push() would append it behind requests that arrived later)
         for req in reversed(skipped):
             self.waiting.push_front(req)
+
+    @staticmethod
+    def _must_wait(req: Request) -> bool:
+        """A later sibling waits for the first one's prompt; a structured request for its grammar."""
+        if req.group is not None and req.sample_index > 0 and not req.group.prompt_computed:
+            return True
+        return req.grammar is not None and not req.grammar.is_ready()
 
     def _admit(self, req: Request, num_cached: int, out: SchedulerOutput) -> None:
         req.status = RequestStatus.RUNNING
@@ -282,13 +291,26 @@ class Scheduler:
             req.num_pending_tokens -= 1
             req.append_output_token(token)
             lp = logprobs.get(s.req_id)
-            finished = self._check_stop(req, token)
+            finished = self._check_grammar(req, token) or self._check_stop(req, token)
             updates.append(RequestUpdate(req, [token], [lp] if lp is not None else None, finished))
         for u in updates:
             if u.finished:
                 self.running.remove(u.request)
                 self._release(u.request)
         return updates
+
+    @staticmethod
+    def _check_grammar(req: Request, token: int) -> bool:
+        """Feeds the token to the request's grammar: refused -> error, ended -> stop."""
+        if req.grammar is None:
+            return False
+        if not req.grammar.accept_token(token):
+            req.status = RequestStatus.FINISHED_ERROR
+            return True
+        if req.grammar.is_terminated():
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -31,6 +32,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the current one runs (default: on for CUDA)")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split <think>...</think> into reasoning_content; structured output then constrains "
+                        "only what follows the reasoning section")
+    g.add_argument("--structured-outputs-config", type=json.loads, default=None,
+                   help='structured outputs options as JSON, e.g. \'{"backend": "xgrammar"}\'')
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
@@ -39,7 +45,7 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
-         "skip_tokenizer_init", "max_prefill_tokens_with_decodes"]
+         "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "reasoning_parser", "structured_outputs_config"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

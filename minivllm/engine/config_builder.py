@@ -9,6 +9,7 @@ from minivllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     check,
 )
 from minivllm.models.arch import ArchConfig
@@ -71,6 +72,8 @@ def build_engine_config(
     served_model_name: str | None = None,
     async_scheduling: bool | None = None,
     max_prefill_tokens_with_decodes: int | None = None,
+    structured_outputs_config: StructuredOutputsConfig | dict | None = None,
+    reasoning_parser: str | None = None,
     serving: bool = False,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
@@ -117,5 +120,27 @@ def build_engine_config(
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
     async_scheduling = on_gpu if async_scheduling is None else async_scheduling
+    structured = _structured_config(structured_outputs_config, reasoning_parser)
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
-                        enforce_eager or not on_gpu, attention_backend, async_scheduling)
+                        enforce_eager or not on_gpu, attention_backend, async_scheduling, structured)
+
+
+def _structured_config(given: StructuredOutputsConfig | dict | None, reasoning_parser: str | None) -> StructuredOutputsConfig:
+    """structured_outputs_config (a dict of its fields, as vLLM takes it) with --reasoning-parser."""
+    from dataclasses import fields, replace
+
+    from minivllm.reasoning import REASONING_PARSERS
+    from minivllm.structured.backend import available_backends
+    if isinstance(given, dict):
+        names = {f.name for f in fields(StructuredOutputsConfig)}
+        unknown = sorted(set(given) - names)
+        check(not unknown, "structured_outputs_config", f"has unknown fields {unknown} (fields: {sorted(names)})")
+        given = StructuredOutputsConfig(**given)
+    cfg = given or StructuredOutputsConfig()
+    if reasoning_parser:
+        cfg = replace(cfg, reasoning_parser=reasoning_parser)
+    check(cfg.backend in available_backends(), "structured_outputs_config.backend",
+          f"must be one of {available_backends()}, got {cfg.backend!r}")
+    check(cfg.reasoning_parser is None or cfg.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
+          f"must be one of {sorted(REASONING_PARSERS)}, got {cfg.reasoning_parser!r}")
+    return cfg

@@ -21,6 +21,7 @@ from minivllm.engine.input_processor import (
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class LLMEngine:
                                                    s.max_prefill_tokens_with_decodes), self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
+        self.structured = StructuredOutputManager(config.structured_outputs, self.tokenizer, config.model.arch.vocab_size,
+                                                  self.eos_token_ids, s.max_num_seqs,
+                                                  pin_memory=config.device.startswith("cuda"))
         self._aborted_outputs: list[RequestOutput] = []
         # async scheduling: the next step is scheduled and launched while this one runs
         self.async_scheduling = config.async_scheduling
@@ -100,8 +104,14 @@ class LLMEngine:
         parsed = parse_prompt(prompt, self.tokenizer)
         max_tokens = validate_prompt(parsed.token_ids, params, self.config.model.arch.vocab_size,
                                      self.max_model_len, self.block_manager.num_blocks * self.config.cache.block_size)
+        so = params.structured_outputs
+        if so is not None:
+            self.structured.validate(params)
         reqs = make_sample_requests(request_id, parsed.token_ids, params, max_tokens, self.eos_token_ids,
                                     priority, arrival_time)
+        if so is not None:  # one matcher per sample; the compile starts now, off the step loop
+            for r in reqs:
+                r.grammar = self.structured.new_handle(r.request_id, so, parsed.token_ids)
         self.output_processor.add_request(request_id, parsed.text, parsed.token_ids, params,
                                           [r.request_id for r in reqs], reqs[0].arrival_time)
         for r in reqs:
@@ -129,29 +139,33 @@ class LLMEngine:
         """Schedule and launch a step; with async scheduling, while it runs on the device, take
         in the results of the step launched before it (one step in flight at most)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs += self._fail_broken_grammars()
         t = time.perf_counter()
         sched = self.scheduler.schedule()
         self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
                           "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
         if self._inflight is not None and self._needs_sync(sched):
-            done, ok = self._complete(self._inflight)
-            outputs += done
-            self._inflight = None
-            if not ok:  # as below; launched all the same, so the runner's request state stays in step
-                outputs += self._fail_scheduled(sched)
-        launched = self._launch(sched)
+            outputs += self._take_inflight(sched)
+        launched = self._launch(sched, outputs)
         if self._inflight is not None:
-            done, ok = self._complete(self._inflight)
-            outputs += done
-            if not ok and launched is not None:
-                # the step just launched may read what the failed one never wrote (its inputs
-                # and prefix hits): its requests fail too; its device work still finishes first
-                outputs += self._fail_scheduled(launched[0])
+            outputs += self._take_inflight(launched[0] if launched is not None else None)
         self._inflight = launched
         if launched is not None and not self.async_scheduling:
             outputs += self._complete(launched)[0]
             self._inflight = None
+        if launched is None and self._inflight is None and self.structured.num_compiling:
+            self.structured.wait_for_compiles(0.02)  # only grammars are left to wait for: sleep
         return outputs
+
+    def _take_inflight(self, next_sched) -> list[RequestOutput]:
+        """Completes the step in flight. If it failed, the step scheduled after it (launched, or
+        to be launched all the same, so the runner's request state stays in step) may read what
+        the failed one never wrote: its requests fail too; its device work still finishes first."""
+        done, ok = self._complete(self._inflight)
+        self._inflight = None
+        if not ok and next_sched is not None:
+            done += self._fail_scheduled(next_sched)
+        return done
 
     def _needs_sync(self, sched) -> bool:
         """Penalties need the previous step's token values on the host before sampling."""
@@ -159,18 +173,45 @@ class LLMEngine:
         return not self.async_scheduling or any(
             s.req_id in reqs and reqs[s.req_id].sampling_params.uses_penalties for s in sched.scheduled)
 
-    def _launch(self, sched):
+    def _launch(self, sched, outputs: list[RequestOutput]):
+        """Launches the step: (sched, launched step), or None if there is nothing to run. A step
+        with constrained rows launches its forward, takes in the step in flight (the grammars
+        need its tokens), fills the bitmask while the forward runs, then launches the sampling."""
         if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
             return None
         t = time.perf_counter()
         try:
-            return sched, self.executor.launch(sched)
+            handles = self._grammar_handles(sched)
+            if not handles:
+                return sched, self.executor.launch(sched)
+            forward = self.executor.launch_forward(sched)
+            if self._inflight is not None:
+                t = self._add_time("launch", t)  # the wait and update below are timed on their own
+                outputs += self._take_inflight(sched)
+                t = time.perf_counter()
+            bitmask = self.structured.bitmask(handles)
+            return sched, self.executor.launch_sampling(forward, bitmask)
         except Exception:
             logger.exception("model step failed; failing the step's requests")
             self._aborted_outputs += self._fail_scheduled(sched)
             return None
         finally:
             self._add_time("launch", t)
+
+    def _grammar_handles(self, sched) -> list:
+        """The grammars of the step's sampling rows, in row order."""
+        reqs = self.scheduler.requests
+        return [reqs[s.req_id].grammar for s in sched.scheduled
+                if s.samples and s.req_id in reqs and reqs[s.req_id].grammar is not None]
+
+    def _fail_broken_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile end with finish_reason "error"; the rest run on."""
+        failed = self.structured.take_failed()
+        for rid, err in failed:
+            logger.warning("request %s: its grammar failed to compile: %s", rid, err)
+        ids = [rid for rid, _ in failed]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        return self.output_processor.finish_children(ids, "error")
 
     def _complete(self, inflight) -> tuple[list[RequestOutput], bool]:
         """Waits for a launched step and takes in its results: (outputs, whether it succeeded)."""
@@ -221,4 +262,5 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

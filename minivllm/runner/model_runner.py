@@ -23,6 +23,7 @@ from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, format_
 from minivllm.runner.memory import plan_num_blocks
 from minivllm.sample.batch import SamplingBatch, SamplingRequestState
 from minivllm.sample.sampler import HostSamplerOutput, Sampler, SamplerOutput
+from minivllm.structured.bitmask import GrammarBitmask, apply_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,14 @@ class LaunchedStep:
     host: HostSamplerOutput | None = None  # already on the host (blocking path)
     host_buf: torch.Tensor | None = None  # pinned [B] int64, filled by an async copy
     event: torch.cuda.Event | None = None  # recorded after that copy
+
+
+@dataclass
+class ForwardStep:
+    """A step whose forward is queued and whose sampling is not (launch_sampling does it)."""
+
+    hidden: torch.Tensor | None  # [len(req_ids), H]: the final hidden states of the sampling rows
+    req_ids: list[str]  # requests that sample, in row order
 
 
 @dataclass
@@ -184,17 +193,28 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the step's device work (forward, sampling, copy of the sampled ids to the host)
         and return without waiting for it."""
+        return self.launch_sampling(self.launch_forward(sched))
+
+    @torch.inference_mode()
+    def launch_forward(self, sched: SchedulerOutput) -> ForwardStep:
+        """Queue the step's forward only: the host can work out the step's grammar bitmask (it
+        needs the previous step's tokens) while the device runs it."""
         self._update_states(sched)
         if sched.is_empty:
-            return LaunchedStep([], [])
+            return ForwardStep(None, [])
         block_ids = {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled}
         inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
                                    pin=self.device.type == "cuda")
         self._fill_placeholders(inputs)
         hidden = self._forward_sampling_rows(inputs)
-        if not inputs.sampling_req_ids:
+        return ForwardStep(hidden, inputs.sampling_req_ids)
+
+    @torch.inference_mode()
+    def launch_sampling(self, fwd: ForwardStep, grammar: GrammarBitmask | None = None) -> LaunchedStep:
+        """Queue the sampling of a forward, with the grammar's bitmask on its constrained rows."""
+        if not fwd.req_ids:
             return LaunchedStep([], [])
-        return self._launch_sampling(hidden, inputs.sampling_req_ids)
+        return self._launch_sampling(fwd.hidden, fwd.req_ids, grammar)
 
     def _fill_placeholders(self, inputs: StepInputs) -> None:
         """Tokens the previous step sampled are not on the host yet: copy them on the device."""
@@ -224,7 +244,8 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta,
                           output_rows=None if every_token else inputs.logits_indices)
 
-    def _launch_sampling(self, hidden: torch.Tensor, req_ids: list[str]) -> LaunchedStep:
+    def _launch_sampling(self, hidden: torch.Tensor, req_ids: list[str],
+                         grammar: GrammarBitmask | None = None) -> LaunchedStep:
         states = [self.requests[r].sampling for r in req_ids]
         # On the CPU a batch that only takes the argmax of the raw logits skips them: the LM head
         # folds the argmax into its kernel (models/cpu_linear.py; W5 decode: 0.9 ms a step of
@@ -233,11 +254,13 @@ class ModelRunner:
         logits = None if self.device.type == "cpu" else self.model.compute_logits(hidden)
         vocab_size = logits.shape[-1] if logits is not None else self.model.lm_head.out_features
         batch = SamplingBatch.build(states, vocab_size, self.device, self.generator)
-        if logits is None and batch.argmax_of_raw_logits:
+        if logits is None and batch.argmax_of_raw_logits and grammar is None:
             out = SamplerOutput(self.model.compute_greedy_tokens(hidden))
         else:
             if logits is None:
                 logits = self.model.compute_logits(hidden)
+            if grammar is not None:  # before sampling and logprobs: masked tokens get -inf
+                self._apply_grammar(logits, req_ids, grammar)
             out = self.sampler(logits, batch)
         for state in states:
             state.num_pending += 1
@@ -249,6 +272,16 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record()
         return LaunchedStep(req_ids, states, host_buf=host_buf, event=event)
+
+    def _apply_grammar(self, logits: torch.Tensor, req_ids: list[str], grammar: GrammarBitmask) -> None:
+        """logits [B, V] (fresh from the LM head, so changed in place): each constrained row
+        keeps only the tokens its grammar allows."""
+        row_of = {r: i for i, r in enumerate(req_ids)}
+        rows = self._to_device([row_of[r] for r in grammar.req_ids])
+        bitmask = grammar.bitmask
+        if self.device.type == "cuda":
+            bitmask = bitmask.to(self.device, non_blocking=True)  # pinned by the manager
+        apply_token_bitmask(logits, bitmask, rows)
 
     def finish(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and return its sampled tokens (and logprobs) as plain data."""
