@@ -158,7 +158,8 @@ def _tokenize(s: ServerState, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt (text) or messages (a conversation)", "prompt")
     if body.messages is not None:
-        return chat_prompt_ids(tok, body.messages, body.add_generation_prompt, body.continue_final_message)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        return chat_prompt_ids(tok, body.messages, body.add_generation_prompt, body.continue_final_message, tools)
     try:
         return list(tok(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
     except Exception as e:  # noqa: BLE001 - e.g. text the tokenizer cannot encode

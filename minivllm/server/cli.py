@@ -44,6 +44,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in its own process (default), so the HTTP process's GIL "
                         "serves clients only; --no-engine-process runs it on a thread of this process")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": the model decides whether to call tools (needs --tool-call-parser)')
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how tool calls are written in the model's output")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -51,7 +55,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def server_settings(args: argparse.Namespace):
     from minivllm.server.serving_common import ServerSettings
     return ServerSettings(served_model_names=list(args.served_model_name or []), api_key=args.api_key or None,
-                          max_queue=args.max_queue, shutdown_grace_s=args.shutdown_timeout)
+                          max_queue=args.max_queue, shutdown_grace_s=args.shutdown_timeout,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -28,10 +28,18 @@ class ServerSettings:
     retry_after_s: int = 1
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long, then are aborted
     own_engine: bool = True  # the app's lifespan shuts the engine down
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, the parser finds calls
+    tool_call_parser: str | None = None  # hermes | llama3_json
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1 (or None for no limit), got {self.max_queue}")
+        if self.tool_call_parser is not None:
+            from minivllm.server.tool_parsers import TOOL_PARSERS
+            if self.tool_call_parser not in TOOL_PARSERS:
+                raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 class ServingBase:
