@@ -38,7 +38,13 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     vocab = logits.shape[1]
     assert bitmask.shape[1] * 32 >= vocab, (bitmask.shape, logits.shape)
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [R, V]
-    sub = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    # the int32 words as bytes (little endian: byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7),
+    # unpacked 8 bits at a time: a quarter of the memory of unpacking 32-bit words
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # [R, 4W]
+    blocked = ((as_bytes.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab] == 0  # [R, V]
+    if rows.shape[0] == logits.shape[0] and bool((rows == torch.arange(rows.shape[0], device=rows.device)).all()):
+        logits.masked_fill_(blocked, float("-inf"))  # every row, in order: no gather / scatter
+        return
+    sub = logits.index_select(0, rows).masked_fill_(blocked, float("-inf"))
     logits.index_copy_(0, rows, sub)

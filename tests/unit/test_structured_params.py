@@ -17,7 +17,7 @@ from minivllm.structured.lark import is_lark, lark_to_ebnf
 xgr = pytest.importorskip("xgrammar")
 from minivllm.structured.xgrammar_backend import XgrammarBackend  # noqa: E402
 
-SCHEMAS = Path(__file__).resolve().parents[1] / "data" / "schemas"
+SCHEMAS = Path(__file__).resolve().parents[2] / "minivllm" / "bench" / "schemas"
 
 
 def test_exactly_one_kind():
