@@ -27,7 +27,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
-    disable_any_whitespace: bool = False  # JSON without optional whitespace (json, json_object)
+    disable_any_whitespace: bool = False  # JSON without free whitespace: one space after "," and ":" (as vLLM)
     disable_additional_properties: bool = False  # objects with `properties` take no other keys
 
     def __post_init__(self) -> None:

@@ -81,7 +81,8 @@ class XgrammarBackend:
             if str(e).startswith("SamplingParams."):
                 raise
             raise ValueError(f"SamplingParams.structured_outputs.{kind} is invalid: {_reason(e)}") from None
-        except RuntimeError as e:  # xgrammar's parse errors, with the line/column or position
+        except Exception as e:  # noqa: BLE001 - xgrammar's parse errors (with the line/column or
+            # position), and whatever else odd input raises: still the input's fault
             raise ValueError(f"SamplingParams.structured_outputs.{kind} does not compile: {_reason(e)}") from None
 
     # ---- compile (thread pool) ---------------------------------------------------------------

@@ -87,7 +87,7 @@ CHAT_CASES = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
      "messages"),
     ({"messages": "hello"}, "messages"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"response_format": {"type": "json_object"}},
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"response_format": {"type": "xml"}},
                                                                 "response_format"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"temperature": None, "top_p": -1}, "top_p"),

@@ -165,3 +165,26 @@ def test_choice_is_escaped():
         assert m.accept_string(c) and m.is_completed(), c
     m = xgr.GrammarMatcher(g)
     assert not m.accept_string('say "ho"')
+
+
+def test_required_tool_calls_schema_hoists_defs():
+    """tool_choice="required": an array of {name, parameters} whose parameters follow the named
+    tool's schema; each tool's $defs move to the top, where its refs point."""
+    import jsonschema
+
+    from minivllm.server.protocol import ChatCompletionRequest
+    from minivllm.server.tools import ToolMode, tool_constraint
+    city = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    tools = [{"type": "function", "function": {"name": "a", "parameters": {
+                 "type": "object", "properties": {"c": {"$ref": "#/$defs/City"}}, "required": ["c"],
+                 "$defs": {"City": city}}}},
+             {"type": "function", "function": {"name": "b"}}]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice="required")
+    c = tool_constraint(req, ToolMode("required", parallel=False))
+    schema = c.params.json
+    assert schema["$defs"] == {"City": city} and schema["maxItems"] == 1
+    XgrammarBackend.validate(c.params)
+    jsonschema.validate([{"name": "a", "parameters": {"c": {"name": "Paris"}}}], schema)
+    for bad in ([], [{"name": "a", "parameters": {"c": {}}}], [{"name": "c", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
