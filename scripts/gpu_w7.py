@@ -45,12 +45,17 @@ class MinivllmEngine:
                        device=device)
         self.startup_s = time.perf_counter() - t
 
-    def params(self, p: dict):
+    @staticmethod
+    def param_classes() -> tuple[type, type]:
         from minivllm import SamplingParams, StructuredOutputsParams
+        return SamplingParams, StructuredOutputsParams
+
+    def params(self, p: dict):
+        """A W7 param dict (its "json_schema" as the engine's structured-output params)."""
+        sampling, structured = self.param_classes()
         p = dict(p)
         schema = p.pop("json_schema", None)
-        so = StructuredOutputsParams(json=schema) if schema is not None else None
-        return SamplingParams(**p, structured_outputs=so)
+        return sampling(**p, structured_outputs=structured(json=schema) if schema is not None else None)
 
     def generate(self, prompts: list[list[int]], params: list[dict]) -> list:
         sps = [self.params(p) for p in params]
@@ -69,13 +74,11 @@ class VllmEngine(MinivllmEngine):
                        max_model_len=max_model_len, seed=0, structured_outputs_config={"backend": "xgrammar"})
         self.startup_s = time.perf_counter() - t
 
-    def params(self, p: dict):
+    @staticmethod
+    def param_classes() -> tuple[type, type]:
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
-        p = dict(p)
-        schema = p.pop("json_schema", None)
-        so = StructuredOutputsParams(json=schema) if schema is not None else None
-        return SamplingParams(**p, structured_outputs=so)
+        return SamplingParams, StructuredOutputsParams
 
 
 def _timed(engine, prompts, params) -> tuple[float, list]:

@@ -32,7 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the current one runs (default: on for CUDA)")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
-    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+    from minivllm.reasoning import REASONING_PARSERS
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split <think>...</think> into reasoning_content; structured output then constrains "
                         "only what follows the reasoning section")
     g.add_argument("--structured-outputs-config", type=json.loads, default=None,

@@ -46,7 +46,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "serves clients only; --no-engine-process runs it on a thread of this process")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": the model decides whether to call tools (needs --tool-call-parser)')
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+    from minivllm.server.tool_parsers import TOOL_PARSERS
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are written in the model's output")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])

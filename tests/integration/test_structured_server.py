@@ -51,21 +51,21 @@ class Served:
     client: openai.OpenAI
 
 
-def _serve(engine, **settings):
-    server = ServerThread(create_app(engine, ServerSettings(own_engine=False, **settings))).start()
+def _serve(engine):
+    """A server over `engine` with tool_choice "auto" on (hermes); stops both at the end."""
+    server = ServerThread(create_app(engine, ServerSettings(own_engine=False, enable_auto_tool_choice=True,
+                                                            tool_call_parser="hermes"))).start()
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    return server, Served(server.base_url, engine.config.model.served_name, client)
+    try:
+        yield Served(server.base_url, engine.config.model.served_name, client)
+    finally:
+        server.stop()
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def served():
-    engine = MPAsyncEngine.from_kwargs(**ENGINE_KW)
-    server, s = _serve(engine, enable_auto_tool_choice=True, tool_call_parser="hermes")
-    try:
-        yield s
-    finally:
-        server.stop()
-        engine.shutdown()
+    yield from _serve(MPAsyncEngine.from_kwargs(**ENGINE_KW))
 
 
 # ---- response_format / structured_outputs / guided_* ------------------------------------------
@@ -270,13 +270,7 @@ def _force_prefixes(llm: LLM) -> None:
 def scripted():
     llm = LLM(**ENGINE_KW, reasoning_parser="qwen3")
     _force_prefixes(llm)
-    engine = AsyncEngine(llm.llm_engine)
-    server, s = _serve(engine, enable_auto_tool_choice=True, tool_call_parser="hermes")
-    try:
-        yield s
-    finally:
-        server.stop()
-        engine.shutdown()
+    yield from _serve(AsyncEngine(llm.llm_engine))
 
 
 def test_auto_tool_call_parsed(scripted):

@@ -124,3 +124,61 @@ def test_required_and_named_modes():
     assert calls == [{"name": "f", "arguments": ARGS}] and content == ""
     msg, finish = message(ChatOutputOptions(None, ToolMode("required")), arr[:20], "length")
     assert msg["tool_calls"] == [] and msg["content"] == arr[:20] and finish == "length"
+
+
+def test_serve_flags():
+    """`minivllm serve --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3
+    --structured-outputs-config ...` reach the server settings and the engine config's kwargs."""
+    from minivllm.cli import build_parser
+    from minivllm.engine.args import engine_kwargs
+    from minivllm.server.cli import server_settings
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                      "--reasoning-parser", "qwen3", "--structured-outputs-config",
+                                      '{"backend": "xgrammar"}'])
+    s = server_settings(args)
+    assert s.enable_auto_tool_choice and s.tool_call_parser == "hermes"
+    kw = engine_kwargs(args)
+    assert kw["reasoning_parser"] == "qwen3" and kw["structured_outputs_config"] == {"backend": "xgrammar"}
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        server_settings(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
+
+
+def test_structured_config_is_validated():
+    from minivllm.engine.config_builder import _structured_config
+    assert _structured_config({"backend": "xgrammar"}, "deepseek_r1").reasoning_parser == "deepseek_r1"
+    with pytest.raises(ValueError, match="structured_outputs_config.backend must be one of"):
+        _structured_config({"backend": "outlines"}, None)
+    with pytest.raises(ValueError, match="unknown fields"):
+        _structured_config({"bakend": "xgrammar"}, None)
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        _structured_config(None, "gpt")
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}TOOLS {{ tools | map(attribute='function') | map(attribute='name') | join(',') }}{{ '\\n' }}"
+    "{% endif %}"
+    "{% for m in messages %}{{ m.role }}: "
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }} {{ c.function.arguments.city }}"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}{{ '\\n' }}"
+    "{% endfor %}")
+
+
+def test_tool_messages_go_through_the_chat_template():
+    """An assistant's tool_calls reach the template with their arguments as an object, a tool
+    message with its tool_call_id, and the tools themselves."""
+    import copy
+
+    from minivllm.config import EngineConfig
+    from minivllm.engine.tokenizer import load_tokenizer
+    from minivllm.server.protocol import ChatMessage
+    from minivllm.server.serving_chat import chat_prompt_ids
+    tok = copy.deepcopy(load_tokenizer(EngineConfig.create(device="cpu").model))
+    tok.chat_template = TOOL_TEMPLATE
+    msgs = [ChatMessage(**m) for m in [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    text = tok.decode(chat_prompt_ids(tok, msgs, False, False, tools))
+    assert text == "TOOLS get_weather\nuser: Weather?\nassistant: CALL get_weather Paris\ntool: 18 C [call_1]\n"
