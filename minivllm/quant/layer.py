@@ -85,11 +85,11 @@ def process_quantized_layers(model: nn.Module) -> int:
         child.method.process_after_loading(child)
         dense = getattr(child, "dense_weight", None)
         if dense is not None:
-            lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                            device=dense.device, dtype=dense.dtype)
-            lin.weight.data, lin.weight.requires_grad = dense, False
+            # built on the meta device (no random init of a weight replaced at once)
+            lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+            lin.weight = nn.Parameter(dense, requires_grad=False)
             if child.bias is not None:
-                lin.bias.data = child.bias.data.to(dense.dtype)
+                lin.bias = nn.Parameter(child.bias.data.to(dense.dtype), requires_grad=False)
             setattr(parent, name, lin)
     return len(targets)
 
