@@ -199,14 +199,19 @@ def load_hf_model(gguf_path: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     d, f = os.path.dirname(gguf_path), os.path.basename(gguf_path)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    state, cfg = hf_state_and_config(model)
+    return state, cfg, AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+def hf_state_and_config(model) -> tuple[dict[str, torch.Tensor], dict]:
+    """A float32 transformers model -> (its state dict, copied; its config as config.json holds it)."""
     cfg = model.config.to_dict()
     cfg["torch_dtype"] = cfg["dtype"] = "float32"
     cfg["architectures"] = cfg.get("architectures") or [type(model).__name__]
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
-    return state, cfg, tok
+    return state, cfg
 
 
 def write_all(gguf_path: str, out_dir: str, formats: tuple[str, ...] = FORMATS, group_size: int = 64) -> dict[str, str]:

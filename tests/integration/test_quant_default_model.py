@@ -1,0 +1,97 @@
+"""The bundled SmolLM2-135M quantized by the RTN quantizer (quant/export.py) into real checkpoint
+files, loaded by minivllm on the CPU: greedy tokens equal those of Hugging Face transformers
+running the dequantized weights (fp32), and, for compressed-tensors, those of transformers loading
+the very same files through the compressed-tensors library. FP8 weights and an FP8 KV cache:
+coherent answers; the FP8 cache holds 4x the tokens of a float32 one in the same bytes."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.quant import export
+
+NEW = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW)
+GROUP = 64  # SmolLM2's 576-wide inputs: 64 divides them, 128 does not
+
+
+@pytest.fixture(scope="module")
+def source(hf_model):
+    return export.hf_state_and_config(hf_model)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path):
+    import os
+
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+
+
+@pytest.fixture(scope="module")
+def prompts(chat_token_ids) -> list[list[int]]:
+    return [chat_token_ids[0], chat_token_ids[3]]  # the capital of France; three prime numbers
+
+
+def _hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            g = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)
+            outs.append(g[0, len(ids):].tolist())
+    return outs
+
+
+def _minivllm_greedy(model_dir: str, prompts: list[list[int]], **kw) -> list[list[int]]:
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["awq", "gptq-act", "ct-w4a16"])  # the other formats: tests/unit/test_quant.py
+def test_quantized_checkpoint_greedy_equals_hf_on_dequantized_weights(
+        tmp_path, hf_model, source, tokenizer, prompts, fmt: str) -> None:
+    state, cfg = source
+    q, deq = export.quantized_state(state, fmt, GROUP)
+    model_dir = export.write_checkpoint(str(tmp_path / fmt), cfg, q, tokenizer, export.quantization_config(fmt, GROUP))
+    del q
+    oracle = copy.deepcopy(hf_model)
+    oracle.load_state_dict(deq, strict=False)  # a tied lm_head is the embedding, also in deq
+    assert torch.equal(oracle.model.layers[3].mlp.down_proj.weight, deq["model.layers.3.mlp.down_proj.weight"])
+    want = _hf_greedy(oracle, prompts)
+    del oracle, deq
+    gc.collect()
+    got = _minivllm_greedy(model_dir, prompts)
+    assert got == want
+    text = tokenizer.decode(got[0])
+    assert "Paris" in text, text  # prompt 0 asks for the capital of France: still coherent at 4 bits
+    if fmt == "ct-w4a16":  # (transformers reads symmetric pack-quantized files; asymmetric ones it mis-sizes)
+        pytest.importorskip("compressed_tensors")
+        from transformers import AutoModelForCausalLM
+        hf_ct = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # decompressed by the library
+        assert _hf_greedy(hf_ct, prompts) == got
+
+
+@pytest.mark.slow
+def test_fp8_weights_and_fp8_kv_cache_answer_coherently(tokenizer, prompts) -> None:
+    from minivllm.quant.fp8 import FP8
+    llm = LLM(dtype="float32", device="cpu", quantization="fp8", kv_cache_dtype="fp8")
+    runner = llm.llm_engine.executor.runner
+    assert runner.model.layers[0].mlp.down_proj.weight_fp8.dtype == FP8 and runner.kv_caches[0][0].dtype == FP8
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert "Paris" in tokenizer.decode(outs[0].outputs[0].token_ids)
+    assert all(len(o.outputs[0].token_ids) > 3 for o in outs)
+
+
+def test_fp8_kv_cache_holds_more_tokens_in_the_same_bytes() -> None:
+    budget = 64 << 20
+    blocks = {dt: LLM(dtype="float32", device="cpu", kv_cache_dtype=dt, kv_cache_memory_bytes=budget)
+              .llm_engine.block_manager.num_blocks for dt in ("auto", "fp8")}
+    assert blocks["fp8"] == 4 * blocks["auto"]  # 1 byte per value instead of float32's 4
