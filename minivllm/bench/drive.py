@@ -27,6 +27,12 @@ def load_workloads(args) -> tuple[list[workloads.Workload], dict]:
     return [wl.fit_vocab(cfg["vocab_size"]) for wl in wls], cfg
 
 
+def _with_quant(settings: dict, args) -> dict:
+    """Records the quantization_config written into the model directory (W11), if any."""
+    qc = quant_dir_config(args)
+    return settings if qc is None else dict(settings, model_quantization_config=qc)
+
+
 def _variant(args) -> str:
     return "prefix caching on" if args.enable_prefix_caching else "prefix caching off"
 
@@ -34,7 +40,7 @@ def _variant(args) -> str:
 def throughput(args: argparse.Namespace, engine: str, make_adapter: AdapterFactory, settings: dict,
                device: str = "auto") -> int:
     wls, cfg = load_workloads(args)
-    settings = dict(settings, max_model_len=settings.get("max_model_len") or wls[0].max_model_len)
+    settings = _with_quant(dict(settings, max_model_len=settings.get("max_model_len") or wls[0].max_model_len), args)
     model_dir = model_dirs.write_model_dir(wls[0].model_config, quantization_config=quant_dir_config(args))
     log(f"{engine} {'+'.join(w.name for w in wls)} on {model_dirs.config_name(wls[0].model_config)}: {settings}")
     adapter = make_adapter(model_dir, wls[0])
@@ -63,7 +69,7 @@ def latency(args: argparse.Namespace, engine: str, make_adapter: AdapterFactory,
     if len(wls) != 1:
         raise ValueError("latency runs one workload (W2)")
     (wl,) = wls
-    settings = dict(settings, max_model_len=settings.get("max_model_len") or wl.max_model_len)
+    settings = _with_quant(dict(settings, max_model_len=settings.get("max_model_len") or wl.max_model_len), args)
     model_dir = model_dirs.write_model_dir(wl.model_config, quantization_config=quant_dir_config(args))
     adapter = make_adapter(model_dir, wl)
     log(f"{engine} {adapter.version} ready in {adapter.startup_s:.1f} s")
