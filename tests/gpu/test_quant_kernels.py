@@ -158,3 +158,47 @@ def test_fp8_kv_store() -> None:
     import random
     case = make_case(random_specs(random.Random(3), 8, 300, "mixed"), 32, 8, 128, 16, torch.bfloat16, DEV, seed=4)
     assert check_fp8_store(case)
+
+
+# ---------------------------------------------------------------- the engine on the GPU
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tmp_path_factory):
+    from minivllm.models.source import default_gguf_path
+    from minivllm.quant import export
+    out = tmp_path_factory.mktemp("quant")
+    return export.write_all(default_gguf_path(), str(out), ("awq", "gptq-act", "ct-w4a16-asym", "ct-fp8"), 64)
+
+
+def _capital_of_france(llm) -> str:
+    from minivllm import SamplingParams
+    from minivllm.engine.tokenizer import apply_chat_template
+    ids = apply_chat_template(llm.get_tokenizer(), [{"role": "user", "content": "What is the capital of France?"}])
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    return out[0].outputs[0].text
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["awq", "gptq-act", "ct-w4a16-asym", "ct-fp8"])
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_quantized_default_model_on_gpu(quantized_dirs, fmt: str, kv: str) -> None:
+    """Real checkpoint files on the GPU kernels (CUDA graphs on): every quantized layer's output
+    equals the reference product of its own tensors, and the model still answers."""
+    from minivllm import LLM
+    from minivllm.quant.fp8 import fp8_linear_reference
+    from minivllm.quant.layer import QuantLinear
+    llm = LLM(model=quantized_dirs[fmt], device="cuda", dtype="float16", kv_cache_dtype=kv,
+              gpu_memory_utilization=0.3)
+    model = llm.llm_engine.executor.runner.model
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * model.cfg.num_layers
+    x = torch.randn(5, layers[0].in_features, device="cuda", dtype=torch.float16)
+    lin = layers[0]
+    if fmt == "ct-fp8":
+        ref = fp8_linear_reference(x, lin.weight_fp8, lin.weight_scale_f32, lin.bias)
+    else:
+        ref = w4.w4a16_reference(x, lin.qweight, lin.scales, lin.zeros, lin.group_size, lin.perm, lin.bias)
+    assert errors(lin(x), ref)[0] < 1e-2
+    assert "Paris" in _capital_of_france(llm)
+    llm.llm_engine.shutdown()
