@@ -58,7 +58,10 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     x_q, x_scale = quantize_rows_triton(rows)
-    y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
+    # row-wise scales come with a bfloat16 output only (cuBLASLt / CUTLASS); other dtypes convert after
+    y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*lead, w_q.shape[0])
