@@ -40,6 +40,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # explicit KV budget (the CPU's default is 1 GiB)
     num_kv_blocks: int | None = None  # explicit override of the block count (tests)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, per-tensor scales)
+    calculate_kv_scales: bool = False  # fp8: scales from the first step's K/V (else checkpoint or 1.0)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {
     "fp32": (None, {}),
     "fp8-kv": (None, {"kv_cache_dtype": "fp8"}),
+    "fp8-kv-calibrated": (None, {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}),
     "fp8-online": (None, {"quantization": "fp8"}),
     "ct-fp8": ("ct-fp8", {}),
     "fp8": ("fp8", {}),
@@ -48,6 +49,7 @@ def perplexity(model_dir: str | None, token_ids: list[int], **kw) -> float:
     caches = allocate_kv_cache(cfg.model.arch, -(-t // bs), bs, kv_dtype, torch.device("cpu"))
     for layer, (k, v) in zip(model.layers, caches):
         layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+        layer.self_attn.calibrate_kv = cfg.cache.calculate_kv_scales  # scales from this text's K/V, as the runner
     hidden = model(torch.tensor(token_ids), torch.arange(t), _one_sequence(t, bs))
     logits = model.compute_logits(hidden[:-1]).float()
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(token_ids[1:]))

@@ -95,6 +95,7 @@ def build_engine_config(
     serving: bool = False,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
+    calculate_kv_scales: bool = False,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
@@ -139,7 +140,7 @@ def build_engine_config(
         max_model_len=max_model_len, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init,
         chat_template=chat_template, seed=seed, quantization=quant)
     cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks,
-                        kv_cache_dtype)
+                        kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8")
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
     async_scheduling = on_gpu if async_scheduling is None else async_scheduling

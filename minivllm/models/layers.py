@@ -103,6 +103,9 @@ class Attention(nn.Module):
         # checkpoint (models/weights.py), else 1.0; unused by a cache in the model's dtype
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        # calculate_kv_scales: the runner sets this for the first real step; the scales then come
+        # from that step's K and V (calibrate_kv_scales) before anything is stored
+        self.calibrate_kv = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -120,9 +123,23 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
+        if self.calibrate_kv:
+            calibrate_kv_scales(self, k, v)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(t, self.q_size))
+
+
+# calculate_kv_scales: scale = max|x| / range, so the calibration step's largest K sits at 200 and
+# V at 100 of e4m3's 448 (vLLM's K_SCALE_CONSTANT / V_SCALE_CONSTANT: headroom for later tokens)
+K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
+
+
+def calibrate_kv_scales(attn: Attention, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Per-tensor FP8 KV scales from this step's keys and values (once: clears attn.calibrate_kv)."""
+    attn.k_scale.copy_((k.abs().amax().float() / K_SCALE_RANGE).clamp(min=1e-6).reshape(1))
+    attn.v_scale.copy_((v.abs().amax().float() / V_SCALE_RANGE).clamp(min=1e-6).reshape(1))
+    attn.calibrate_kv = False
 
 
 class MLP(nn.Module):

@@ -64,6 +64,8 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner once captured
         # sampled ids of the last launched step (device) and each request's row in them
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # the first real step runs eagerly and calibrates the FP8 KV scales (calculate_kv_scales)
+        self._calibrate_kv_pending = config.cache.calculate_kv_scales
         self.timings: dict[str, float] = {}
 
     # ---- startup --------------------------------------------------------------------------
@@ -208,7 +210,13 @@ class ModelRunner:
         inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
                                    pin=self.device.type == "cuda")
         self._fill_placeholders(inputs)
-        hidden = self._forward_sampling_rows(inputs)
+        if self._calibrate_kv_pending:  # calculate_kv_scales: this first real step sets the FP8 scales
+            self._calibrate_kv_pending = False
+            for layer in self.model.layers:
+                layer.self_attn.calibrate_kv = True
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, output_rows=inputs.logits_indices)
+        else:
+            hidden = self._forward_sampling_rows(inputs)
         if not inputs.sampling_req_ids:
             return LaunchedStep([], [])
         return self._launch_sampling(hidden, inputs.sampling_req_ids)

@@ -85,8 +85,10 @@ def test_quantized_checkpoint_greedy_equals_hf_on_dequantized_weights(
 def test_fp8_weights_and_fp8_kv_cache_answer_coherently(tokenizer, prompts) -> None:
     from minivllm.quant.fp8 import FP8
     from minivllm.runner.kv_cache import CPU_DEFAULT_KV_BYTES, bytes_per_block
-    llm = LLM(dtype="float32", device="cpu", quantization="fp8", kv_cache_dtype="fp8")
+    llm = LLM(dtype="float32", device="cpu", quantization="fp8", kv_cache_dtype="fp8", calculate_kv_scales=True)
     runner = llm.llm_engine.executor.runner
+    attn = runner.model.layers[5].self_attn
+    assert attn.k_scale.item() == attn.v_scale.item() == 1.0 and attn.calibrate_kv is False
     assert runner.model.layers[0].mlp.down_proj.weight_fp8.dtype == FP8 and runner.kv_caches[0][0].dtype == FP8
     # the CPU's default KV budget holds 4x the blocks it holds in float32 (1 byte per value, not 4)
     fp32_blocks = CPU_DEFAULT_KV_BYTES // bytes_per_block(runner.arch, runner.block_size, torch.float32)
@@ -94,3 +96,6 @@ def test_fp8_weights_and_fp8_kv_cache_answer_coherently(tokenizer, prompts) -> N
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert "Paris" in tokenizer.decode(outs[0].outputs[0].token_ids)
     assert all(len(o.outputs[0].token_ids) > 3 for o in outs)
+    # calculate_kv_scales: the first step set every layer's scales from its K and V (none stays 1.0)
+    scales = [(layer.self_attn.k_scale.item(), layer.self_attn.v_scale.item()) for layer in runner.model.layers]
+    assert all(0 < k != 1.0 and 0 < v != 1.0 for k, v in scales), scales

@@ -202,3 +202,17 @@ def test_fp8_kv_attention_is_close_to_full_precision_kv() -> None:
         out[dtype] = ref
     rel = ((out[torch.float8_e4m3fn] - out[torch.float32]).norm() / out[torch.float32].norm()).item()
     assert 1e-4 < rel < 0.05, rel  # e4m3 keeps ~3 significant bits: a few percent, never exact
+
+
+def test_calibrated_kv_scales_put_the_step_maximum_at_the_range() -> None:
+    from minivllm.models.layers import K_SCALE_RANGE, V_SCALE_RANGE, calibrate_kv_scales
+
+    class Attn:
+        k_scale, v_scale, calibrate_kv = torch.ones(1), torch.ones(1), True
+
+    attn = Attn()
+    k, v = torch.randn(7, 2, 16) * 30, torch.randn(7, 2, 16) * 0.1
+    calibrate_kv_scales(attn, k, v)
+    assert attn.calibrate_kv is False
+    assert torch.allclose(k.abs().max() / attn.k_scale, torch.tensor(K_SCALE_RANGE))
+    assert torch.allclose(v.abs().max() / attn.v_scale, torch.tensor(V_SCALE_RANGE))
