@@ -94,12 +94,20 @@ def _gptq_tensors(r: W4Quantized) -> dict[str, torch.Tensor]:
             "scales": r.scales.t().contiguous(), "g_idx": r.g_idx.to(torch.int32)}
 
 
+def _ct_pack(signed: torch.Tensor, dim: int) -> torch.Tensor:
+    """compressed-tensors' int4 packing of signed values (stored + 8, in order along `dim`): the
+    library's own packer where it is installed, else the same packing here (equal: tests/unit/test_quant.py)."""
+    try:
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    except ImportError:
+        return w4.pack_int4(signed + 8, dim)
+    return pack_to_int32(signed.to(torch.int8), 4, packed_dim=dim)
+
+
 def _ct_w4_tensors(r: W4Quantized, sym: bool) -> dict[str, torch.Tensor]:
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    out = {"weight_packed": pack_to_int32((r.q - 8).to(torch.int8), 4), "weight_scale": r.scales,
-           "weight_shape": torch.tensor(list(r.q.shape))}
+    out = {"weight_packed": _ct_pack(r.q - 8, 1), "weight_scale": r.scales, "weight_shape": torch.tensor(list(r.q.shape))}
     if not sym:
-        out["weight_zero_point"] = pack_to_int32((r.zeros - 8).to(torch.int8), 4, packed_dim=0)
+        out["weight_zero_point"] = _ct_pack(r.zeros - 8, 0)
     return out
 
 

@@ -100,6 +100,8 @@ def test_compressed_tensors_packing_is_ours() -> None:
     assert torch.equal(w4.unpack_int4(packed, 1), q + 8)
     packed0 = helpers.pack_to_int32(q.t().contiguous().to(torch.int8), 4, packed_dim=0)  # zero points: along N
     assert torch.equal(w4.unpack_int4(packed0, 0), q.t() + 8)
+    # the exporter's fallback where the library is absent packs the same words
+    assert torch.equal(w4.pack_int4(q + 8, 1), packed) and torch.equal(w4.pack_int4(q.t() + 8, 0), packed0)
 
 
 def test_act_order_layout_and_reference_product() -> None:
