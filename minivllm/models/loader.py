@@ -19,6 +19,8 @@ def build_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.devic
     try:
         with torch.device(device):
             model = CausalLM(cfg.arch, backend, cfg.max_model_len, cfg.quantization)
+    except ValueError as e:  # a quantized layer's shape the format cannot take: say which model
+        raise ValueError(f"model {cfg.served_name!r}: {e}") from e
     finally:
         torch.set_default_dtype(prev)
     if cfg.load_format == "dummy":

@@ -28,7 +28,7 @@ class W4A16Method:
         bad = [s for s in layer.output_sizes if s % 8]
         if k % g or k % 8 or bad:
             raise ValueError(f"layer {layer.name}: in_features {k} and output sizes {layer.output_sizes} do not fit "
-                             f"group_size {self.quant.group_size} (in_features must be a multiple of the group size "
+                             f"quantization_config group_size {self.quant.group_size} (in_features must be a multiple of the group size "
                              "and of 8, every output size a multiple of 8)")
         return g, k // g
 
