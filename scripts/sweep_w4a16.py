@@ -29,7 +29,7 @@ def weights(n: int, k: int, group: int = 128):
 
 
 def candidates(m: int, quick: bool):
-    bms = [16] if m <= 16 else [b for b in (16, 32, 64) if b <= max(16, m)]
+    bms = ([1] if m <= 4 else []) + ([16] if m <= 16 else [b for b in (16, 32, 64) if b <= max(16, m)])  # 1: GEMV
     grid = itertools.product(bms, (32, 64, 128) if quick else (32, 64, 128, 256), (128, 256) if quick else (128, 256, 512),
                              (4,) if quick else (4, 8), (3,) if quick else (2, 3, 4), (1, 2, 4, 8, 16))
     for bm, bn, bk, warps, stages, split in grid:

@@ -12,8 +12,9 @@ A program owns a BLOCK_M x BLOCK_N output tile and a share of K. Per BLOCK_K sli
 BLOCK_K/8, so no unpacked tile is ever reshaped. G is a multiple of 8, so the 8 rows of a word
 share one group: the scale and zero tiles are [BLOCK_K/8, BLOCK_N] too.
 
-Decode (few rows) is bound by the weight reads: SPLIT_K > 1 cuts K so that enough programs
-stream the weights (partial sums in float32, added by one torch sum). Prefill steps of
+One or two rows (batch-1 decode) take `_w4a16_gemv_kernel` instead (BLOCK_M 1 in the configs):
+elementwise products, no tensor cores. Decode is bound by the weight reads: SPLIT_K > 1 cuts K so
+that enough programs stream the weights (partial sums in float32, added by one torch sum). Prefill steps of
 DENSE_MIN_ROWS rows or more dequantize the weight once into the activation dtype
 (`_dequant_kernel`) and run cuBLAS: then the weight is read once for thousands of rows.
 
@@ -33,7 +34,9 @@ import triton.language as tl
 DENSE_MIN_ROWS = 256
 # (max rows) -> tile config; the first entry whose bound is >= M is used. Split-K is chosen at run
 # time from the number of output tiles (choose_split_k). Defaults before the sweep has run on H100.
+# BLOCK_M 1: the GEMV kernel (one row per program, no tensor cores).
 W4A16_CONFIGS: list[tuple[int, dict[str, int]]] = [
+    (2, {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),
     (16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),
     (32, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),
     (64, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}),
@@ -83,6 +86,42 @@ def _w4a16_kernel(
             acc += tl.dot(xj, wj.to(xj.dtype))
     o_off = pid_k * stride_os + rm[:, None] * stride_om + rn[None, :] * stride_on
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,  # as _w4a16_kernel; one activation row per program
+    M, N, K,
+    stride_xm, stride_xk,
+    stride_qk, stride_qn,
+    stride_sg, stride_sn,
+    stride_os, stride_om, stride_on,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Few rows (batch-1 decode): no tensor cores, so the dequantized tile never changes layout
+    for a tl.dot operand; products accumulate elementwise in a [BLOCK_K/8, BLOCK_N] tile and are
+    reduced once at the end. The weights are re-read per row (from L2 for a few rows)."""
+    pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BLOCK_K // 8)
+    n_ok = rn < N
+    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    t_end = tl.minimum((pid_k + 1) * per_split, k_tiles)
+    for t in range(pid_k * per_split, t_end):
+        words = t * (BLOCK_K // 8) + rw
+        w_ok = (words < K // 8)[:, None] & n_ok[None, :]
+        w = tl.load(qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn, mask=w_ok, other=0)
+        g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
+        s = tl.load(s_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(8):
+            k = words * 8 + j
+            xj = tl.load(x_ptr + m * stride_xm + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)  # [BK/8]
+            acc += xj[:, None] * ((((w >> (4 * j)) & 0xF).to(tl.float32) - z) * s)
+    out = tl.sum(acc, 0)  # [BLOCK_N]
+    tl.store(out_ptr + pid_k * stride_os + m * stride_om + rn * stride_on, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -140,8 +179,12 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         return out if split_k == 1 else out.sum(0).to(x.dtype)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
     o_strides = (0, *out.stride()) if split_k == 1 else out.stride()
-    _w4a16_kernel[grid](x, qweight, scales, zeros, out, m, n, k, *x.stride(), *qweight.stride(), *scales.stride(),
-                        *o_strides, GROUP=g, SPLIT_K=split_k, **cfg)
+    args = (x, qweight, scales, zeros, out, m, n, k, *x.stride(), *qweight.stride(), *scales.stride(), *o_strides)
+    if cfg["BLOCK_M"] == 1:
+        del cfg["BLOCK_M"]
+        _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)
+    else:
+        _w4a16_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)
     return out if split_k == 1 else out.sum(0).to(x.dtype)
 
 

@@ -117,8 +117,10 @@ def test_w4a16(m: int, n: int, k: int, group: int) -> None:
 
 @gpu
 @pytest.mark.parametrize("split_k", [1, 2, 8])
-def test_w4a16_split_k(split_k: int) -> None:
-    assert check_w4a16(4, 4096, 4096, 128, torch.bfloat16, DEV, split_k=split_k) < 2e-2
+@pytest.mark.parametrize("block_m", [1, 16])  # 1: the GEMV kernel
+def test_w4a16_split_k(split_k: int, block_m: int) -> None:
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 256}
+    assert check_w4a16(3, 4096, 4096, 128, torch.bfloat16, DEV, split_k=split_k, config=cfg) < 2e-2
 
 
 @gpu

@@ -26,6 +26,8 @@ for name, m, n, k, g, dt, split, act in [
         ("w4a16 m5 g32 split4 ragged fp32", 5, 40, 320, 32, f32, 4, False),
         ("w4a16 m2 g32 act-order fp32", 2, 48, 256, 32, f32, 2, True)]:
     res[name] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split, config=small, act_order=act)
+    gemv = dict(small, BLOCK_M=1)  # the one-row kernel
+    res[name + " gemv"] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split, config=gemv, act_order=act)
 res["w4a16 dequant g64"] = checks.check_w4a16_dequant(72, 256, 64, f32, "cpu")
 mixed = [(37, 60), (1, 45), (20, 20), (5, 90), (1, 1), (10, 72)]
 decode = [(1, 60), (1, 1), (1, 97), (1, 300)]
