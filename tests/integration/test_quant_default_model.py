@@ -6,7 +6,6 @@ coherent answers, and the cache holds 4x the tokens of a float32 one in the same
 
 from __future__ import annotations
 
-import copy
 import gc
 
 import pytest
@@ -64,11 +63,14 @@ def test_quantized_checkpoint_greedy_equals_hf_on_dequantized_weights(
     q, deq = export.quantized_state(state, fmt, GROUP)
     model_dir = export.write_checkpoint(str(tmp_path / fmt), cfg, q, tokenizer, export.quantization_config(fmt, GROUP))
     del q
-    oracle = copy.deepcopy(hf_model)
-    oracle.load_state_dict(deq, strict=False)  # a tied lm_head is the embedding, also in deq
-    assert torch.equal(oracle.model.layers[3].mlp.down_proj.weight, deq["model.layers.3.mlp.down_proj.weight"])
-    want = _hf_greedy(oracle, prompts)
-    del oracle, deq
+    # the session's HF model runs the dequantized weights, then gets its own back (no second copy in memory)
+    hf_model.load_state_dict(deq, strict=False)  # a tied lm_head is the embedding, also in deq
+    try:
+        assert torch.equal(hf_model.model.layers[3].mlp.down_proj.weight, deq["model.layers.3.mlp.down_proj.weight"])
+        want = _hf_greedy(hf_model, prompts)
+    finally:
+        hf_model.load_state_dict(state, strict=False)
+    del deq
     gc.collect()
     got = _minivllm_greedy(model_dir, prompts)
     assert got == want
