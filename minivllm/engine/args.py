@@ -31,6 +31,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the current one runs (default: on for CUDA)")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, vLLM\'s fields, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (methods: ngram, suffix, '
+                        'layer_skip with num_layers, medusa with model; a "model" alone: a draft model)')
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
@@ -39,7 +43,7 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
-         "skip_tokenizer_init", "max_prefill_tokens_with_decodes"]
+         "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "speculative_config"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

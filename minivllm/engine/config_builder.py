@@ -38,7 +38,7 @@ def _resolve_dtype(dtype: str, device: str, arch: ArchConfig) -> str:
     return arch.torch_dtype if arch.torch_dtype in ("float16", "bfloat16") else "bfloat16"
 
 
-def _load_arch(source: ModelSource) -> ArchConfig:
+def load_arch(source: ModelSource) -> ArchConfig:
     if source.kind == "hf":
         return ArchConfig.from_hf_dict(read_hf_config(source.path))
     from minivllm.models.gguf_loader import gguf_arch_config, open_gguf
@@ -71,11 +71,12 @@ def build_engine_config(
     served_model_name: str | None = None,
     async_scheduling: bool | None = None,
     max_prefill_tokens_with_decodes: int | None = None,
+    speculative_config: dict | str | None = None,
     serving: bool = False,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
-    arch = _load_arch(source)
+    arch = load_arch(source)
     device = _resolve_device(device)
     on_gpu = device.startswith("cuda")
     dtype = _resolve_dtype(dtype, device, arch)
@@ -116,6 +117,11 @@ def build_engine_config(
     cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
-    async_scheduling = on_gpu if async_scheduling is None else async_scheduling
+    from minivllm.spec_decode.config import parse_speculative_config
+    speculative = parse_speculative_config(speculative_config, arch.num_layers)
+    # speculative steps need the previous step's accepted tokens before they are scheduled
+    check(not (speculative and async_scheduling), "async_scheduling",
+          "cannot be on with speculative decoding (a step's drafts depend on the previous step's result)")
+    async_scheduling = (on_gpu and speculative is None) if async_scheduling is None else async_scheduling
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
-                        enforce_eager or not on_gpu, attention_backend, async_scheduling)
+                        enforce_eager or not on_gpu, attention_backend, async_scheduling, speculative)

@@ -54,10 +54,13 @@ class LLMEngine:
         self.executor = make_executor(config, model)
         num_blocks = self.executor.num_blocks
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        s = config.scheduler
+        s, spec = config.scheduler, config.speculative
         self.scheduler = Scheduler(SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
                                                    s.policy, s.enable_chunked_prefill,
-                                                   s.max_prefill_tokens_with_decodes), self.block_manager)
+                                                   s.max_prefill_tokens_with_decodes,
+                                                   spec.num_lookahead_tokens if spec else 0,
+                                                   spec.disable_by_batch_size if spec else None),
+                                   self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self._aborted_outputs: list[RequestOutput] = []

@@ -110,7 +110,7 @@ class FakeRunner:
                 st_.num_outputs += 1
                 req_ids.append(s.req_id)
                 tokens.append(tok)
-        return RunnerOutput(req_ids, tokens)
+        return RunnerOutput(req_ids, [[t] for t in tokens])
 
     def step(self):
         out = self.sched.schedule()
