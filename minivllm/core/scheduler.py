@@ -191,8 +191,12 @@ class Scheduler:
                 continue
             drafts = [] if prefilling else self._drafts_to_verify(req, budget - n)
             lookahead = self._lookahead(req, req.num_computed_tokens, n)
+            new_blocks = self.block_manager.allocate(req, n + len(drafts) + lookahead)
+            if new_blocks is None and (drafts or lookahead):
+                # speculation is optional: it never preempts anyone (nor keeps a request from fitting)
+                drafts, lookahead = [], 0
+                new_blocks = self.block_manager.allocate(req, n)
             n += len(drafts)
-            new_blocks = self.block_manager.allocate(req, n + lookahead)
             while new_blocks is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -216,7 +220,8 @@ class Scheduler:
         samples, never past max_model_len."""
         if self.limits.num_lookahead_tokens == 0 or start + n != req.num_tokens_with_pending:
             return 0
-        return min(self.limits.num_lookahead_tokens, self.limits.max_model_len - start - n)
+        last = min(self.limits.max_model_len, req.num_prompt_tokens + req.max_tokens)  # no token goes past
+        return max(0, min(self.limits.num_lookahead_tokens, last - start - n))
 
     def _drafts_to_verify(self, req: Request, budget_left: int) -> list[int]:
         """The proposed tokens a decoding request verifies this step: as many as the budget
@@ -253,7 +258,10 @@ class Scheduler:
             n = min(n, budget, self._prefill_left)
             if n <= 0:
                 break  # the prefill cap is used up: the next step takes the rest
-            new_blocks = self.block_manager.allocate(req, n + self._lookahead(req, num_cached, n), cached)
+            lookahead = self._lookahead(req, num_cached, n)
+            new_blocks = self.block_manager.allocate(req, n + lookahead, cached)
+            if new_blocks is None and lookahead:  # (optional: never what keeps a prompt out)
+                new_blocks = self.block_manager.allocate(req, n, cached)
             if new_blocks is None:
                 break  # no room: wait for running requests to finish
             self.waiting.pop()

@@ -75,10 +75,10 @@ class ModelRunner:
         t = time.perf_counter()
         if model is not None:
             self.model = model
-            return
-        backend = get_attention_backend(self.config.attention_backend)
-        self.model = build_model(self.config.model, backend, self.device, self.dtype)
-        self.setup_cpu_model(self.model)
+        else:
+            backend = get_attention_backend(self.config.attention_backend)
+            self.model = build_model(self.config.model, backend, self.device, self.dtype)
+            self.setup_cpu_model(self.model)
         if self.config.speculative is not None:
             from minivllm.spec_decode import make_speculator
             self.speculator = make_speculator(self.config.speculative, self)

@@ -48,6 +48,12 @@ class ModelProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposalRequest], k: int, hidden=None) -> list[list[int]]:
+        # the first pass writes the last known token's K/V: only where its slot was allocated
+        fits = [r.num_tokens <= self._slots(r) for r in requests]
+        if not all(fits):
+            some = self.propose([r for r, f in zip(requests, fits) if f], k) if any(fits) else []
+            it = iter(some)
+            return [next(it) if f else [] for f in fits]
         if not requests:
             return []
         tables = {r.req_id: r.block_ids for r in requests}
@@ -56,7 +62,7 @@ class ModelProposer:
         active = list(range(len(requests)))
         for j in range(1, k):
             # draft j + 1 from d_j at position L + j - 1; only where that position fits the context
-            active = [i for i in active if requests[i].num_tokens + j - 1 < self.max_model_len]
+            active = [i for i in active if requests[i].num_tokens + j - 1 < self._slots(requests[i])]
             if not active:
                 break
             sched = [ScheduledRequest(requests[i].req_id, [0], requests[i].num_tokens + j - 1, [], True)
@@ -72,8 +78,13 @@ class ModelProposer:
         host = torch.stack(drafts, dim=1).tolist()  # one copy: [B, <= k]
         return [[t for t in row[:self._limit(r, k)] if t >= 0] for row, r in zip(host, requests)]
 
+    def _slots(self, r: ProposalRequest) -> int:
+        """Positions the request may write: its allocated slots (the scheduler's lookahead may have
+        been cut: no room in the cache, or max_tokens near), never past max_model_len."""
+        return min(self.max_model_len, len(r.block_ids) * self.block_size)
+
     def _limit(self, r: ProposalRequest, k: int) -> int:
-        return min(k, self.max_model_len - r.num_tokens + 1)
+        return min(k, self._slots(r) - r.num_tokens + 1)
 
     def _scatter(self, part: torch.Tensor, active: list[int], b: int) -> torch.Tensor:
         full = torch.full((b,), -1, dtype=part.dtype, device=part.device)

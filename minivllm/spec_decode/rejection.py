@@ -149,9 +149,9 @@ def _final_tokens(layout: VerifyLayout, batch: SamplingBatch, final_rows: torch.
     if batch.all_greedy:
         return greedy
     p = probs[final_rows].clone()  # [B, V]
-    rejected_draft = layout.draft_ids.gather(
-        1, (final_rows - layout.starts).clamp(max=max(layout.max_drafts - 1, 0)).unsqueeze(1)).squeeze(1)
     if layout.max_drafts:
+        position = (final_rows - layout.starts).clamp(max=layout.max_drafts - 1)  # (unused where not rejected)
+        rejected_draft = layout.draft_ids.gather(1, position.unsqueeze(1)).squeeze(1)
         if draft_probs is None:  # q = one-hot(d): max(0, p - q) is p without d
             residual = p.scatter(1, rejected_draft.unsqueeze(1), 0.0)
         else:
