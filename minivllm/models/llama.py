@@ -10,16 +10,19 @@ from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.models.arch import ArchConfig
 from minivllm.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from minivllm.quant.config import QuantConfig
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps, rotary, backend)
+                                   cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps, rotary, backend,
+                                   quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, quant, f"{prefix}.mlp")
 
     def forward(self, positions, hidden, residual, meta):
         if residual is None:
@@ -33,12 +36,15 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, max_positions: int,
+                 quant: QuantConfig | None = None) -> None:
+        """quant: the model's quantization (its decoder linears become QuantLinear); None: unquantized."""
         super().__init__()
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, quant, f"model.layers.{i}")
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

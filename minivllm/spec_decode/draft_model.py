@@ -26,8 +26,11 @@ def load_draft_model(path: str, runner):
     if arch.max_position_embeddings < target.max_model_len:
         raise ValueError(f"speculative_config.model: the draft {path!r} handles {arch.max_position_embeddings} "
                          f"positions, fewer than max_model_len={target.max_model_len}")
+    # the draft's own quantization (its checkpoint's quantization_config), not the target's
+    from minivllm.engine.config_builder import resolve_quantization
+    quant = resolve_quantization(source, None, runner.config.device)
     cfg = dataclasses.replace(target, model=path, source_kind=source.kind, source_path=source.path,
-                              served_name=source.name, arch=arch, load_format="auto")
+                              served_name=source.name, arch=arch, load_format="auto", quantization=quant)
     model = build_model(cfg, get_attention_backend(runner.config.attention_backend), runner.device, runner.dtype)
     runner.setup_cpu_model(model)
     logger.info("speculative decoding: draft model %s (%d layers)", source.name, arch.num_layers)
