@@ -80,6 +80,13 @@ def _jobs() -> list[Job]:
                120, 170, _LAT_TINY)
     j += _pair("W2-0.6b", ["latency", "--model-config", "qwen3-0.6b"], ["latency", "--model-config", "qwen3-0.6b"],
                60, 110, _LAT_TINY)
+    # W11: Llama-3.1-8B shapes, AWQ int4 dummy packed weights (group 128), batch-1 decode; W1-8B's request
+    # set with FP8 weights (quantized while loading) and an FP8 KV cache. Each engine picks its own
+    # kernels (vLLM: AWQ Marlin, CUTLASS FP8)
+    awq = ["latency", "--model-config", "llama-3.1-8b", "--quantization", "awq"]
+    j += _pair("W11-awq", awq, awq, 130, 200, _LAT_TINY + ["--quant-group-size", "32"])
+    fp8 = tp + ["W1-8B", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    j += _pair("W11-fp8", fp8, fp8, 180, 260, _TINY)
     j.append(Job("hf:W1", "hf", HF + ["throughput", "--workload", "W1"], 330, 570,
                  _TINY + ["--device", "cpu", "--batch-size", "2"]))
     j.append(Job("hf:decode-0.6b", "hf", HF + ["decode", "--model-config", "qwen3-0.6b"], 90, 300,
@@ -209,6 +216,9 @@ ROWS = [
     ("W4 prefix hit rate (cached / prompt tokens)", ["W4"], "prefix_hit_rate_cached_tokens", False),
     ("W4 output tok/s, prefix caching off", ["W4-nopc"], "output_tok_per_s", False),
     ("W4 mean TTFT s, prefix caching off", ["W4-nopc"], "mean_ttft_s", True),
+    ("W11 AWQ int4 batch-1 decode tok/s, Llama-3.1-8B", ["W11-awq"], "decode_tok_per_s", False),
+    ("W11 AWQ int4 roofline share (int4 weight bytes)", ["W11-awq"], "roofline_share", False),
+    ("W11 W1-8B output tok/s, FP8 weights + FP8 KV", ["W11-fp8"], "output_tok_per_s", False),
     ("W6 launch to first token s, Qwen3-0.6B", ["W6-0.6b", "W1"], "launch_to_first_token_s", True),
     ("W6 launch to first token s, Llama-3.1-8B", ["W6-llama8b", "W2"], "launch_to_first_token_s", True),
 ]

@@ -32,6 +32,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the current one runs (default: on for CUDA)")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, vLLM\'s fields, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (methods: ngram, suffix, '
+                        'layer_skip with num_layers, medusa with model; a "model" alone: a draft model)')
+    g.add_argument("--quantization", "-q", default=None, choices=["awq", "gptq", "compressed-tensors", "fp8"],
+                   help="quantized weights: default the checkpoint's quantization_config; fp8 also quantizes an "
+                        "unquantized model while loading")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache element type: auto = the model's dtype; fp8 = e4m3 with per-tensor scales")
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="with --kv-cache-dtype fp8: per-layer scales from the first step's K/V (else the "
+                        "checkpoint's, or 1.0)")
     from minivllm.reasoning import REASONING_PARSERS
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split <think>...</think> into reasoning_content; structured output then constrains "
@@ -46,7 +58,8 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
-         "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "reasoning_parser", "structured_outputs_config"]
+         "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
+         "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

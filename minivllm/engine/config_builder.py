@@ -14,6 +14,9 @@ from minivllm.config import (
 )
 from minivllm.models.arch import ArchConfig
 from minivllm.models.source import ModelSource, read_hf_config, resolve_model_source
+from minivllm.quant.config import QuantConfig, resolve_quant_config
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 # prompt tokens per step beside decoding requests, `minivllm serve` on a GPU (see
 # SchedulerLimits.max_prefill_tokens_with_decodes): W3's longest prompt fits in one step
@@ -39,11 +42,29 @@ def _resolve_dtype(dtype: str, device: str, arch: ArchConfig) -> str:
     return arch.torch_dtype if arch.torch_dtype in ("float16", "bfloat16") else "bfloat16"
 
 
-def _load_arch(source: ModelSource) -> ArchConfig:
+def load_arch(source: ModelSource) -> ArchConfig:
     if source.kind == "hf":
         return ArchConfig.from_hf_dict(read_hf_config(source.path))
     from minivllm.models.gguf_loader import gguf_arch_config, open_gguf
     return gguf_arch_config(open_gguf(source.path))
+
+
+def resolve_quantization(source: ModelSource, quantization: str | None, device: str) -> QuantConfig | None:
+    hf_qc = read_hf_config(source.path).get("quantization_config") if source.kind == "hf" else None
+    quant = resolve_quant_config(hf_qc, quantization, source.name)
+    if quant is not None and quant.scheme == "fp8" and device.startswith("cuda"):
+        import torch
+        cap = torch.cuda.get_device_capability(torch.device(device))
+        check(cap >= (8, 9), "quantization",
+              f"{quant.method!r} (FP8 weights) of model {source.name!r} needs a GPU with FP8 (compute capability "
+              f">= 8.9); {torch.cuda.get_device_name(torch.device(device))} is {cap[0]}.{cap[1]}")
+    return quant
+
+
+def _resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    check(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+          f"must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return "fp8" if kv_cache_dtype.startswith("fp8") else "auto"
 
 
 def build_engine_config(
@@ -72,16 +93,22 @@ def build_engine_config(
     served_model_name: str | None = None,
     async_scheduling: bool | None = None,
     max_prefill_tokens_with_decodes: int | None = None,
+    speculative_config: dict | str | None = None,
     structured_outputs_config: StructuredOutputsConfig | dict | None = None,
     reasoning_parser: str | None = None,
     serving: bool = False,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
+    calculate_kv_scales: bool = False,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
-    arch = _load_arch(source)
+    arch = load_arch(source)
     device = _resolve_device(device)
     on_gpu = device.startswith("cuda")
     dtype = _resolve_dtype(dtype, device, arch)
+    quant = resolve_quantization(source, quantization, device)
+    kv_cache_dtype = _resolve_kv_cache_dtype(kv_cache_dtype)
     if max_model_len is None:
         max_model_len = min(arch.max_position_embeddings, 8192 if not on_gpu else arch.max_position_embeddings)
     check(isinstance(max_model_len, int) and max_model_len >= 1, "max_model_len", f"must be >= 1, got {max_model_len}")
@@ -115,14 +142,20 @@ def build_engine_config(
         model=model, source_kind=source.kind, source_path=source.path,
         served_name=served_model_name or source.name, arch=arch, dtype=dtype, load_format=load_format,
         max_model_len=max_model_len, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init,
-        chat_template=chat_template, seed=seed)
-    cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks)
+        chat_template=chat_template, seed=seed, quantization=quant)
+    cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks,
+                        kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8")
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
-    async_scheduling = on_gpu if async_scheduling is None else async_scheduling
-    structured = _structured_config(structured_outputs_config, reasoning_parser)
+    from minivllm.spec_decode.config import parse_speculative_config
+    speculative = parse_speculative_config(speculative_config, arch.num_layers)
+    # speculative steps need the previous step's accepted tokens before they are scheduled
+    check(not (speculative and async_scheduling), "async_scheduling",
+          "cannot be on with speculative decoding (a step's drafts depend on the previous step's result)")
+    async_scheduling = (on_gpu and speculative is None) if async_scheduling is None else async_scheduling
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
-                        enforce_eager or not on_gpu, attention_backend, async_scheduling, structured)
+                        enforce_eager or not on_gpu, attention_backend, async_scheduling, speculative,
+                        _structured_config(structured_outputs_config, reasoning_parser))
 
 
 def _structured_config(given: StructuredOutputsConfig | dict | None, reasoning_parser: str | None) -> StructuredOutputsConfig:
@@ -144,3 +177,4 @@ def _structured_config(given: StructuredOutputsConfig | dict | None, reasoning_p
     check(cfg.reasoning_parser is None or cfg.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
           f"must be one of {sorted(REASONING_PARSERS)}, got {cfg.reasoning_parser!r}")
     return cfg
+

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.kernels.cpu_kernels import check_rope_store
+from minivllm.models.layers import calibrate_kv_scales
 
 ENV_FLAG = "MINIVLLM_CPU_FAST_FORWARD"
 
@@ -122,15 +123,17 @@ class CpuForward:
                        for layer in model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+                output_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, H] (a new tensor), or of
-        the token rows output_rows only ([R] int64) -> [R, H]."""
+        the token rows output_rows only ([R] int64) -> [R, H]; through the first num_layers
+        layers only when given."""
         residual = F.embedding(input_ids, self.embed)  # [T, H], owned: updated in place below
+        layers = self.layers[:num_layers]
         if self.ops is not None:
-            return self._forward_fused(residual, positions, meta, output_rows)
+            return self._forward_fused(residual, positions, meta, output_rows, layers)
         cos2, sin2 = rotary_tables(self.cos_sin, positions)
         hidden = None
-        for layer in self.layers:
+        for layer in layers:
             hidden = self._layer(layer, hidden, residual, cos2, sin2, meta)
         out = rms_norm_(residual.add_(hidden), self.final_norm, self.eps)
         return out if output_rows is None else out[output_rows]
@@ -146,15 +149,18 @@ class CpuForward:
         qk = rotate(qkv[:, :self.qk_width].view(t, -1, self.head_dim), cos2, sin2)  # [T, Hq + Hk, D]
         k, v = qk[:, self.num_heads:], qkv[:, self.qk_width:].view(t, self.num_kv_heads, self.head_dim)
         attn = p.attn
-        self.backend.store_kv(k, v, attn.k_cache, attn.v_cache, meta.slot_mapping)
-        o = self.backend.attend(qk[:, :self.num_heads], attn.k_cache, attn.v_cache, meta, self.scale)
+        if attn.calibrate_kv:
+            calibrate_kv_scales(attn, k, v)
+        self.backend.store_kv(k, v, attn.k_cache, attn.v_cache, meta.slot_mapping, attn.k_scale, attn.v_scale)
+        o = self.backend.attend(qk[:, :self.num_heads], attn.k_cache, attn.v_cache, meta, self.scale,
+                                attn.k_scale, attn.v_scale)
         residual.add_(p.o(o.reshape(t, -1)))
         gate_up = p.gate_up(rms_norm_(residual, p.post_norm, self.eps))  # [T, 2 I]: gate | up
         return p.down(F.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:]))
 
 
     def _forward_fused(self, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       output_rows: torch.Tensor | None) -> torch.Tensor:
+                       output_rows: torch.Tensor | None, layers: list[_Layer]) -> torch.Tensor:
         """The same layers through the compiled kernels: four fused calls a layer. With
         output_rows, the last layer runs attention, o-proj and MLP for those rows only (its K/V
         are still written for every token): W5's prompt tokens skip ~1/30 of their prefill."""
@@ -165,8 +171,8 @@ class CpuForward:
         check_rope_store(positions, meta.slot_mapping, self.cos_sin.shape[0],
                          first.k_cache.shape[0] * first.k_cache.shape[1])
         hidden = None
-        last = len(self.layers) - 1
-        for i, p in enumerate(self.layers):
+        last = len(layers) - 1
+        for i, p in enumerate(layers):
             attn = p.attn
             qkv = p.qkv(ops.add_rms_norm(residual, hidden, p.input_norm, eps))  # [T, (Hq + 2 Hk) D]
             # q and k rotated in place, k and v written to their cache slots

@@ -10,16 +10,19 @@ from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.models.arch import ArchConfig
 from minivllm.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from minivllm.quant.config import QuantConfig
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps, rotary, backend)
+                                   cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps, rotary, backend,
+                                   quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, quant, f"{prefix}.mlp")
 
     def forward(self, positions, hidden, residual, meta):
         if residual is None:
@@ -33,12 +36,15 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, max_positions: int,
+                 quant: QuantConfig | None = None) -> None:
+        """quant: the model's quantization (its decoder linears become QuantLinear); None: unquantized."""
         super().__init__()
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, quant, f"model.layers.{i}")
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -47,16 +53,17 @@ class CausalLM(nn.Module):
         self.cpu_forward = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+                output_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size], or only
         the rows output_rows ([R] int64 token indices, e.g. the tokens that sample) -> [R, hidden_size].
         Every token's K/V is written either way; the CPU forward also skips the last layer's
-        work after attention for the other tokens."""
+        work after attention for the other tokens. num_layers: run only the first layers, then
+        the final norm (layer-skip self-speculation drafts with them)."""
         if self.cpu_forward is not None:
-            return self.cpu_forward.forward(input_ids, positions, meta, output_rows)
+            return self.cpu_forward.forward(input_ids, positions, meta, output_rows, num_layers)
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden if output_rows is None else hidden[output_rows]

@@ -257,11 +257,11 @@ def _force_prefixes(llm: LLM) -> None:
 
     def finish(launched) -> RunnerOutput:
         out = real_finish(launched)
-        toks = list(out.sampled_token_ids)
+        toks = [list(t) for t in out.sampled_token_ids]  # per request: the tokens it gained (one here)
         for i, rid in enumerate(out.req_ids):
             script, k = script_for(rid), engine.scheduler.requests[rid].num_output_tokens
             if k < len(script):
-                toks[i] = script[k]
+                toks[i] = [script[k]]
         return RunnerOutput(out.req_ids, toks, out.logprobs)
     engine.executor.finish = finish
 
