@@ -231,3 +231,22 @@ def test_preemption_mid_constraint_still_valid(tiny_kv_llm):
             jsonschema.validate(json.loads(o.text), schemas[n][1])
         else:  # cut short: still a prefix the grammar allowed, so no stray characters before it
             assert o.text.lstrip().startswith("{")
+
+
+def test_speculative_engine_constrained_requests_take_no_drafts():
+    """With speculative decoding (ngram), a constrained request samples its one row under its
+    bitmask and is never given drafts; unconstrained requests beside it still speculate."""
+    llm = LLM(dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory_bytes=128 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    stats = llm.llm_engine.scheduler.spec_stats
+    text = "Repeat exactly: " + "red green blue, " * 8
+    regex = r"(red|green|blue)(, (red|green|blue)){2,6}"
+    so = StructuredOutputsParams(regex=regex)
+    outs = llm.generate([text, text], [SamplingParams(temperature=0, max_tokens=24, structured_outputs=so),
+                                       SamplingParams(temperature=0.7, seed=1, max_tokens=24, structured_outputs=so)],
+                        use_tqdm=False)
+    assert stats.num_draft_tokens == 0
+    for o in outs:
+        assert re.fullmatch(regex, o.outputs[0].text), o.outputs[0].text
+    free = llm.generate([text], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert len(free[0].outputs[0].token_ids) == 24 and stats.num_draft_tokens > 0
