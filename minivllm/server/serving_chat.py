@@ -11,15 +11,13 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
 from minivllm.engine.tokenizer import apply_chat_template
-from minivllm.reasoning import get_reasoning_parser
-from minivllm.server.chat_output import ChatOutputOptions, ChoiceStream, finish_reason_of, message
 from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.reasoning import get_reasoning_parser
 from minivllm.server import logprobs as lp_fmt
+from minivllm.server.chat_output import ChatOutputOptions, ChoiceStream, finish_reason_of, message
 from minivllm.server.errors import JSONResponse, OpenAIError, bad_request
 from minivllm.server.params import chat_params
 from minivllm.server.protocol import ChatCompletionRequest, ChatMessage
-from minivllm.server.structured import resolve_constraint
-from minivllm.server.tools import resolve_tool_mode, tool_constraint
 from minivllm.server.serving_common import (
     ServingBase,
     check_no_internal_error,
@@ -29,6 +27,8 @@ from minivllm.server.serving_common import (
     sse_body,
     usage,
 )
+from minivllm.server.structured import resolve_constraint
+from minivllm.server.tools import resolve_tool_mode, tool_constraint
 
 logger = logging.getLogger(__name__)
 
