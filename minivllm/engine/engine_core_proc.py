@@ -248,10 +248,10 @@ class EngineCore:
                 self.stopping = True
         return added
 
-    def _add(self, request_id, prompt_text, prompt_ids, params, arrival_time, priority) -> BaseException | None:
+    def _add(self, request_id, prompt, params, arrival_time, priority) -> BaseException | None:
+        """prompt: {"prompt": text, "prompt_token_ids": [...], "cache_salt"?}, tokenized by the client."""
         try:
-            self.engine.add_request(request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params,
-                                    arrival_time, priority)
+            self.engine.add_request(request_id, prompt, params, arrival_time, priority)
         except Exception as e:  # noqa: BLE001 - bad input goes back to the caller
             return portable_error(e)
         return None

@@ -61,7 +61,8 @@ class LLMEngine:
         from minivllm.executor import make_executor
         self.executor = make_executor(config, model)
         num_blocks = self.executor.num_blocks
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                          config.cache.prefix_caching_hash_algo)
         s, spec = config.scheduler, config.speculative
         self.scheduler = Scheduler(SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
                                                    s.policy, s.enable_chunked_prefill,
@@ -116,7 +117,7 @@ class LLMEngine:
         max_tokens = validate_prompt(parsed.token_ids, params, self.config.model.arch.vocab_size,
                                      self.max_model_len, self.block_manager.num_blocks * self.config.cache.block_size)
         reqs = make_sample_requests(request_id, parsed.token_ids, params, max_tokens, self.eos_token_ids,
-                                    priority, arrival_time)
+                                    priority, arrival_time, parsed.cache_salt)
         self.output_processor.add_request(request_id, parsed.text, parsed.token_ids, params,
                                           [r.request_id for r in reqs], reqs[0].arrival_time)
         for r in reqs:

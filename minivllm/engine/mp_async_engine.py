@@ -121,7 +121,10 @@ class MPAsyncEngine(EngineClient):
             self._requests[request_id] = _Tracked(stream, output, future)
         arrival = arrival_time if arrival_time is not None else time.time()
         try:
-            self._send(("add", request_id, parsed.text, parsed.token_ids, wire_params, arrival, priority))
+            engine_prompt = {"prompt": parsed.text, "prompt_token_ids": parsed.token_ids}
+            if parsed.cache_salt is not None:
+                engine_prompt["cache_salt"] = parsed.cache_salt
+            self._send(("add", request_id, engine_prompt, wire_params, arrival, priority))
             await future
         except asyncio.CancelledError:
             self.abort(request_id)

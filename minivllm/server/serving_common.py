@@ -62,9 +62,11 @@ class ServingBase:
                               headers={"Retry-After": str(self.settings.retry_after_s)})
 
     async def submit(self, base_id: str, prompts: list, params: SamplingParams, priority: int,
-                     param_name: str) -> list[RequestStream]:
+                     param_name: str, cache_salt: str | None = None) -> list[RequestStream]:
         """Adds one engine request per prompt; all or nothing (a refused prompt aborts the rest)."""
         self.check_admission()
+        if cache_salt is not None:
+            prompts = [with_cache_salt(p, cache_salt) for p in prompts]
         arrival = time.time()
         streams: list[RequestStream] = []
         try:
@@ -82,6 +84,11 @@ class ServingBase:
             logger.info("prompt refused: %r", e)
             raise OpenAIError(400, f"could not process the prompt: {type(e).__name__}: {e}", param_name) from None
         return streams
+
+
+def with_cache_salt(prompt, salt: str) -> dict:
+    """An engine prompt (text or dict) as a dict carrying the request's cache_salt."""
+    return dict(prompt, cache_salt=salt) if isinstance(prompt, dict) else {"prompt": prompt, "cache_salt": salt}
 
 
 def new_id(prefix: str) -> str:
