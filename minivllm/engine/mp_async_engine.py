@@ -204,6 +204,7 @@ class MPAsyncEngine(EngineClient):
                 msg = self._out.recv()
             except (EOFError, OSError):
                 if not self._stopped:
+                    self._proc.join(0.5)  # (for its exit code)
                     reason = f"the engine core exited unexpectedly (exit code {self._proc.exitcode})"
                     self.dead_error = EngineDeadError(reason)
                 break
@@ -218,7 +219,10 @@ class MPAsyncEngine(EngineClient):
                 reason = f"the engine core died: {msg[1]}"
                 self.dead_error = EngineDeadError(reason)
         self._accepting = False
-        self._fail_all(EngineDeadError(reason))
+        self._fail_all(EngineDeadError(reason))  # every in-flight request ends with an error now
+        if self.dead_error is not None:
+            logger.error("%s", reason)
+            self._declare_dead(self.dead_error)
 
     def _acknowledge(self, results: list[tuple[str, BaseException | None]]) -> None:
         for rid, error in results:

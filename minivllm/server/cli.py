@@ -72,6 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10, lifespan="on")
     server = DrainingServer(config, on_exit=lambda: engine.begin_drain(settings.shutdown_grace_s))
+    engine.add_death_callback(server.stop_for_engine_death)
     freeze_startup_heap()  # the HTTP process's own heap (tokenizer, FastAPI, pydantic models)
     # uvicorn re-raises a caught SIGTERM once it has shut down; a no-op handler makes that a
     # clean exit (status 0) instead of death by signal
@@ -85,6 +86,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if profile is not None:
             profile.disable()
             profile.dump_stats(os.environ["MINIVLLM_PROFILE_HTTP"])
+    if server.engine_died is not None:
+        logger.error("exiting with status 1: %s", server.engine_died)
+        return 1  # a supervisor (systemd, Kubernetes) restarts the server
     return 0
 
 
@@ -106,6 +110,13 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._on_exit = on_exit
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.engine_died: BaseException | None = None
+
+    def stop_for_engine_death(self, error: BaseException) -> None:
+        """The engine died (any thread): every request already got its error; stop serving
+        (/health answers 503 until the listener closes) and let cmd_serve exit with status 1."""
+        self.engine_died = error
+        self.should_exit = True  # uvicorn's main loop polls it
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
