@@ -112,11 +112,14 @@ class Scheduler:
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        # prompt + max_tokens of every unfinished request: what the engine may still have to hold
+        self.tokens_in_flight = 0
 
     # ---- requests in and out --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         self.requests[req.request_id] = req
+        self.tokens_in_flight += req.num_prompt_tokens + req.max_tokens
         self.waiting.push(req)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -138,7 +141,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.block_manager.free(req)
-        self.requests.pop(req.request_id, None)
+        if self.requests.pop(req.request_id, None) is not None:
+            self.tokens_in_flight -= req.num_prompt_tokens + req.max_tokens
         if req.group is not None:
             req.group.prompt_computed = True  # never leave siblings waiting on a finished leader
         if req.request_id in self._sent_to_runner:

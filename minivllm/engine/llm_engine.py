@@ -45,6 +45,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    tokens_in_flight: int = 0  # prompt + max_tokens of every unfinished request (admission control)
 
 
 class LLMEngine:
@@ -233,7 +234,8 @@ class LLMEngine:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
                            self.prompt_tokens_total, self.generation_tokens_total, spec.num_drafts,
-                           spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_pos))
+                           spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_pos),
+                           self.scheduler.tokens_in_flight)
 
     def _log_spec_stats(self) -> None:
         """Every SPEC_LOG_INTERVAL_S with speculative decoding: the acceptance since the last line."""
