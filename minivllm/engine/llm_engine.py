@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from minivllm.config import EngineConfig
 from minivllm.core.block_manager import BlockManager
+from minivllm.core.interfaces import RequestFault
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler, SchedulerLimits
 from minivllm.engine.gc_heap import freeze_startup_heap
@@ -61,6 +62,10 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model)
         from minivllm.executor import make_executor
         self.executor = make_executor(config, model)
+        from minivllm.engine.faults import FaultInjection
+        faults = FaultInjection.from_env()  # the soak suite's, off unless MINIVLLM_FAULT_INJECTION is set
+        if faults is not None:
+            faults.install(self.executor)
         num_blocks = self.executor.num_blocks
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                           config.cache.prefix_caching_hash_algo)
@@ -183,9 +188,8 @@ class LLMEngine:
         t = time.perf_counter()
         try:
             return sched, self.executor.launch(sched)
-        except Exception:
-            logger.exception("model step failed; failing the step's requests")
-            self._aborted_outputs += self._fail_scheduled(sched)
+        except Exception as e:
+            self._aborted_outputs += self._fail_scheduled(sched, e)
             return None
         finally:
             self._add_time("launch", t)
@@ -196,9 +200,8 @@ class LLMEngine:
         t = time.perf_counter()
         try:
             result = self.executor.finish(launched)
-        except Exception:
-            logger.exception("model step failed; failing the step's requests")
-            return self._fail_scheduled(sched), False
+        except Exception as e:
+            return self._fail_scheduled(sched, e), False
         t = self._add_time("wait", t)
         updates = self.scheduler.update(sched, result)
         self._count_tokens(updates)
@@ -220,12 +223,24 @@ class LLMEngine:
             if u.request.num_output_tokens == len(u.new_token_ids):  # its first token: prompt done
                 self.prompt_tokens_total += u.request.num_prompt_tokens
 
-    def _fail_scheduled(self, sched) -> list[RequestOutput]:
+    def _fail_scheduled(self, sched, error: BaseException | None = None) -> list[RequestOutput]:
+        """A step raised: its requests end with "error", or, when the fault was some requests'
+        own (RequestFault), those alone do and the others are recomputed. Either way the blocks
+        the step was to write are unpublished first (their hashes were registered when it was
+        scheduled) and freed with their requests."""
         reqs = self.scheduler.requests
         for s in sched.scheduled:  # their new K/V was never written: unpublish those blocks
             if s.req_id in reqs:
                 self.block_manager.forget_unwritten(reqs[s.req_id], s.num_computed_tokens)
         children = [s.req_id for s in sched.scheduled]
+        if isinstance(error, RequestFault):
+            culprits = set(error.req_ids)
+            logger.warning("a step failed for requests %s (%s); the step's %d others are recomputed",
+                           sorted(culprits), error, len(children) - len(culprits & set(children)))
+            self.scheduler.requeue([c for c in children if c not in culprits])
+            children = [c for c in children if c in culprits]
+        elif error is not None:
+            logger.error("model step failed; failing the step's %d requests", len(children), exc_info=error)
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
         return self.output_processor.finish_children(children, "error")
 
