@@ -50,6 +50,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "only what follows the reasoning section")
     g.add_argument("--structured-outputs-config", type=json.loads, default=None,
                    help='structured outputs options as JSON, e.g. \'{"backend": "xgrammar"}\'')
+    g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
+                   help="block hash of the prefix cache: sha256 (default) or xxhash (faster, not cryptographic)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
@@ -59,7 +61,8 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
          "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
-         "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config"]
+         "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config",
+         "prefix_caching_hash_algo"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

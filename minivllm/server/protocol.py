@@ -78,6 +78,8 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's tenant key for the prefix cache: only requests with the same salt share cached blocks
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
 
 class CompletionRequest(SamplingFields):
