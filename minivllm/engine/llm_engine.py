@@ -37,6 +37,9 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # computed prompt tokens, total
     generation_tokens: int  # generated tokens, total
+    # MoE models: tokens routed to each expert, summed over the layers (refreshed about once a
+    # second, runner/expert_counts.py); None for dense models
+    expert_token_counts: tuple[int, ...] | None = None
 
 
 class LLMEngine:
@@ -215,7 +218,8 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
-                           self.prompt_tokens_total, self.generation_tokens_total)
+                           self.prompt_tokens_total, self.generation_tokens_total,
+                           self.executor.expert_token_counts())
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

@@ -18,6 +18,7 @@ from minivllm.config import EngineConfig
 from minivllm.core.interfaces import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
 from minivllm.models.llama import CausalLM
 from minivllm.models.loader import build_model
+from minivllm.runner.expert_counts import ExpertCountsReader
 from minivllm.runner.input_batch import StepInputs, build_step_inputs
 from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, format_bytes
 from minivllm.runner.memory import plan_num_blocks
@@ -63,12 +64,14 @@ class ModelRunner:
         # sampled ids of the last launched step (device) and each request's row in them
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.timings: dict[str, float] = {}
+        self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
 
     # ---- startup --------------------------------------------------------------------------
     def load_model(self) -> None:
         t = time.perf_counter()
         backend = get_attention_backend(self.config.attention_backend)
         self.model = build_model(self.config.model, backend, self.device, self.dtype)
+        self.expert_counts = ExpertCountsReader(self.model, self.device)
         self._setup_cpu_model()
         self.timings["load_model_s"] = time.perf_counter() - t
         logger.info("loaded %s (%s, %s) in %.1f s", self.config.model.served_name, self.config.model.dtype,
@@ -252,6 +255,7 @@ class ModelRunner:
 
     def finish(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and return its sampled tokens (and logprobs) as plain data."""
+        self.expert_counts.poll()
         if not step.req_ids:
             return RunnerOutput([], [])
         if step.host is None:
