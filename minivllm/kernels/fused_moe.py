@@ -74,7 +74,7 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         gate_up = F.linear(x[entries // k], w13[e])  # [c, 2I]
         rows[entries] = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[e])
         start += c
-    weighted = rows.view(t, k, -1).float() * topk_weights.float().unsqueeze(-1)
+    weighted = rows.view(t, k, x.shape[1]).float() * topk_weights.float().unsqueeze(-1)
     return weighted.sum(dim=1).to(x.dtype)
 
 

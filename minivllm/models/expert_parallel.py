@@ -121,5 +121,5 @@ def expert_parallel_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     back = comm.all_to_all(done, recv_counts, send_counts)  # [T * k, H] in `order`
     per_entry = torch.empty_like(back)
     per_entry[order] = back
-    weighted = per_entry.view(t, k, -1).float() * topk_weights.float().unsqueeze(-1)
+    weighted = per_entry.view(t, k, x.shape[1]).float() * topk_weights.float().unsqueeze(-1)
     return weighted.sum(dim=1).to(x.dtype)

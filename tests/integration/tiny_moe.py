@@ -58,7 +58,7 @@ def hf_greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
 @torch.no_grad()
 def hf_logprobs(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
     """log_softmax of the logits that predicted each token of `continuation`: [len, V]."""
-    ids = torch.tensor([prompt + continuation])
+    ids = torch.tensor([prompt + continuation], device=model.device)
     logits = model(ids).logits[0, len(prompt) - 1:-1].float()
     return torch.log_softmax(logits, dim=-1)
 
