@@ -55,6 +55,9 @@ _TINY_W4 = ["--model-config", "tiny-llama", "--num-requests", "4", "--max-output
 _TINY = _TINY_W4 + ["--max-prompt", "64"]
 _CPU = ["--device", "cpu", "--kv-cache-memory-bytes", "8000000"]
 _LAT_TINY = ["--model-config", "tiny-llama", "--max-output", "8"]
+_TINY_MOE = ["--model-config", "tiny-qwen3-moe", "--num-requests", "4", "--max-output", "8", "--max-prompt", "64"]
+# W10: vLLM 0.20.0 needs its Triton MoE kernel on the GPU machine's image (BENCHMARKS.md)
+_VLLM_MOE = ["--moe-backend", "triton"]
 
 
 def _pair(name: str, ours_args: list[str], vllm_args: list[str], exp_ours: int, exp_vllm: int, smoke: list[str],
@@ -80,6 +83,10 @@ def _jobs() -> list[Job]:
                120, 170, _LAT_TINY)
     j += _pair("W2-0.6b", ["latency", "--model-config", "qwen3-0.6b"], ["latency", "--model-config", "qwen3-0.6b"],
                60, 110, _LAT_TINY)
+    # W10: Qwen3-30B-A3B (~61 GB of bf16 weights: one job per device call)
+    j += _pair("W10", tp + ["W10"], tp + ["W10"] + _VLLM_MOE, 300, 420, _TINY_MOE)
+    lat10 = ["latency", "--workload", "W10-decode"]
+    j += _pair("W10-decode", lat10, lat10 + _VLLM_MOE, 180, 330, ["--model-config", "tiny-qwen3-moe", "--max-output", "8"])
     j.append(Job("hf:W1", "hf", HF + ["throughput", "--workload", "W1"], 330, 570,
                  _TINY + ["--device", "cpu", "--batch-size", "2"]))
     j.append(Job("hf:decode-0.6b", "hf", HF + ["decode", "--model-config", "qwen3-0.6b"], 90, 300,
@@ -209,6 +216,12 @@ ROWS = [
     ("W4 prefix hit rate (cached / prompt tokens)", ["W4"], "prefix_hit_rate_cached_tokens", False),
     ("W4 output tok/s, prefix caching off", ["W4-nopc"], "output_tok_per_s", False),
     ("W4 mean TTFT s, prefix caching off", ["W4-nopc"], "mean_ttft_s", True),
+    ("W10 output tok/s (Qwen3-30B-A3B)", ["W10"], "output_tok_per_s", False),
+    ("W10 output tok/s, best of the repeats", ["W10"], "best_output_tok_per_s", False),
+    ("W10 LLM() startup s", ["W10"], "startup_s", True),
+    ("W10 batch-1 decode tok/s", ["W10-decode"], "decode_tok_per_s", False),
+    ("W10 batch-1 ms per token", ["W10-decode"], "ms_per_token", True),
+    ("W10 batch-1 roofline share (active weights)", ["W10-decode"], "roofline_share", False),
     ("W6 launch to first token s, Qwen3-0.6B", ["W6-0.6b", "W1"], "launch_to_first_token_s", True),
     ("W6 launch to first token s, Llama-3.1-8B", ["W6-llama8b", "W2"], "launch_to_first_token_s", True),
 ]
