@@ -8,10 +8,10 @@ from minivllm.core.interfaces import RunnerOutput, SchedulerOutput
 
 
 class UniProcExecutor:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model=None) -> None:
         from minivllm.runner.model_runner import ModelRunner
         self.runner = ModelRunner(config)
-        self.runner.load_model()
+        self.runner.load_model(model)
         self.num_blocks = self.runner.init_kv_cache()
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_kernels()
@@ -36,5 +36,6 @@ class UniProcExecutor:
         pass
 
 
-def make_executor(config: EngineConfig) -> UniProcExecutor:
-    return UniProcExecutor(config)
+def make_executor(config: EngineConfig, model=None) -> UniProcExecutor:
+    """model: an already loaded CausalLM of the same model config to reuse (see LLMEngine)."""
+    return UniProcExecutor(config, model)

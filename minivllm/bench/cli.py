@@ -4,6 +4,7 @@
     minivllm bench latency --workload W2 [--model-config llama-3.1-8b]
     minivllm bench startup [--model-config qwen3-0.6b]
     minivllm bench cpu
+    minivllm bench config-grid [--device cuda] [--quick]   (a differential test, not a timing)
 
 Every sub-command prints one JSON object (see minivllm.bench.common). The peers run through
 their own modules (python -m minivllm.bench.peers.vllm_runner / hf_runner) and the GPU driver
@@ -16,7 +17,7 @@ import argparse
 
 
 def register(subparsers) -> None:
-    from minivllm.bench import cpu_bench, run_minivllm, startup
+    from minivllm.bench import config_grid, cpu_bench, run_minivllm, startup
     from minivllm.server.bench_serve import register_bench_serve
     b = subparsers.add_parser("bench", help="benchmarks: throughput, latency, startup, cpu, serve",
                               description="The standard workloads of BENCHMARKS.md on minivllm.")
@@ -26,6 +27,7 @@ def register(subparsers) -> None:
     startup.add_startup_args(s)
     s.set_defaults(bench_func=lambda a: startup.cmd_startup(a, "minivllm"))
     cpu_bench.add_parser(sub)
+    config_grid.add_parser(sub)
     register_bench_serve(sub)  # W3, against any OpenAI-compatible server
     b.set_defaults(func=_dispatch)
 

@@ -43,7 +43,10 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model=None) -> None:
+        """model: reuse this already loaded CausalLM (built for the same model, dtype and
+        device) instead of loading the weights again; the engine that loaded it must not run
+        any more (the KV cache it reads is replaced). Tests and the configuration grid use it."""
         t0 = time.perf_counter()
         self.config = config
         self.tokenizer = None
@@ -51,7 +54,7 @@ class LLMEngine:
             from minivllm.engine.tokenizer import load_tokenizer
             self.tokenizer = load_tokenizer(config.model)
         from minivllm.executor import make_executor
-        self.executor = make_executor(config)
+        self.executor = make_executor(config, model)
         num_blocks = self.executor.num_blocks
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         s = config.scheduler

@@ -67,8 +67,14 @@ class ModelRunner:
         self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
 
     # ---- startup --------------------------------------------------------------------------
-    def load_model(self) -> None:
+    def load_model(self, model: CausalLM | None = None) -> None:
+        """Build and load the model, or take `model`: one this runner's config built and set up
+        before (another engine's, e.g. the configuration-grid harness's; its KV cache is replaced
+        by init_kv_cache, so that engine must not run any more)."""
         t = time.perf_counter()
+        if model is not None:
+            self.model = model
+            return
         backend = get_attention_backend(self.config.attention_backend)
         self.model = build_model(self.config.model, backend, self.device, self.dtype)
         self.expert_counts = ExpertCountsReader(self.model, self.device)

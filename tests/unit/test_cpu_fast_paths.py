@@ -182,6 +182,33 @@ def test_fused_forward_output_rows_equal_the_full_forward_rows(packed):
             assert torch.equal(k1, k2) and torch.equal(v1, v2) and k1.abs().sum() > 0
 
 
+@pytest.mark.parametrize("path", ["module", "fast"])
+def test_output_rows_at_the_edges_on_the_plain_paths(path):
+    """CausalLM.forward(output_rows=...) on the module path and on CpuForward without the kernels
+    (the GPU's and the fallback's paths): no row, one row and every row reversed are the full
+    forward's rows, also for a step of a prompt chunk that samples nothing."""
+    from minivllm.core.interfaces import ScheduledRequest
+    from minivllm.models.cpu_forward import CpuForward
+    model = _tiny_model()
+    model.cpu_forward = CpuForward(model) if path == "fast" else None
+    bs, num_blocks = 4, 16
+    caches = {p: [(torch.zeros(num_blocks, bs, 2, 16), torch.zeros(num_blocks, bs, 2, 16)) for _ in range(3)]
+              for p in ("full", "none", "first", "reversed")}
+    blocks = {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7]}
+    steps = [[ScheduledRequest("a", [3, 1, 4, 1, 5], 0, [], True), ScheduledRequest("b", [9, 2, 6], 0, [], False)],
+             [ScheduledRequest("a", [7], 5, [], True), ScheduledRequest("b", [5, 3, 5, 8], 3, [], True)],
+             [ScheduledRequest("a", [8], 6, [], True)]]
+    def forward(which, inputs):
+        t = inputs.input_ids.shape[0]
+        rows = {"full": None, "none": torch.zeros(0, dtype=torch.int64), "first": torch.zeros(1, dtype=torch.int64),
+                "reversed": torch.arange(t - 1, -1, -1)}[which]
+        return model(inputs.input_ids, inputs.positions, inputs.meta, output_rows=rows)
+
+    for _, _, out in _run_steps(model, steps, blocks, bs, caches, forward):
+        assert out["none"].shape == (0, 64)
+        assert torch.equal(out["first"], out["full"][:1]) and torch.equal(out["reversed"], out["full"].flip(0))
+
+
 def test_cpu_forward_is_not_enabled_with_qk_norm_or_switched_off(monkeypatch):
     from minivllm.models.cpu_forward import ENV_FLAG, enable_cpu_forward
     assert not enable_cpu_forward(_tiny_model(qk_norm=True))

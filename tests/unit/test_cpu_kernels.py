@@ -157,7 +157,7 @@ def test_backend_with_kernel_matches_reference(ops, seed):
 # ---- fused small ops (kernels/cpu/fused_ops.cpp) ------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(1, 576), (37, 64), (5, 100), (300, 576)])
+@pytest.mark.parametrize("shape", [(0, 576), (1, 576), (37, 64), (5, 100), (300, 576)])
 @pytest.mark.parametrize("with_hidden", [False, True])
 def test_add_rms_norm_matches_torch(ops, shape, with_hidden):
     torch.manual_seed(shape[0])
@@ -169,7 +169,7 @@ def test_add_rms_norm_matches_torch(ops, shape, with_hidden):
     assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 40])
+@pytest.mark.parametrize("tokens", [0, 1, 7, 40])
 def test_rope_store_kv_matches_torch(ops, tokens):
     from minivllm.attention.reference import store_kv_reference
     from minivllm.kernels.fused_ops import apply_rotary_torch
@@ -206,11 +206,12 @@ def test_rope_store_checks_positions_and_slots():
     check(torch.tensor([0, 31]), torch.tensor([-1, 7]), 32, 8)  # the limits themselves are valid
 
 
-@pytest.mark.parametrize("tokens,inter", [(1, 1536), (9, 100), (64, 48)])
+@pytest.mark.parametrize("tokens,inter", [(0, 100), (1, 1536), (9, 100), (64, 48)])
 def test_silu_mul_matches_torch(ops, tokens, inter):
     torch.manual_seed(tokens)
     gate_up = torch.randn(tokens, 2 * inter) * 4
-    gate_up[0, :6] = torch.tensor([0.0, -100.0, 100.0, -87.0, 89.0, 1e-30])  # both tails, zero, a tiny value
+    if tokens:
+        gate_up[0, :6] = torch.tensor([0.0, -100.0, 100.0, -87.0, 89.0, 1e-30])  # both tails, zero, a tiny value
     expected = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     out = ops.silu_mul(gate_up)
     assert torch.isfinite(out).all()
@@ -542,3 +543,12 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_waited_on(tmp_path):
     cpu_kernels._wait_for_build_lock(tmp_path, poll=0.05)
     assert not lock.exists() and time.perf_counter() - t >= 0.25
     cpu_kernels._wait_for_build_lock(tmp_path)  # no lock: returns at once
+
+
+def test_kernel_over_zero_rows(ops):
+    """A step may hand the kernel no query rows at all (attend_rows of a step where nothing samples)."""
+    k_cache = torch.randn(4, 16, 2, 64)
+    out = cpu_kernels.paged_decode_attention(ops, torch.randn(0, 6, 64), k_cache, k_cache.clone(),
+                                             torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                                             0.125)
+    assert out.shape == (0, 6, 64)

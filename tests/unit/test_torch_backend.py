@@ -109,3 +109,55 @@ def test_decode_rows_on_consecutive_blocks_read_in_place(seq_lens):
     out = backend.attend(q, k_cache, v_cache, meta, 0.125)
     assert backend._plan[1].gather_start == start
     assert (out - ref).abs().max() < 1e-5
+
+
+# (q_len of each sequence in step order, its cached tokens): a step with no decode row, one decode
+# row among prompt chunks, decode rows only, and decode rows interleaved with chunks
+EDGE_STEPS = {
+    "no decode row": [(5, 0), (9, 3)],
+    "one decode row": [(7, 0), (1, 20), (4, 4)],
+    "decode rows only": [(1, 3), (1, 17), (1, 9)],
+    "interleaved": [(1, 30), (6, 2), (1, 5), (3, 0), (1, 12)],
+}
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("name", list(EDGE_STEPS))
+def test_attend_and_attend_rows_at_the_edges(name, kernel):
+    """The backend's per-step plan (decode rows vs prompt rows, the kernel's causal rows) at its edges,
+    with and without the compiled kernel: attend equals the reference, and attend_rows (where the
+    kernel serves every token) equals attend's rows for no row, one row, and every row reversed."""
+    from minivllm.kernels import cpu_kernels
+    ops = cpu_kernels.load() if kernel else None
+    if kernel and ops is None:
+        pytest.skip("no compiled CPU kernels")
+    torch.manual_seed(len(name))
+    bs, kv_heads, group, d = 4, 2, 3, 32
+    q_lens = [q for q, _ in EDGE_STEPS[name]]
+    seq_lens = [q + c for q, c in EDGE_STEPS[name]]
+    n_blocks = [-(-s // bs) for s in seq_lens]
+    perm = torch.randperm(sum(n_blocks) + 2).tolist()
+    tables = torch.zeros(len(seq_lens), max(n_blocks), dtype=torch.int32)
+    for i, n in enumerate(n_blocks):
+        tables[i, :n] = torch.tensor(perm[sum(n_blocks[:i]):sum(n_blocks[:i + 1])])
+    k_cache, v_cache = torch.randn(len(perm), bs, kv_heads, d), torch.randn(len(perm), bs, kv_heads, d)
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    q = torch.randn(qsl[-1], kv_heads * group, d)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), torch.tensor(qsl, dtype=torch.int32),
+                             torch.tensor(seq_lens, dtype=torch.int32), tables, max(q_lens), max(seq_lens), qsl,
+                             seq_lens)
+    backend = TorchAttentionBackend()
+    if ops is not None:
+        backend.use_cpu_kernel(ops)
+    full = backend.attend(q, k_cache, v_cache, meta, 0.2)
+    ref = paged_attention_reference(q, k_cache, v_cache, qsl, seq_lens, tables, 0.2)
+    assert (full - ref).abs().max() < 1e-4
+    t = qsl[-1]
+    for rows in (torch.zeros(0, dtype=torch.int64), torch.tensor([t - 1]), torch.arange(t - 1, -1, -1)):
+        got = backend.attend_rows(q, k_cache, v_cache, meta, 0.2, rows)
+        if got is None:  # only the kernel serving every token of a step with prompt rows has a rows path
+            assert ops is None or name == "decode rows only"
+            continue
+        assert torch.equal(got, full[rows])
