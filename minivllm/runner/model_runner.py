@@ -72,12 +72,14 @@ class ModelRunner:
         before (another engine's, e.g. the configuration-grid harness's; its KV cache is replaced
         by init_kv_cache, so that engine must not run any more)."""
         t = time.perf_counter()
-        if model is not None:
-            self.model = model
+        reused = model is not None
+        if not reused:
+            model = build_model(self.config.model, get_attention_backend(self.config.attention_backend), self.device,
+                                self.dtype)
+        self.model = model
+        self.expert_counts = ExpertCountsReader(model, self.device)
+        if reused:
             return
-        backend = get_attention_backend(self.config.attention_backend)
-        self.model = build_model(self.config.model, backend, self.device, self.dtype)
-        self.expert_counts = ExpertCountsReader(self.model, self.device)
         self._setup_cpu_model()
         self.timings["load_model_s"] = time.perf_counter() - t
         logger.info("loaded %s (%s, %s) in %.1f s", self.config.model.served_name, self.config.model.dtype,
