@@ -28,6 +28,8 @@ Tile sizes come from kernels/fused_moe_config.py (the sweep's JSON per GPU, or a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -125,6 +127,7 @@ def topk_softmax_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return weights, ids
 
 
+@functools.lru_cache(maxsize=16)
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 

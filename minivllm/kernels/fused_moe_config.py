@@ -57,10 +57,11 @@ def default_config(m: int, num_experts: int, top_k: int) -> dict:
     return {"BLOCK_M": 64, "up": dict(tile, BLOCK_N=64), "down": tile}
 
 
+@functools.lru_cache(maxsize=4096)
 def pick_config(device_name: str, m: int, num_experts: int, inter: int, hidden: int, top_k: int,
                 dtype_name: str) -> dict:
     """The tile configuration for a step of m tokens: the sweep's entry for the nearest m, else
-    the default."""
+    the default. Cached (each layer of each eager step asks); treat the result as read-only."""
     table = load_configs(device_name).get(shape_key(num_experts, inter, hidden, dtype_name))
     if not table:
         return default_config(m, num_experts, top_k)

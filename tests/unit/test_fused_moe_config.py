@@ -14,8 +14,10 @@ from minivllm.kernels import fused_moe_config as fmc
 def config_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(fmc, "CONFIG_DIR", str(tmp_path))
     fmc.load_configs.cache_clear()
+    fmc.pick_config.cache_clear()
     yield tmp_path
     fmc.load_configs.cache_clear()
+    fmc.pick_config.cache_clear()
 
 
 def _entry(block_m: int) -> dict:
