@@ -122,8 +122,10 @@ def topk_softmax_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
     if t:
+        # one warp a token: the reductions over E stay within the warp (shuffles, no barriers)
         _topk_softmax_kernel[(t,)](logits, weights, ids, logits.stride(0), E=e, E_PAD=triton.next_power_of_2(e),
-                                   TOP_K=top_k, RENORM=renormalize)
+                                   TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), RENORM=renormalize,
+                                   num_warps=1)
     return weights, ids
 
 
@@ -179,31 +181,29 @@ def _grouped_gemm(a, w, out, weights, sorted_ids, block_expert, num_padded, num_
 
 @_jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E: tl.constexpr, E_PAD: tl.constexpr,
-                         TOP_K: tl.constexpr, RENORM: tl.constexpr):
-    """One program per token: softmax over E logits in fp32, the TOP_K largest by repeated
-    argmax (ties: the lowest expert id), optionally renormalised."""
+                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr):
+    """One program (one warp) per token: softmax over E logits in fp32, the TOP_K largest by
+    repeated argmax (ties: the lowest expert id), kept in registers, optionally renormalised,
+    then stored with one vector store each."""
     t = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
+    ks = tl.arange(0, K_PAD)
     x = tl.load(logits_ptr + t * stride_t + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(cols < E, p, -1.0)
-    # pass 1: the sum of the picks; pass 2 picks the same experts again and stores them
-    denom = 1.0
-    if RENORM:
-        q = p
-        denom = 0.0
-        for j in tl.static_range(TOP_K):
-            best = tl.max(q, axis=0)
-            idx = tl.min(tl.where(q == best, cols, E_PAD), axis=0)
-            denom += best
-            q = tl.where(cols == idx, -1.0, q)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    w = tl.zeros([K_PAD], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         best = tl.max(p, axis=0)
         idx = tl.min(tl.where(p == best, cols, E_PAD), axis=0)
-        tl.store(ids_ptr + t * TOP_K + j, idx)
-        tl.store(weights_ptr + t * TOP_K + j, best / denom)
+        ids = tl.where(ks == j, idx, ids)
+        w = tl.where(ks == j, best, w)
         p = tl.where(cols == idx, -1.0, p)
+    if RENORM:
+        w = w / tl.sum(w, axis=0)
+    tl.store(ids_ptr + t * TOP_K + ks, ids, mask=ks < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + ks, w, mask=ks < TOP_K)
 
 
 @_jit
