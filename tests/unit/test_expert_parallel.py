@@ -44,17 +44,21 @@ def _tokens(n: int) -> torch.Tensor:
     return torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(SEED + 1)) * 2
 
 
-def _rank_main(rank: int, port: int, splits: tuple[int, int], out_dir: str) -> None:
+def _rank_main(rank: int, port: int, splits: tuple[int, int], out_dir: str, backend: str = "gloo") -> None:
+    """One rank: its half of the experts, its slice of the tokens (nccl: on GPU `rank`)."""
     import torch.distributed as dist
 
     from minivllm.models.expert_parallel import ExpertPlacement, TorchDistComm
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        block = _full_block(ExpertPlacement(MOE.num_experts, 2, rank), TorchDistComm())
-        x = _tokens(sum(splits))[sum(splits[:rank]):sum(splits[:rank + 1])]
+        block = _full_block(ExpertPlacement(MOE.num_experts, 2, rank), TorchDistComm()).to(device)
+        x = _tokens(sum(splits))[sum(splits[:rank]):sum(splits[:rank + 1])].to(device)
         with torch.no_grad():
             out = block(x)
-        torch.save({"out": out, "counts": block.token_counts}, f"{out_dir}/rank{rank}.pt")
+        torch.save({"out": out.cpu(), "counts": block.token_counts.cpu()}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -65,16 +69,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("splits", SPLITS, ids=lambda s: f"{s[0]}+{s[1]}tokens")
-def test_two_ranks_gloo_equal_one_rank(splits, tmp_path):
-    mp.spawn(_rank_main, args=(_free_port(), splits, str(tmp_path)), nprocs=2, join=True)
-    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    x = _tokens(sum(splits))
-    full = _full_block()
+def run_two_ranks(splits: tuple[int, int], out_dir, backend: str, device: str, rtol: float, atol: float) -> None:
+    """2 ranks through `backend` against one block holding every expert on `device`."""
+    mp.spawn(_rank_main, args=(_free_port(), splits, str(out_dir), backend), nprocs=2, join=True)
+    parts = [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    full = _full_block().to(device)
     with torch.no_grad():
-        want = full(x)
+        want = full(_tokens(sum(splits)).to(device)).cpu()
     got = torch.cat([p["out"] for p in parts])
     assert got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
     # each rank counted its own tokens, over every expert (global ids)
-    assert torch.equal(parts[0]["counts"] + parts[1]["counts"], full.token_counts)
+    assert torch.equal(parts[0]["counts"] + parts[1]["counts"], full.token_counts.cpu())
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=lambda s: f"{s[0]}+{s[1]}tokens")
+def test_two_ranks_gloo_equal_one_rank(splits, tmp_path):
+    run_two_ranks(splits, tmp_path, "gloo", "cpu", rtol=1e-5, atol=1e-6)
