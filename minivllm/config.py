@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minivllm.models.arch import ArchConfig
+from minivllm.quant.config import QuantConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -28,6 +29,7 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     chat_template: str | None = None  # overrides the model's own
     seed: int = 0
+    quantization: QuantConfig | None = None  # quantized linear layers (quant/config.py)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # explicit KV budget (the CPU's default is 1 GiB)
     num_kv_blocks: int | None = None  # explicit override of the block count (tests)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, per-tensor scales)
+    calculate_kv_scales: bool = False  # fp8: scales from the first step's K/V (else checkpoint or 1.0)
 
 
 @dataclass(frozen=True)

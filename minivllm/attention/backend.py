@@ -22,6 +22,8 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+        k_scale: torch.Tensor | None = None,  # [1] float32: an FP8 cache stores K / k_scale
+        v_scale: torch.Tensor | None = None,
     ) -> None: ...
 
     def attend(
@@ -31,6 +33,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # an FP8 cache's K is read back as K * k_scale
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

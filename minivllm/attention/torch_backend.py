@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.attention.metadata import AttentionMetadata
-from minivllm.attention.reference import gather_kv, store_kv_reference
+from minivllm.attention.reference import as_indexable, from_cache, gather_kv, store_kv_reference, to_cache
 from minivllm.kernels import cpu_kernels
 
 
@@ -95,17 +95,19 @@ class TorchAttentionBackend:
         """Serve float32 CPU decode rows with the compiled kernel (kernels/cpu_kernels.py)."""
         self._cpu_ops = ops
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+        """An FP8 cache stores K / k_scale and V / v_scale (reference.to_cache)."""
         if slot_mapping.device.type == "cpu":
             if self._slots is None or self._slots[0] is not slot_mapping:
                 self._slots = (slot_mapping, bool((slot_mapping >= 0).all()))
             if self._slots[1]:
                 # no padding slots (the CPU runs no CUDA graphs): one index_copy_ per cache instead
                 # of the reference's boolean-mask gathers
-                k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-                v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+                for cache, x, s in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+                    as_indexable(cache).view(-1, *cache.shape[2:]).index_copy_(
+                        0, slot_mapping, as_indexable(to_cache(x, cache.dtype, s)))
                 return
-        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def _step_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, query: torch.Tensor) -> _StepPlan:
         block_size = k_cache.shape[1]
@@ -123,17 +125,22 @@ class TorchAttentionBackend:
             self._plan = (meta, plan)
         return self._plan[1]
 
-    def attend(self, query: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def attend(self, query: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               k_scale=None, v_scale=None):
+        """An FP8 cache's blocks are read back as K * k_scale, V * v_scale in the query's dtype
+        (the compiled CPU kernel takes float32 caches only: FP8 steps take the SDPA paths)."""
         plan = self._step_plan(meta, k_cache, query)
         if plan.causal_rows is not None:
             return self._causal(query, k_cache, v_cache, plan, scale)
+        scales = (k_scale, v_scale)
         if plan.decode_rows and plan.decode_tokens is None:
-            return self._decode(query, k_cache, v_cache, plan, scale)  # a decode-only step
+            return self._decode(query, k_cache, v_cache, plan, scale, scales)  # a decode-only step
         out = torch.empty_like(query)
         if plan.decode_rows:
-            out[plan.decode_tokens] = self._decode(query[plan.decode_tokens], k_cache, v_cache, plan, scale)
+            out[plan.decode_tokens] = self._decode(query[plan.decode_tokens], k_cache, v_cache, plan, scale, scales)
         for row, start, end, seq_len in plan.prefills:
-            out[start:end] = _prefill_one(query[start:end], k_cache, v_cache, meta.block_tables[row], seq_len, scale)
+            out[start:end] = _prefill_one(query[start:end], k_cache, v_cache, meta.block_tables[row], seq_len, scale,
+                                          scales)
         return out
 
 
@@ -156,32 +163,33 @@ class TorchAttentionBackend:
         return cpu_kernels.paged_decode_attention(self._cpu_ops, query, k_cache, v_cache, tables, lens, scale,
                                                   checked=True)
 
-    def _decode(self, q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, plan: _StepPlan, scale: float, scales=(None, None)) -> torch.Tensor:
         if self._cpu_ops is not None and cpu_kernels.supports(q, k_cache):
             return cpu_kernels.paged_decode_attention(self._cpu_ops, q, k_cache, v_cache, plan.tables, plan.lens,
                                                         scale, checked=True)
-        return _decode(q, k_cache, v_cache, plan, scale)
+        return _decode(q, k_cache, v_cache, plan, scale, scales)
 
 
-def _decode(q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
+def _decode(q, k_cache, v_cache, plan: _StepPlan, scale: float, scales=(None, None)) -> torch.Tensor:
     """One query token per row: gather each row's blocks, mask past its length, one SDPA call."""
     b, num_kv, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
     if plan.gather_start is not None:
         k = k_cache.narrow(0, plan.gather_start, plan.gather.numel())
         v = v_cache.narrow(0, plan.gather_start, plan.gather.numel())
     else:
-        k, v = k_cache.index_select(0, plan.gather), v_cache.index_select(0, plan.gather)
-    k = k.view(b, -1, num_kv, d)[:, :plan.kv_len].transpose(1, 2)
-    v = v.view(b, -1, num_kv, d)[:, :plan.kv_len].transpose(1, 2)
+        k = as_indexable(k_cache).index_select(0, plan.gather).view(k_cache.dtype)
+        v = as_indexable(v_cache).index_select(0, plan.gather).view(v_cache.dtype)
+    k = from_cache(k.view(b, -1, num_kv, d)[:, :plan.kv_len], scales[0], q.dtype).transpose(1, 2)
+    v = from_cache(v.view(b, -1, num_kv, d)[:, :plan.kv_len], scales[1], q.dtype).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=plan.mask, scale=scale,
                                        enable_gqa=True)  # [B, Hq, 1, D]
     return o.squeeze(2)
 
 
-def _prefill_one(q, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
+def _prefill_one(q, k_cache, v_cache, block_table, seq_len: int, scale: float, scales=(None, None)) -> torch.Tensor:
     q_len = q.shape[0]
-    k = gather_kv(k_cache, block_table, seq_len).transpose(0, 1)  # [Hk, L, D]
-    v = gather_kv(v_cache, block_table, seq_len).transpose(0, 1)
+    k = from_cache(gather_kv(k_cache, block_table, seq_len), scales[0], q.dtype).transpose(0, 1)  # [Hk, L, D]
+    v = from_cache(gather_kv(v_cache, block_table, seq_len), scales[1], q.dtype).transpose(0, 1)
     # 4-D [1, H, L, D]: with 3-D inputs the CPU picks SDPA's math fallback (~3x slower here)
     qt, k, v = q.transpose(0, 1)[None], k[None], v[None]  # [1, Hq, q_len, D]
     if q_len == seq_len:

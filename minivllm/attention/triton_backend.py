@@ -48,8 +48,10 @@ class TritonAttentionBackend:
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+        k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches only
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        self._store_kv(key, value, k_cache, v_cache, slot_mapping)
+        self._store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(
         self,
@@ -58,6 +60,8 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches only
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if meta.is_decode_only:
             ws, num_splits = self._decode_plan(meta.num_seqs, query.shape[1], k_cache.shape[2])
@@ -68,13 +72,13 @@ class TritonAttentionBackend:
             ws, num_splits = None, 1
         out = self._decode(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            max_seq_len=meta.max_seq_len, num_splits=num_splits, workspace=ws,
+            max_seq_len=meta.max_seq_len, num_splits=num_splits, workspace=ws, k_scale=k_scale, v_scale=v_scale,
         )
         if meta.is_decode_only:
             return out
         return self._prefill(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            max_query_len=meta.max_query_len, out=out, skip_single_token=True,
+            max_query_len=meta.max_query_len, out=out, skip_single_token=True, k_scale=k_scale, v_scale=v_scale,
         )
 
     def reserve_decode_workspace(

@@ -233,6 +233,11 @@ def add_common_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="same as --no-enable-prefix-caching")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", default=None, choices=["awq", "fp8"],
+                   help="W11: awq = the model directory's config gets an AWQ int4 quantization_config (dummy "
+                        "packed weights, float16); fp8 = quantization='fp8' (weights quantized while loading)")
+    p.add_argument("--quant-group-size", type=int, default=128, help="AWQ group size (smoke runs on tiny configs: 32)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs; the figure is the first, later ones follow reset_prefix_cache()")
 
@@ -247,3 +252,22 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+def quant_dir_config(args: argparse.Namespace) -> dict | None:
+    """The quantization_config to write into the benchmark's model directory (--quantization awq)."""
+    if getattr(args, "quantization", None) != "awq":
+        return None
+    from minivllm.bench.model_dirs import awq_quantization_config
+    return awq_quantization_config(args.quant_group_size)
+
+
+def quant_engine_kwargs(args: argparse.Namespace) -> dict:
+    """LLM(...) keyword arguments, the same names in minivllm and vLLM: quantization="fp8" (AWQ is
+    read from the directory's config, so each engine picks its own AWQ kernel) and kv_cache_dtype."""
+    kw = {}
+    if getattr(args, "quantization", None) == "fp8":
+        kw["quantization"] = "fp8"
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
+    return kw

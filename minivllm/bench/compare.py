@@ -89,6 +89,13 @@ def _jobs() -> list[Job]:
     j += _pair("W10", w10, w10 + _VLLM_MOE, 220, 330, _TINY_MOE)
     lat10 = ["latency", "--workload", "W10-decode"]
     j += _pair("W10-decode", lat10, lat10 + _VLLM_MOE, 180, 330, ["--model-config", "tiny-qwen3-moe", "--max-output", "8"])
+    # W11: Llama-3.1-8B shapes, AWQ int4 dummy packed weights (group 128), batch-1 decode; W1-8B's request
+    # set with FP8 weights (quantized while loading) and an FP8 KV cache. Each engine picks its own
+    # kernels (vLLM: AWQ Marlin, CUTLASS FP8)
+    awq = ["latency", "--model-config", "llama-3.1-8b", "--quantization", "awq"]
+    j += _pair("W11-awq", awq, awq, 130, 200, _LAT_TINY + ["--quant-group-size", "32"])
+    fp8 = tp + ["W1-8B", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    j += _pair("W11-fp8", fp8, fp8, 180, 260, _TINY)
     j.append(Job("hf:W1", "hf", HF + ["throughput", "--workload", "W1"], 330, 570,
                  _TINY + ["--device", "cpu", "--batch-size", "2"]))
     j.append(Job("hf:decode-0.6b", "hf", HF + ["decode", "--model-config", "qwen3-0.6b"], 90, 300,
@@ -224,6 +231,9 @@ ROWS = [
     ("W10 batch-1 decode tok/s", ["W10-decode"], "decode_tok_per_s", False),
     ("W10 batch-1 ms per token", ["W10-decode"], "ms_per_token", True),
     ("W10 batch-1 roofline share (active weights)", ["W10-decode"], "roofline_share", False),
+    ("W11 AWQ int4 batch-1 decode tok/s, Llama-3.1-8B", ["W11-awq"], "decode_tok_per_s", False),
+    ("W11 AWQ int4 roofline share (int4 weight bytes)", ["W11-awq"], "roofline_share", False),
+    ("W11 W1-8B output tok/s, FP8 weights + FP8 KV", ["W11-fp8"], "output_tok_per_s", False),
     ("W6 launch to first token s, Qwen3-0.6B", ["W6-0.6b", "W1"], "launch_to_first_token_s", True),
     ("W6 launch to first token s, Llama-3.1-8B", ["W6-llama8b", "W2"], "launch_to_first_token_s", True),
 ]

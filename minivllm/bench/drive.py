@@ -8,7 +8,8 @@ import argparse
 from collections.abc import Callable
 
 from minivllm.bench import model_dirs, workloads
-from minivllm.bench.common import copy_bandwidth_in_subprocess, device_name, emit_all, envelope, log
+from minivllm.bench.common import (copy_bandwidth_in_subprocess, device_name, emit_all, envelope, log,
+                                   quant_dir_config)
 from minivllm.bench.procedures import first_token_probe, run_latency, run_throughput
 
 AdapterFactory = Callable[[str, workloads.Workload], object]  # (model_dir, first workload) -> adapter
@@ -26,6 +27,12 @@ def load_workloads(args) -> tuple[list[workloads.Workload], dict]:
     return [wl.fit_vocab(cfg["vocab_size"]) for wl in wls], cfg
 
 
+def _with_quant(settings: dict, args) -> dict:
+    """Records the quantization_config written into the model directory (W11), if any."""
+    qc = quant_dir_config(args)
+    return settings if qc is None else dict(settings, model_quantization_config=qc)
+
+
 def _variant(args) -> str:
     return "prefix caching on" if args.enable_prefix_caching else "prefix caching off"
 
@@ -33,8 +40,8 @@ def _variant(args) -> str:
 def throughput(args: argparse.Namespace, engine: str, make_adapter: AdapterFactory, settings: dict,
                device: str = "auto") -> int:
     wls, cfg = load_workloads(args)
-    settings = dict(settings, max_model_len=settings.get("max_model_len") or wls[0].max_model_len)
-    model_dir = model_dirs.write_model_dir(wls[0].model_config)
+    settings = _with_quant(dict(settings, max_model_len=settings.get("max_model_len") or wls[0].max_model_len), args)
+    model_dir = model_dirs.write_model_dir(wls[0].model_config, quantization_config=quant_dir_config(args))
     log(f"{engine} {'+'.join(w.name for w in wls)} on {model_dirs.config_name(wls[0].model_config)}: {settings}")
     adapter = make_adapter(model_dir, wls[0])
     log(f"{engine} {adapter.version} ready in {adapter.startup_s:.1f} s")
@@ -62,8 +69,8 @@ def latency(args: argparse.Namespace, engine: str, make_adapter: AdapterFactory,
     if len(wls) != 1:
         raise ValueError("latency runs one workload (W2 or W10-decode)")
     (wl,) = wls
-    settings = dict(settings, max_model_len=settings.get("max_model_len") or wl.max_model_len)
-    model_dir = model_dirs.write_model_dir(wl.model_config)
+    settings = _with_quant(dict(settings, max_model_len=settings.get("max_model_len") or wl.max_model_len), args)
+    model_dir = model_dirs.write_model_dir(wl.model_config, quantization_config=quant_dir_config(args))
     adapter = make_adapter(model_dir, wl)
     log(f"{engine} {adapter.version} ready in {adapter.startup_s:.1f} s")
     probe = first_token_probe(adapter, cfg["vocab_size"])
@@ -79,7 +86,7 @@ def latency(args: argparse.Namespace, engine: str, make_adapter: AdapterFactory,
         except Exception as e:  # noqa: BLE001  (the latency figures stand without it)
             log(f"WARNING: copy bandwidth probe failed: {e}")
     if bandwidth is not None:
-        res = add_roofline(res, cfg, wl, bandwidth, dtype_bytes)
+        res = add_roofline(res, cfg, wl, bandwidth, dtype_bytes, args)
     figures = dict(res["figures"], startup_s=adapter.startup_s, launch_to_first_token_s=probe["launch_to_first_token_s"])
     result = envelope(wl.name, engine, adapter.version, model_dirs.config_name(wl.model_config), device_name(device),
                       dict(settings, reps=args.reps), wl.summary(), figures,
@@ -88,10 +95,18 @@ def latency(args: argparse.Namespace, engine: str, make_adapter: AdapterFactory,
     return 0 if figures["output_tokens_ok"] else 1
 
 
-def add_roofline(res: dict, cfg: dict, wl: workloads.Workload, bandwidth: dict, dtype_bytes: int) -> dict:
+def add_roofline(res: dict, cfg: dict, wl: workloads.Workload, bandwidth: dict, dtype_bytes: int,
+                 args: argparse.Namespace | None = None) -> dict:
+    """W2's figures against the weight-read roofline; with --quantization (W11) the linears count at
+    their quantized size (int4 + group scales and zeros, or FP8), with an FP8 cache the KV at 1 byte."""
     figures, details = dict(res["figures"]), dict(res["details"])
     n = wl.params[0]["max_tokens"]
-    roof = model_dirs.decode_roofline(cfg, len(wl.prompts[0]), n, bandwidth["bandwidth_Bps"], dtype_bytes)
+    scheme = getattr(args, "quantization", None)
+    linear = model_dirs.quantized_linear_bytes(scheme, getattr(args, "quant_group_size", 128), dtype_bytes) \
+        if scheme else None
+    kv_bytes = 1 if getattr(args, "kv_cache_dtype", "auto") == "fp8" else None
+    roof = model_dirs.decode_roofline(cfg, len(wl.prompts[0]), n, bandwidth["bandwidth_Bps"], dtype_bytes, linear,
+                                      kv_bytes)
     figures.update(copy_bandwidth_TBps=bandwidth["bandwidth_Bps"] / 1e12, roofline_ms=roof["roofline_ms"],
                    roofline_share=roof["roofline_ms"] / figures["ms_per_token"],
                    roofline_share_all_weights=roof["roofline_ms_all_weights"] / figures["ms_per_token"],

@@ -46,9 +46,20 @@ def config_name(name_or_path: str) -> str:
     return os.path.basename(os.path.dirname(p)) or name_or_path
 
 
-def write_model_dir(name_or_path: str, dest: str | None = None) -> str:
-    """Writes config.json (only) into dest or a new temporary directory and returns its path."""
+def awq_quantization_config(group_size: int = 128) -> dict:
+    """AutoAWQ's quantization_config (int4, GEMM layout): both engines read it from config.json and
+    fill the packed tensors with random values under load_format="dummy" (W11)."""
+    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+
+
+def write_model_dir(name_or_path: str, dest: str | None = None, quantization_config: dict | None = None) -> str:
+    """Writes config.json (only) into dest or a new temporary directory and returns its path.
+    quantization_config: written into it (an AWQ checkpoint's is float16, as AutoAWQ writes)."""
     cfg = load_config(name_or_path)
+    if quantization_config is not None:
+        cfg = dict(cfg, quantization_config=quantization_config)
+        if quantization_config.get("quant_method") == "awq":
+            cfg["torch_dtype"] = "float16"
     d = dest or tempfile.mkdtemp(prefix=f"minivllm-bench-{config_name(name_or_path)}-")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
@@ -110,14 +121,32 @@ def param_counts(cfg: dict) -> dict[str, int]:
             "total": embed + all_layers + h + lm_head}
 
 
-def weight_bytes(cfg: dict, dtype_bytes: int = 2) -> dict[str, int]:
+def linear_params(cfg: dict) -> int:
+    """Parameters of the decoder's linear layers (q, k, v, o, gate, up, down), every layer: the
+    ones a quantized checkpoint stores quantized (dense decoders)."""
+    h, inter, layers, heads, kv, hd, vocab = _dims(cfg)
+    return layers * (h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * inter)
+
+
+def quantized_linear_bytes(scheme: str | None, group_size: int = 128, dtype_bytes: int = 2) -> float:
+    """Bytes per linear weight: int4 AWQ = 4 bits + a 16-bit scale and a 4-bit zero per group;
+    FP8 = 1 byte (+ a per-channel scale, negligible); None = the model dtype."""
+    if scheme == "awq":
+        return 0.5 + (dtype_bytes + 0.5) / group_size
+    return 1.0 if scheme == "fp8" else float(dtype_bytes)
+
+
+def weight_bytes(cfg: dict, dtype_bytes: int = 2, linear_bytes: float | None = None) -> dict[str, int]:
     """total: every parameter; read_per_decode_step: what one batch-1 decode step streams from
     memory: every layer's attention and norms, dense MLPs, for each sparse MoE layer the router,
     the top-k experts (and a shared expert), the final norm and the LM head (the embedding
-    table is read one row a token; a tied table is read whole by the LM head)."""
+    table is read one row a token; a tied table is read whole by the LM head). linear_bytes:
+    bytes per weight of the decoder's linear layers when they are quantized
+    (quantized_linear_bytes); the rest stays in the model dtype."""
     c = param_counts(cfg)
     read = c["layers_active"] + c["final_norm"] + (c["lm_head"] if c["lm_head"] else c["embedding"])
-    return {"total": c["total"] * dtype_bytes, "read_per_decode_step": read * dtype_bytes}
+    saved = 0 if linear_bytes is None else linear_params(cfg) * (dtype_bytes - linear_bytes)
+    return {"total": int(c["total"] * dtype_bytes - saved), "read_per_decode_step": int(read * dtype_bytes - saved)}
 
 
 def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
@@ -126,15 +155,16 @@ def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
 
 
 def decode_roofline(cfg: dict, prompt_len: int, output_len: int, bandwidth_bytes_per_s: float,
-                    dtype_bytes: int = 2) -> dict:
+                    dtype_bytes: int = 2, linear_bytes: float | None = None, kv_dtype_bytes: int | None = None) -> dict:
     """The memory roofline of one batch-1 decode step of W2 (and W10-decode): (weight bytes read +
     the KV bytes of the mean context over the decode steps) / measured copy bandwidth (read +
-    write bytes / s). For a MoE model the weights read are the active ones (weight_bytes)."""
-    wb = weight_bytes(cfg, dtype_bytes)
+    write bytes / s). For a MoE model the weights read are the active ones (weight_bytes).
+    linear_bytes / kv_dtype_bytes: quantized linears (W11) and KV cache."""
+    wb = weight_bytes(cfg, dtype_bytes, linear_bytes)
     # decode steps produce tokens 2..output_len; the step producing token j attends to prompt + j - 1
     steps = max(output_len - 1, 1)
     mean_ctx = prompt_len + (output_len) / 2
-    kv = kv_bytes_per_token(cfg, dtype_bytes) * mean_ctx
+    kv = kv_bytes_per_token(cfg, kv_dtype_bytes or dtype_bytes) * mean_ctx
     return {
         "weight_bytes_total": wb["total"], "weight_bytes_read_per_step": wb["read_per_decode_step"],
         "kv_bytes_per_step_mean": kv, "decode_steps": steps, "copy_bandwidth_Bps": bandwidth_bytes_per_s,

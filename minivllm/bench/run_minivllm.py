@@ -18,7 +18,7 @@ import argparse
 import time
 
 from minivllm.bench import drive
-from minivllm.bench.common import param_bytes
+from minivllm.bench.common import param_bytes, quant_engine_kwargs
 from minivllm.bench.procedures import GenResult
 
 
@@ -131,7 +131,7 @@ def engine_kwargs(args) -> dict:
     for k in ("attention_backend", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
         if getattr(args, k, None) is not None:
             kw[k] = getattr(args, k)
-    return kw
+    return dict(kw, **quant_engine_kwargs(args))
 
 
 def _settings(kw: dict) -> dict:

@@ -31,6 +31,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the current one runs (default: on for CUDA)")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    g.add_argument("--quantization", "-q", default=None, choices=["awq", "gptq", "compressed-tensors", "fp8"],
+                   help="quantized weights: default the checkpoint's quantization_config; fp8 also quantizes an "
+                        "unquantized model while loading")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache element type: auto = the model's dtype; fp8 = e4m3 with per-tensor scales")
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="with --kv-cache-dtype fp8: per-layer scales from the first step's K/V (else the "
+                        "checkpoint's, or 1.0)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
@@ -39,7 +47,8 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
-         "skip_tokenizer_init", "max_prefill_tokens_with_decodes"]
+         "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
+         "calculate_kv_scales"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -13,6 +13,9 @@ from minivllm.config import (
 )
 from minivllm.models.arch import ArchConfig
 from minivllm.models.source import ModelSource, read_hf_config, resolve_model_source
+from minivllm.quant.config import QuantConfig, resolve_quant_config
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 # prompt tokens per step beside decoding requests, `minivllm serve` on a GPU (see
 # SchedulerLimits.max_prefill_tokens_with_decodes): W3's longest prompt fits in one step
@@ -45,6 +48,24 @@ def _load_arch(source: ModelSource) -> ArchConfig:
     return gguf_arch_config(open_gguf(source.path))
 
 
+def _resolve_quantization(source: ModelSource, quantization: str | None, device: str) -> QuantConfig | None:
+    hf_qc = read_hf_config(source.path).get("quantization_config") if source.kind == "hf" else None
+    quant = resolve_quant_config(hf_qc, quantization, source.name)
+    if quant is not None and quant.scheme == "fp8" and device.startswith("cuda"):
+        import torch
+        cap = torch.cuda.get_device_capability(torch.device(device))
+        check(cap >= (8, 9), "quantization",
+              f"{quant.method!r} (FP8 weights) of model {source.name!r} needs a GPU with FP8 (compute capability "
+              f">= 8.9); {torch.cuda.get_device_name(torch.device(device))} is {cap[0]}.{cap[1]}")
+    return quant
+
+
+def _resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    check(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+          f"must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return "fp8" if kv_cache_dtype.startswith("fp8") else "auto"
+
+
 def build_engine_config(
     model: str | None = None,
     *,
@@ -72,6 +93,9 @@ def build_engine_config(
     async_scheduling: bool | None = None,
     max_prefill_tokens_with_decodes: int | None = None,
     serving: bool = False,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
+    calculate_kv_scales: bool = False,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
@@ -79,6 +103,8 @@ def build_engine_config(
     device = _resolve_device(device)
     on_gpu = device.startswith("cuda")
     dtype = _resolve_dtype(dtype, device, arch)
+    quant = _resolve_quantization(source, quantization, device)
+    kv_cache_dtype = _resolve_kv_cache_dtype(kv_cache_dtype)
     if max_model_len is None:
         max_model_len = min(arch.max_position_embeddings, 8192 if not on_gpu else arch.max_position_embeddings)
     check(isinstance(max_model_len, int) and max_model_len >= 1, "max_model_len", f"must be >= 1, got {max_model_len}")
@@ -112,8 +138,9 @@ def build_engine_config(
         model=model, source_kind=source.kind, source_path=source.path,
         served_name=served_model_name or source.name, arch=arch, dtype=dtype, load_format=load_format,
         max_model_len=max_model_len, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init,
-        chat_template=chat_template, seed=seed)
-    cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks)
+        chat_template=chat_template, seed=seed, quantization=quant)
+    cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks,
+                        kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8")
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
     async_scheduling = on_gpu if async_scheduling is None else async_scheduling

@@ -15,6 +15,9 @@ per (sequence, kv head, chunk), and a second small kernel merges the chunks.
 
 With num_splits == 1 stage 1 writes the final output and stage 2 is skipped.
 
+FP8 (e4m3) caches: each K/V tile is widened to the query's dtype in registers; k_scale is folded
+into the softmax scale and v_scale into the normalized output (per-tensor scales).
+
 Only sequences with exactly one new token are attended; others (zero-length padding, and the
 prompt chunks of a mixed step, which the prefill kernel serves) are left alone, so a mixed
 step runs this kernel for its decode rows and the prefill kernel for the rest.
@@ -35,6 +38,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.paged_checks import check_paged_shapes
+from minivllm.kernels.store_kv import kv_scale_args
 
 LOG2E = math.log2(math.e)
 MIN_CHUNK = 128  # fewest keys per split: below this the merge costs more than it saves
@@ -75,6 +79,7 @@ def _decode_split_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     num_splits,
     qk_scale,  # softmax scale * log2(e)
+    k_scale_ptr, v_scale_ptr,  # [1] float32: an FP8 cache holds K / k_scale, V / v_scale (read when KV_FP8)
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,
@@ -88,6 +93,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # keys per inner iteration
     MIN_CHUNK_N: tl.constexpr,  # MIN_CHUNK rounded up to a multiple of BLOCK_N
     NUM_SPLITS_IS_ONE: tl.constexpr,
+    KV_FP8: tl.constexpr,  # K/V tiles are float8 e4m3: widened to the query's dtype, scales folded in
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -106,7 +112,11 @@ def _decode_split_kernel(
     io_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     t64 = token.to(tl.int64)
     q = tl.load(q_ptr + t64 * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=io_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)  # [G_PAD, D_PAD]
+                mask=io_mask, other=0.0)  # [G_PAD, D_PAD]
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)  # s = q . (K / k_scale) * (scale * k_scale)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -123,6 +133,8 @@ def _decode_split_kernel(
                       mask=n_valid[None, :] & (d < HEAD_DIM)[:, None], other=0.0)  # [D_PAD, BLOCK_N]
         v = tl.load(v_base + kv_off[:, None] + d[None, :] * stride_cd,
                     mask=n_valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+        if KV_FP8:
+            k_t, v = k_t.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, k_t) * qk_scale  # [G_PAD, BLOCK_N] fp32, log2 domain
         s = tl.where(n_valid[None, :], s, float("-inf"))
         # each tile holds at least one valid key (n0 < end), so m_new is finite
@@ -135,6 +147,8 @@ def _decode_split_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty chunk: acc == 0, keep the partial at 0
     o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr)
     if NUM_SPLITS_IS_ONE:
         o_off = t64 * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -230,6 +244,8 @@ def decode_attention(
     num_splits: int | None = None,  # fixed split count (CUDA graphs); default: choose_num_splits
     workspace: DecodeWorkspace | None = None,  # preallocated scratch (CUDA graphs)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; allocated if None
+    k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches only (None: 1.0)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of each sequence's single new token over its whole paged context."""
     num_tokens, num_heads, head_dim = query.shape
@@ -249,7 +265,7 @@ def decode_attention(
         assert workspace.part_lse.shape[0] >= num_seqs and workspace.part_lse.shape[1] == num_heads
         assert workspace.num_splits >= num_splits and workspace.part_out.shape[3] == head_dim
     _launch_split(query, k_cache, v_cache, out, workspace, query_start_loc, seq_lens, block_tables,
-                  scale, num_splits)
+                  scale, num_splits, k_scale, v_scale)
     if num_splits > 1:
         _launch_merge(out, workspace, query_start_loc, num_seqs, num_splits)
     return out
@@ -263,11 +279,13 @@ def _default_splits(query, num_seqs, num_kv_heads, max_seq_len, k_cache, block_t
 
 
 def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, block_tables,
-                  scale, num_splits) -> None:
+                  scale, num_splits, k_scale=None, v_scale=None) -> None:
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    cfg = decode_config(group, head_dim, k_cache.element_size())
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    cfg = decode_config(group, head_dim, query.element_size() if fp8 else k_cache.element_size())
+    k_scale, v_scale = kv_scale_args(fp8, k_scale, v_scale, k_cache)
     one = num_splits == 1
     # with one split the scratch is unused: pass `out` in its place (never written)
     p_out = out if ws is None else ws.part_out
@@ -277,14 +295,14 @@ def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, b
     grid = (seq_lens.shape[0], num_kv_heads, num_splits)
     _decode_split_kernel[grid](
         query, k_cache, v_cache, out, p_out, p_lse, query_start_loc, seq_lens, block_tables,
-        num_splits, scale * LOG2E,
+        num_splits, scale * LOG2E, k_scale, v_scale,
         *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         *p_out_strides, *p_lse_strides,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1],
         MIN_CHUNK_N=triton.cdiv(MIN_CHUNK, cfg["BLOCK_N"]) * cfg["BLOCK_N"],
-        NUM_SPLITS_IS_ONE=one, **cfg,
+        NUM_SPLITS_IS_ONE=one, KV_FP8=fp8, **cfg,
     )
 
 

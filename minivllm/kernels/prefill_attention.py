@@ -26,6 +26,9 @@ tokens) and sees keys 0..ctx + j. A tile first walks the keys every one of its r
 (no mask), then the last few key tiles with the causal mask. Keys are gathered from the
 paged cache through the block table: key n lives in block block_table[n // block_size] at
 offset n % block_size, so BLOCK_N does not have to match the cache block size.
+
+FP8 (e4m3) caches: K/V tiles are widened to the query's dtype in registers, k_scale is folded
+into the softmax scale and v_scale into the normalized output.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.paged_checks import check_paged_shapes
+from minivllm.kernels.store_kv import kv_scale_args
 
 LOG2E = math.log2(math.e)
 
@@ -67,7 +71,7 @@ def _attend_key_range(
     qk_scale,  # softmax scale * log2(e)
     stride_cb, stride_cs, stride_cd,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     d = tl.arange(0, D_PAD)
     for n0 in range(start, end, BLOCK_N):
@@ -83,6 +87,8 @@ def _attend_key_range(
         else:  # interior tiles: every key is < end, no mask needed
             k_t = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
+        if KV_FP8:  # widened in registers; the scales are folded in by the caller
+            k_t, v = k_t.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, k_t) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 domain
         if MASKED:
             causal = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
@@ -109,6 +115,7 @@ def _prefill_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     num_seqs,
     qk_scale,
+    k_scale_ptr, v_scale_ptr,  # [1] float32: an FP8 cache holds K / k_scale, V / v_scale (read when KV_FP8)
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,
@@ -120,6 +127,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile (power of two >= 16)
     BLOCK_N: tl.constexpr,  # keys per inner iteration
     SKIP_SINGLE: tl.constexpr,  # leave one-token queries to the decode kernel
+    KV_FP8: tl.constexpr,  # K/V are float8 e4m3: widened to the query's dtype, scales folded in
 ):
     # reversed: within a sequence the last tiles see the most keys, so start them first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -143,7 +151,11 @@ def _prefill_kernel(
     io_mask = row_valid[:, None] & (d < HEAD_DIM)[None, :]
     t64 = (q_begin + tok).to(tl.int64)
     q_off = t64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
-    q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
+    q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -156,13 +168,15 @@ def _prefill_kernel(
     kv_end = ctx + tl.minimum(q_tile_start + BLOCK_Q, q_len)  # one past the last key needed
     acc, m_i, l_i = _attend_key_range(
         acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, 0, full_end, qk_scale,
-        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False)
+        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, KV_FP8)
     acc, m_i, l_i = _attend_key_range(
         acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, full_end, kv_end, qk_scale,
-        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True)
+        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, KV_FP8)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only padding rows can have l == 0
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     o_off = t64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -199,6 +213,8 @@ def prefill_attention(
     max_query_len: int | None = None,  # host int; only picks the tile size (None: from num_tokens)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; allocated if None
     skip_single_token: bool = False,  # leave rows of one-token sequences untouched (decode kernel's)
+    k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches only (None: 1.0)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -215,16 +231,18 @@ def prefill_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k_scale, v_scale = kv_scale_args(fp8, k_scale, v_scale, k_cache)
     cfg = prefill_config(group, head_dim, num_tokens if max_query_len is None else max_query_len,
-                         k_cache.element_size())
+                         query.element_size() if fp8 else k_cache.element_size())
     block_q = cfg["BLOCK_M"] // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
-        num_seqs, scale * LOG2E,
+        num_seqs, scale * LOG2E, k_scale, v_scale,
         *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, SKIP_SINGLE=skip_single_token, **cfg,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, SKIP_SINGLE=skip_single_token, KV_FP8=fp8, **cfg,
     )
     return out
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.kernels.cpu_kernels import check_rope_store
+from minivllm.models.layers import calibrate_kv_scales
 
 ENV_FLAG = "MINIVLLM_CPU_FAST_FORWARD"
 
@@ -147,8 +148,11 @@ class CpuForward:
         qk = rotate(qkv[:, :self.qk_width].view(t, -1, self.head_dim), cos2, sin2)  # [T, Hq + Hk, D]
         k, v = qk[:, self.num_heads:], qkv[:, self.qk_width:].view(t, self.num_kv_heads, self.head_dim)
         attn = p.attn
-        self.backend.store_kv(k, v, attn.k_cache, attn.v_cache, meta.slot_mapping)
-        o = self.backend.attend(qk[:, :self.num_heads], attn.k_cache, attn.v_cache, meta, self.scale)
+        if attn.calibrate_kv:
+            calibrate_kv_scales(attn, k, v)
+        self.backend.store_kv(k, v, attn.k_cache, attn.v_cache, meta.slot_mapping, attn.k_scale, attn.v_scale)
+        o = self.backend.attend(qk[:, :self.num_heads], attn.k_cache, attn.v_cache, meta, self.scale,
+                                attn.k_scale, attn.v_scale)
         residual.add_(p.o(o.reshape(t, -1)))
         gate_up = p.gate_up(rms_norm_(residual, p.post_norm, self.eps))  # [T, 2 I]: gate | up
         return p.down(F.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:]))

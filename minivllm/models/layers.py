@@ -10,6 +10,8 @@ from torch import nn
 from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.kernels.fused_ops import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
+from minivllm.quant.config import QuantConfig
+from minivllm.quant.layer import make_linear
 
 
 class RMSNorm(nn.Module):
@@ -76,15 +78,19 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """QKV projection (one matmul), optional q/k RMSNorm, rotary, paged attention, output projection."""
+    """QKV projection (one matmul), optional q/k RMSNorm, rotary, paged attention, output projection.
+
+    quant / prefix: the model's quantization (None: plain nn.Linear) and this layer's HF name
+    (model.layers.N.self_attn), which the quantization's ignore list is matched against."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 qk_norm: bool, eps: float, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+                 qk_norm: bool, eps: float, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = make_linear(hidden, [self.q_size, self.kv_size, self.kv_size], bias, quant, f"{prefix}.q_proj")
+        self.o_proj = make_linear(self.q_size, [hidden], False, quant, f"{prefix}.o_proj")
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.rotary = rotary
@@ -93,6 +99,13 @@ class Attention(nn.Module):
         # set by the runner once the KV cache is allocated: [num_blocks, block_size, Hk, D]
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # an FP8 cache holds K / k_scale and V / v_scale (per-tensor, float32 [1]): from the
+        # checkpoint (models/weights.py), else 1.0; unused by a cache in the model's dtype
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        # calculate_kv_scales: the runner sets this for the first real step; the scales then come
+        # from that step's K and V (calibrate_kv_scales) before anything is stored
+        self.calibrate_kv = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -110,18 +123,32 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+        if self.calibrate_kv:
+            calibrate_kv_scales(self, k, v)
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(t, self.q_size))
+
+
+# calculate_kv_scales: scale = max|x| / range, so the calibration step's largest K sits at 200 and
+# V at 100 of e4m3's 448 (vLLM's K_SCALE_CONSTANT / V_SCALE_CONSTANT: headroom for later tokens)
+K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
+
+
+def calibrate_kv_scales(attn: Attention, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Per-tensor FP8 KV scales from this step's keys and values (once: clears attn.calibrate_kv)."""
+    attn.k_scale.copy_((k.abs().amax().float() / K_SCALE_RANGE).clamp(min=1e-6).reshape(1))
+    attn.v_scale.copy_((v.abs().amax().float() / V_SCALE_RANGE).clamp(min=1e-6).reshape(1))
+    attn.calibrate_kv = False
 
 
 class MLP(nn.Module):
     """SwiGLU: gate and up projections as one matmul, then down."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = make_linear(hidden, [intermediate, intermediate], False, quant, f"{prefix}.gate_proj")
+        self.down_proj = make_linear(intermediate, [hidden], False, quant, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up

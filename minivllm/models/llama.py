@@ -14,19 +14,24 @@ from minivllm.models.arch import ArchConfig
 from minivllm.models.expert_parallel import ExpertComm, ExpertPlacement
 from minivllm.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from minivllm.models.moe import SparseMoeBlock
+from minivllm.quant.config import QuantConfig
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int,
-                 placement: ExpertPlacement | None = None, comm: ExpertComm | None = None) -> None:
+                 quant: QuantConfig | None = None, placement: ExpertPlacement | None = None,
+                 comm: ExpertComm | None = None) -> None:
         super().__init__()
+        prefix = f"model.layers.{index}"
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps, rotary, backend)
+                                   cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps, rotary, backend,
+                                   quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(index)
-        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, placement, comm) if self.is_moe
-                    else MLP(cfg.hidden_size, cfg.intermediate_size))
+        # a sparse layer's routed experts stay unquantized (only its shared expert follows `quant`)
+        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, placement, comm, quant, f"{prefix}.mlp") if self.is_moe
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, quant, f"{prefix}.mlp"))
 
     def forward(self, positions, hidden, residual, meta, token_valid: torch.Tensor | None = None):
         if residual is None:
@@ -41,14 +46,16 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, max_positions: int,
-                 placement: ExpertPlacement | None = None, comm: ExpertComm | None = None) -> None:
-        """placement / comm: this rank's experts and the expert-parallel communicator (MoE
-        models under expert parallelism; None: every expert here)."""
+                 quant: QuantConfig | None = None, placement: ExpertPlacement | None = None,
+                 comm: ExpertComm | None = None) -> None:
+        """quant: the model's quantization (its decoder linears become QuantLinear); None:
+        unquantized. placement / comm: this rank's experts and the expert-parallel communicator
+        (MoE models under expert parallelism; None: every expert here)."""
         super().__init__()
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, i, placement, comm)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, i, quant, placement, comm)
                                     for i in range(cfg.num_layers))
         self.moe_blocks: list[SparseMoeBlock] = [layer.mlp for layer in self.layers if layer.is_moe]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

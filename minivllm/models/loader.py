@@ -8,6 +8,7 @@ from minivllm.attention.backend import AttentionBackend
 from minivllm.config import ModelConfig
 from minivllm.models.llama import CausalLM
 from minivllm.models.weights import init_dummy_weights, iter_safetensors, load_weights
+from minivllm.quant.layer import process_quantized_layers
 
 
 def build_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> CausalLM:
@@ -17,7 +18,9 @@ def build_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.devic
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = CausalLM(cfg.arch, backend, cfg.max_model_len)
+            model = CausalLM(cfg.arch, backend, cfg.max_model_len, cfg.quantization)
+    except ValueError as e:  # a quantized layer's shape the format cannot take: say which model
+        raise ValueError(f"model {cfg.served_name!r}: {e}") from e
     finally:
         torch.set_default_dtype(prev)
     if cfg.load_format == "dummy":
@@ -27,4 +30,6 @@ def build_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.devic
         load_weights(model, iter_gguf_weights(open_gguf(cfg.source_path), cfg.arch))
     else:
         load_weights(model, iter_safetensors(cfg.source_path))
+    with torch.no_grad():
+        process_quantized_layers(model)  # checkpoint layouts -> the kernels' (no-op unquantized)
     return model.eval()

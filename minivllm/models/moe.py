@@ -21,6 +21,7 @@ from minivllm.kernels.fused_moe import count_expert_tokens, fused_moe, topk_soft
 from minivllm.models.arch import MoEConfig
 from minivllm.models.expert_parallel import ExpertComm, ExpertPlacement, expert_parallel_moe
 from minivllm.models.layers import MLP
+from minivllm.quant.config import QuantConfig
 
 
 class FusedMoE(nn.Module):
@@ -56,14 +57,14 @@ class SparseMoeBlock(nn.Module):
     `shared_expert_gate`), so most checkpoint names map one to one."""
 
     def __init__(self, hidden: int, cfg: MoEConfig, placement: ExpertPlacement | None = None,
-                 comm: ExpertComm | None = None) -> None:
+                 comm: ExpertComm | None = None, quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.top_k, self.renormalize = cfg.top_k, cfg.norm_topk_prob
         self.num_experts = cfg.num_experts
         self.gate = nn.Linear(hidden, cfg.num_experts, bias=False)
         self.experts = FusedMoE(hidden, cfg.intermediate_size, placement or ExpertPlacement(cfg.num_experts), comm)
         shared = cfg.shared_expert_intermediate_size
-        self.shared_expert = MLP(hidden, shared) if shared else None
+        self.shared_expert = MLP(hidden, shared, quant, f"{prefix}.shared_expert") if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None
         self.register_buffer("token_counts", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
 

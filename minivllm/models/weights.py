@@ -37,15 +37,25 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _shard_bounds(model: CausalLM, fused: str, shard: int, rows: int) -> tuple[int, int]:
-    """Rows of shard `shard` in a fused matrix of `rows` rows (gate_up: two halves, as wide as
-    that MLP: a dense layer's, a shared expert's)."""
+def _shard_bounds(model: CausalLM, fused: str, shard: int, target: str) -> tuple[int, int]:
+    """Output features of shard `shard` of the fused parameter `target` (gate_up: two halves as
+    wide as that MLP: a dense layer's intermediate_size, or a MoE shared expert's)."""
     cfg = model.cfg
     if fused == "qkv_proj":
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
-    inter = rows // 2
+    shared = ".shared_expert." in target and cfg.moe is not None
+    inter = cfg.moe.shared_expert_intermediate_size if shared else cfg.intermediate_size
     return [(0, inter), (inter, 2 * inter)][shard]
+
+
+# checkpoint tensors the engine does not use: static FP8 activation scales (activations are
+# quantized per token at run time instead), compressed-tensors' record of the unpacked shape
+_SKIP_SUFFIXES = (".input_scale", ".weight_shape")
+# per-tensor FP8 KV-cache scales -> (the attention module's buffer(s)); vLLM's names for them
+_KV_SCALES = {"self_attn.k_scale": ("k_scale",), "self_attn.v_scale": ("v_scale",),
+              "self_attn.kv_scale": ("k_scale", "v_scale"), "self_attn.k_proj.output_scale": ("k_scale",),
+              "self_attn.v_proj.output_scale": ("v_scale",)}
 
 
 def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -55,36 +65,60 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
     written: set[str] = set()
     for hf_name, tensor in weights:
         name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
-        if "rotary_emb" in name:
+        if "rotary_emb" in name or name.endswith(_SKIP_SUFFIXES):
             continue
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
         if is_expert_tensor(name):
             written.update(load_expert_tensor(modules, name, tensor, hf_name))
             continue
+        if _load_kv_scale(model, name, tensor):
+            continue
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in _FUSED:
             fused, shard = _FUSED[parts[-2]]
             target = ".".join(parts[:-2] + [fused, parts[-1]])
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            lo, hi = _shard_bounds(model, fused, shard, params[target].shape[0])
-            _copy(params, target, tensor, hf_name, rows=(lo, hi))
-            written.add(f"{target}#{shard}")
+            _copy(params, target, tensor, hf_name, rows=_shard_bounds(model, fused, shard, target))
+            shared = target in params and getattr(params[target], "shared", False)
+            written.add(target if shared else f"{target}#{shard}")
         else:
             _copy(params, name, tensor, hf_name)
             written.add(name)
     _check_all_written(model, params, written)
 
 
+def _load_kv_scale(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
+    """layers.N.self_attn.k_scale (and vLLM's other names) -> that layer's FP8 KV scale buffers."""
+    for suffix, buffers in _KV_SCALES.items():
+        if name.endswith("." + suffix) and name.startswith("layers."):
+            attn = model.layers[int(name.split(".")[1])].self_attn
+            for b in buffers:
+                getattr(attn, b).fill_(float(tensor.float().max()))
+            return True
+    return False
+
+
 def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, hf_name: str,
           rows: tuple[int, int] | None = None) -> None:
+    """Copy a checkpoint tensor into the parameter, or into the slice of its output features
+    `rows` (a fused layer's shard). Quantized parameters say where that slice lies
+    (quant/layer.py: output_dim, pack_factor, shared, fill_scalar)."""
     if name not in params:
         raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-    dst = params[name].data if rows is None else params[name].data[rows[0]:rows[1]]
-    if dst.shape != tensor.shape:
+    p = params[name]
+    dst = p.data
+    if rows is not None and not getattr(p, "shared", False):
+        dim, factor = getattr(p, "output_dim", 0), getattr(p, "pack_factor", 1)
+        dst = dst.narrow(dim, rows[0] // factor, (rows[1] - rows[0]) // factor)
+    if getattr(p, "fill_scalar", False) and tensor.numel() == 1:
+        dst.fill_(tensor.float().item())  # a per-tensor scale over this slice's channels
+    elif dst.shape != tensor.shape and not (getattr(p, "fill_scalar", False) and dst.numel() == tensor.numel()):
         raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-    dst.copy_(tensor)
+    elif getattr(p, "shared", False) and getattr(p, "loaded", False) and not torch.equal(dst, tensor.to(dst)):
+        raise ValueError(f"checkpoint tensor {hf_name!r} differs from the one of another shard of the same layer")
+    else:
+        dst.copy_(tensor.reshape(dst.shape))
+    p.loaded = True
 
 
 def _check_all_written(model: CausalLM, params: dict, written: set[str]) -> None:
@@ -94,9 +128,13 @@ def _check_all_written(model: CausalLM, params: dict, written: set[str]) -> None
         if experts is not None:
             missing += [k for k in experts if k not in written]
             continue
-        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+        if getattr(p, "optional", False):
+            continue
+        if getattr(p, "shared", False):
+            shards = 0
+        elif ".qkv_proj." in name:
             shards = 3
-        elif name.endswith("gate_up_proj.weight"):
+        elif ".gate_up_proj." in name:
             shards = 2
         else:
             shards = 0
@@ -110,11 +148,16 @@ def _check_all_written(model: CausalLM, params: dict, written: set[str]) -> None
 
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights with the real shapes (for speed benchmarks): small uniform values so
-    activations stay finite in bf16; norms stay 1."""
+    activations stay finite in bf16; norms stay 1. Quantized layers fill their checkpoint
+    tensors themselves (packed integers, scales: quant/layer.py)."""
+    from minivllm.quant.layer import init_dummy_quantized
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
+        done = init_dummy_quantized(model, gen)
         for name, p in model.named_parameters():
+            if name in done:
+                continue
             if "norm" in name:
                 p.fill_(1.0)
             else:  # generated where the weight lives: fast even for 8B parameters

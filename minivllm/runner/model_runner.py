@@ -52,6 +52,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.model.dtype]
+        # the KV cache's element type: the model's, or float8 e4m3 (kv_cache_dtype="fp8")
+        self.kv_dtype = torch.float8_e4m3fn if config.cache.kv_cache_dtype == "fp8" else self.dtype
         self.block_size = config.cache.block_size
         self.arch = config.model.arch
         self.requests: dict[str, RunnerRequest] = {}
@@ -63,6 +65,8 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner once captured
         # sampled ids of the last launched step (device) and each request's row in them
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # the first real step runs eagerly and calibrates the FP8 KV scales (calculate_kv_scales)
+        self._calibrate_kv_pending = config.cache.calculate_kv_scales
         self.timings: dict[str, float] = {}
         self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
 
@@ -97,9 +101,12 @@ class ModelRunner:
                                                 pack_linears, packed_linear_available)
         backend = self.model.layers[0].self_attn.backend  # one instance serves every layer
         ops = None
+        # the compiled attention and rotary + K/V store read and write float32 caches only: with an
+        # FP8 cache they stay off (PyTorch ops, attention/torch_backend.py); the linears still use them
+        fp32_cache = self.kv_dtype == torch.float32
         if cpu_kernels.kernel_enabled() and hasattr(backend, "use_cpu_kernel"):
             ops = cpu_kernels.load()
-            if ops is not None:
+            if ops is not None and fp32_cache:
                 backend.use_cpu_kernel(ops)
         if kernel_linear_preferred(ops):
             logger.info("CPU: %d linear layers on minivllm's packed-panel kernel (%s)",
@@ -114,19 +121,25 @@ class ModelRunner:
                             "(kernels/cpu/screened_argmax.cpp)", SCREEN_MAX_ROWS)
         elif packed_linear_available():
             logger.info("CPU: %d linear layers on prepacked oneDNN weights", pack_linears(self.model))
-        if enable_cpu_forward(self.model, ops):  # after packing: it binds the final linear modules
+        if enable_cpu_forward(self.model, ops if fp32_cache else None):  # after packing: it binds the final linear modules
             logger.info("CPU: float32 forward in fewer ops (models/cpu_forward.py)%s",
                         ", fused C++ ops" if ops is not None else "")
 
     def init_kv_cache(self) -> int:
         """Size the KV cache from the memory budget, allocate it and hand it to the layers."""
-        per_block = bytes_per_block(self.arch, self.block_size, self.dtype)
+        per_block = bytes_per_block(self.arch, self.block_size, self.kv_dtype)
         self.num_blocks = plan_num_blocks(self, per_block)
-        self.kv_caches = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.kv_dtype, self.device)
         for layer, (k, v) in zip(self.model.layers, self.kv_caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens", self.num_blocks, self.block_size,
-                    self.num_blocks * self.block_size)
+        tokens = self.num_blocks * self.block_size
+        if self.kv_dtype != self.dtype:  # the same bytes would hold this many tokens in the model's dtype
+            same_bytes = tokens * per_block // bytes_per_block(self.arch, self.block_size, self.dtype)
+            logger.info("KV cache (%s, per-tensor scales): %d blocks of %d tokens = %d tokens (%d tokens in %s)",
+                        str(self.kv_dtype).removeprefix("torch."), self.num_blocks, self.block_size, tokens,
+                        same_bytes, self.config.model.dtype)
+        else:
+            logger.info("KV cache: %d blocks of %d tokens = %d tokens", self.num_blocks, self.block_size, tokens)
         return self.num_blocks
 
     def capture_cuda_graphs(self) -> None:
@@ -202,7 +215,13 @@ class ModelRunner:
         inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
                                    pin=self.device.type == "cuda")
         self._fill_placeholders(inputs)
-        hidden = self._forward_sampling_rows(inputs)
+        if self._calibrate_kv_pending:  # calculate_kv_scales: this first real step sets the FP8 scales
+            self._calibrate_kv_pending = False
+            for layer in self.model.layers:
+                layer.self_attn.calibrate_kv = True
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, output_rows=inputs.logits_indices)
+        else:
+            hidden = self._forward_sampling_rows(inputs)
         if not inputs.sampling_req_ids:
             return LaunchedStep([], [])
         return self._launch_sampling(hidden, inputs.sampling_req_ids)

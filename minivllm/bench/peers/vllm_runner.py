@@ -30,7 +30,8 @@ import sys
 import time
 
 from minivllm.bench import drive, model_dirs, workloads
-from minivllm.bench.common import add_common_engine_args, add_workload_args, emit_all, envelope, log
+from minivllm.bench.common import (add_common_engine_args, add_workload_args, emit_all, envelope, log,
+                                   quant_engine_kwargs)
 from minivllm.bench.procedures import GenResult
 
 
@@ -181,7 +182,8 @@ def llm_kwargs(model_dir: str, max_model_len: int, gpu_memory_utilization: float
           "gpu_memory_utilization": gpu_memory_utilization, "seed": seed, "enforce_eager": enforce_eager,
           "enable_prefix_caching": enable_prefix_caching}
     for k, v in (extra or {}).items():
-        if k in ("max_num_seqs", "max_num_batched_tokens", "dtype", "moe_backend") and v is not None:
+        if k in ("max_num_seqs", "max_num_batched_tokens", "dtype", "quantization", "kv_cache_dtype",
+                 "moe_backend") and v is not None:
             kw[k] = v
     return kw
 
@@ -199,7 +201,7 @@ def _factory(args):
                         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        moe_backend=args.moe_backend)
+                        moe_backend=args.moe_backend, **quant_engine_kwargs(args))
         _LIVE.append(a)
         return a
     return make
@@ -209,7 +211,7 @@ def _settings(args) -> dict:
     return llm_kwargs("<temp dir holding the bundled config.json>", args.max_model_len, args.gpu_memory_utilization,
                       args.enforce_eager, args.enable_prefix_caching, args.seed,
                       {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                       "moe_backend": args.moe_backend})
+                       "moe_backend": args.moe_backend, **quant_engine_kwargs(args)})
 
 
 def _dry_run(args, kind: str) -> int:

@@ -1,0 +1,67 @@
+"""FP8 linear on GPUs with FP8 (compute capability >= 8.9): activations quantized per token by a
+Triton kernel, the product by torch._scaled_mm (cuBLASLt FP8 GEMM) with row-wise scales.
+
+    x [M, K] -> x_q [M, K] e4m3, s_x [M, 1]      (_quant_rows_kernel: one program per row)
+    y = _scaled_mm(x_q, w_q.T, scale_a=s_x, scale_b=s_w [1, N], out_dtype=x.dtype)
+
+w_q [N, K] row-major is exactly the column-major [K, N] operand _scaled_mm wants. The
+reference is quant/fp8.py: quantize_rows, fp8_linear_reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.quant.fp8 import FP8, MIN_SCALE
+from minivllm.quant.config import FP8_E4M3_MAX
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, MIN_S: tl.constexpr,
+                       FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row m: s = max(max|x[m]| / 448, MIN_S); q[m] = clamp(x[m] / s) in e4m3."""
+    m = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    s = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_S)
+    tl.store(s_ptr + m, s)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        q = tl.clamp(x / s, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+
+
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (last dim contiguous) -> (x_q [M, K] e4m3, scales [M, 1] float32)."""
+    m, k = x.shape
+    assert x.stride(1) == 1, x.stride()
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        block = min(2048, triton.next_power_of_2(k))
+        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), MIN_S=MIN_SCALE, FP8_MAX=FP8_E4M3_MAX,
+                                 BLOCK_K=block, num_warps=4 if block >= 1024 else 2)
+    return q, s
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x [..., K] (bf16/fp16) -> [..., N]: per-token FP8 quantization, then the FP8 GEMM."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    x_q, x_scale = quantize_rows_triton(rows)
+    # row-wise scales come with a bfloat16 output only (cuBLASLt / CUTLASS); other dtypes convert after
+    y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*lead, w_q.shape[0])

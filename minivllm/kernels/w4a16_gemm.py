@@ -1,0 +1,216 @@
+"""Triton W4A16 GEMM: y = x @ W.T with W in 4-bit groups, dequantized in registers.
+
+Weights in the engine's layout (quant/w4.py): qweight [K/8, N] int32, nibble j of word [r, n] =
+q[8r + j, n]; scales and zeros [K/G, N]; an act-order permutation is applied to x (x[:, perm]).
+
+    grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K)
+
+A program owns a BLOCK_M x BLOCK_N output tile and a share of K. Per BLOCK_K slice it loads the
+[BLOCK_K/8, BLOCK_N] packed words once and, for each nibble j, dequantizes the rows 8r + j,
+(q - z) * s in float32, to x's dtype and multiplies them with the matching columns of x
+(x[:, k0 + 8r + j], a stride-8 load of the small activation tile): 8 tl.dot of depth
+BLOCK_K/8, so no unpacked tile is ever reshaped. G is a multiple of 8, so the 8 rows of a word
+share one group: the scale and zero tiles are [BLOCK_K/8, BLOCK_N] too.
+
+One or two rows (batch-1 decode) take `_w4a16_gemv_kernel` instead (BLOCK_M 1 in the configs):
+elementwise products, no tensor cores. Decode is bound by the weight reads: SPLIT_K > 1 cuts K so
+that enough programs stream the weights (partial sums in float32, added by one torch sum). Prefill steps of
+DENSE_MIN_ROWS rows or more dequantize the weight once into the activation dtype
+(`_dequant_kernel`) and run cuBLAS: then the weight is read once for thousands of rows.
+
+Tile configs: `W4A16_CONFIGS` (scripts/sweep_w4a16.py times the candidates on the GPU and prints
+this table). The reference is quant/w4.py: w4a16_reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# at this many rows and more: dequantize once, then a dense matmul (cuBLAS)
+DENSE_MIN_ROWS = 256
+# (max rows) -> tile config; the first entry whose bound is >= M is used. Split-K is chosen at run
+# time from the number of output tiles (choose_split_k). Defaults before the sweep has run on H100.
+# BLOCK_M 1: the GEMV kernel (one row per program, no tensor cores).
+W4A16_CONFIGS: list[tuple[int, dict[str, int]]] = [
+    (2, {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),
+    (16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),
+    (32, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),
+    (64, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}),
+    (1 << 30, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}),
+]
+MAX_SPLIT_K = 16
+PROGRAMS_PER_SM = 2  # split K until about this many programs per SM
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr,  # [M, K] activations
+    qw_ptr,  # [K/8, N] int32
+    s_ptr, z_ptr,  # [K/G, N] scales, zeros
+    out_ptr,  # SPLIT_K == 1: [M, N] in x's dtype; else [SPLIT_K, M, N] float32 partials
+    M, N, K,
+    stride_xm, stride_xk,
+    stride_qk, stride_qn,
+    stride_sg, stride_sn,
+    stride_os, stride_om, stride_on,
+    GROUP: tl.constexpr,  # input features per group (a multiple of 8)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BLOCK_K // 8)  # packed rows of a K slice
+    m_ok, n_ok = rm < M, rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    t_end = tl.minimum((pid_k + 1) * per_split, k_tiles)
+    for t in range(pid_k * per_split, t_end):
+        words = t * (BLOCK_K // 8) + rw  # [BK/8] rows of qweight
+        w_ok = (words < K // 8)[:, None] & n_ok[None, :]
+        w = tl.load(qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn, mask=w_ok, other=0)
+        grp = (words * 8) // GROUP
+        g_off = grp[:, None] * stride_sg + rn[None, :] * stride_sn
+        s = tl.load(s_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(8):
+            wj = (((w >> (4 * j)) & 0xF).to(tl.float32) - z) * s  # [BK/8, BN]: rows 8r + j
+            k = words * 8 + j
+            xj = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :] * stride_xk,
+                         mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK/8]
+            acc += tl.dot(xj, wj.to(xj.dtype))
+    o_off = pid_k * stride_os + rm[:, None] * stride_om + rn[None, :] * stride_on
+    tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,  # as _w4a16_kernel; one activation row per program
+    M, N, K,
+    stride_xm, stride_xk,
+    stride_qk, stride_qn,
+    stride_sg, stride_sn,
+    stride_os, stride_om, stride_on,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Few rows (batch-1 decode): no tensor cores, so the dequantized tile never changes layout
+    for a tl.dot operand; products accumulate elementwise in a [BLOCK_K/8, BLOCK_N] tile and are
+    reduced once at the end. The weights are re-read per row (from L2 for a few rows)."""
+    pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BLOCK_K // 8)
+    n_ok = rn < N
+    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    t_end = tl.minimum((pid_k + 1) * per_split, k_tiles)
+    for t in range(pid_k * per_split, t_end):
+        words = t * (BLOCK_K // 8) + rw
+        w_ok = (words < K // 8)[:, None] & n_ok[None, :]
+        w = tl.load(qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn, mask=w_ok, other=0)
+        g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
+        s = tl.load(s_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(8):
+            k = words * 8 + j
+            xj = tl.load(x_ptr + m * stride_xm + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)  # [BK/8]
+            acc += xj[:, None] * ((((w >> (4 * j)) & 0xF).to(tl.float32) - z) * s)
+    out = tl.sum(acc, 0)  # [BLOCK_N]
+    tl.store(out_ptr + pid_k * stride_os + m * stride_om + rn * stride_on, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _dequant_kernel(
+    qw_ptr, s_ptr, z_ptr,  # as above
+    w_ptr,  # [K, N] out, rows in qweight's (stored) order
+    K, N,
+    stride_qk, stride_qn, stride_sg, stride_sn, stride_wk, stride_wn,
+    GROUP: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    words = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (words < K // 8)[:, None] & (rn < N)[None, :]
+    w = tl.load(qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn, mask=ok, other=0)
+    g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
+    s = tl.load(s_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(8):
+        wj = (((w >> (4 * j)) & 0xF).to(tl.float32) - z) * s
+        k = words * 8 + j
+        tl.store(w_ptr + k[:, None] * stride_wk + rn[None, :] * stride_wn, wj.to(w_ptr.dtype.element_ty), mask=ok)
+
+
+def w4a16_config(m: int) -> dict[str, int]:
+    return next(cfg for bound, cfg in W4A16_CONFIGS if m <= bound)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_split_k(m: int, n: int, k: int, cfg: dict[str, int], num_sms: int) -> int:
+    """Cut K until the grid has about PROGRAMS_PER_SM programs per SM (a power of two, at most
+    MAX_SPLIT_K and the number of K slices)."""
+    tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, tiles)
+    split = min(triton.next_power_of_2(max(1, want)), MAX_SPLIT_K, triton.cdiv(k, cfg["BLOCK_K"]))
+    return 1 << (max(1, split).bit_length() - 1)  # round down to a power of two
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int, split_k: int | None = None, config: dict[str, int] | None = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous or strided) -> [M, N] in x's dtype, through the Triton kernel."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    assert qweight.shape[0] * 8 == k and scales.shape == zeros.shape and scales.shape[1] == n, (x.shape, qweight.shape)
+    g = k if group_size == -1 else group_size
+    cfg = dict(config or w4a16_config(m))
+    if split_k is None:
+        split_k = choose_split_k(m, n, k, cfg, _num_sms(x.device.index or 0) if x.is_cuda else 132)
+    out = (torch.empty(m, n, dtype=x.dtype, device=x.device) if split_k == 1
+           else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device))
+    if m == 0:
+        return out if split_k == 1 else out.sum(0).to(x.dtype)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
+    o_strides = (0, *out.stride()) if split_k == 1 else out.stride()
+    args = (x, qweight, scales, zeros, out, m, n, k, *x.stride(), *qweight.stride(), *scales.stride(), *o_strides)
+    if cfg["BLOCK_M"] == 1:
+        del cfg["BLOCK_M"]
+        _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)
+    else:
+        _w4a16_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)
+    return out if split_k == 1 else out.sum(0).to(x.dtype)
+
+
+def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """-> W^T [K, N] in `dtype`, rows in qweight's stored order (x[:, perm] @ it is the product)."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    w = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    block_w, block_n = 16, 128
+    grid = (triton.cdiv(k // 8, block_w), triton.cdiv(n, block_n))
+    _dequant_kernel[grid](qweight, scales, zeros, w, k, n, *qweight.stride(), *scales.stride(), *w.stride(),
+                          GROUP=k if group_size == -1 else group_size, BLOCK_W=block_w, BLOCK_N=block_n)
+    return w
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 perm: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: the layer's product (QuantLinear on a GPU)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    if perm is not None:
+        rows = rows.index_select(1, perm)
+    if rows.shape[0] >= DENSE_MIN_ROWS:
+        y = rows @ w4a16_dequantize(qweight, scales, zeros, group_size, x.dtype)
+    else:
+        y = w4a16_gemm(rows, qweight, scales, zeros, group_size)
+    if bias is not None:
+        y = y + bias
+    return y.view(*lead, y.shape[-1])

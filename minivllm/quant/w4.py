@@ -1,0 +1,95 @@
+"""4-bit weights in plain PyTorch: the checkpoint layouts, the engine's own layout, and the
+dequantizing reference every W4A16 kernel is tested against.
+
+The engine's layout (every checkpoint format is converted to it after loading):
+
+    qweight [K/8, N] int32   nibble j (bits 4j..4j+3) of word [r, n] = q[8r + j, n], q in 0..15
+    scales  [K/G, N]         float (the model dtype)
+    zeros   [K/G, N]         float, the unsigned zero point (8 for symmetric schemes)
+    perm    [K] int64 | None act-order: row i of qweight is input feature perm[i]; rows are
+                             sorted by group, so row i belongs to group i // G
+
+    W[n, perm[i]] = (q[i, n] - zeros[i // G, n]) * scales[i // G, n];   y = x @ W.T = x[:, perm] @ Wq
+
+Checkpoint layouts (N = output features, K = input features, G = group size):
+    AutoAWQ  qweight [K, N/8] int32 packed along N in AWQ's interleaved order (nibble i holds
+             column AWQ_ORDER[i] of each 8), qzeros [K/G, N/8] the same way, scales [K/G, N]
+    GPTQ     qweight [K/8, N] (our layout), qzeros [K/G, N/8] packed along N in order (v1
+             checkpoints store zero - 1), scales [K/G, N], g_idx [K] (group of each input row)
+    compressed-tensors pack-quantized: weight_packed [N, K/8] packed along K in order, values
+             stored as q + 8 (signed q), weight_scale [N, K/G], weight_zero_point [N/8, K/G]
+             (asymmetric only; packed along N, stored as z + 8), weight_g_idx [K] (act-order)
+"""
+
+from __future__ import annotations
+
+import torch
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
+_AWQ_UNDO = tuple(AWQ_ORDER.index(c) for c in range(8))  # column c sits in nibble _AWQ_UNDO[c]
+
+
+def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words packed along `dim`, nibble j = element 8w + j -> int32 values 0..15, 8x as long on dim."""
+    p = packed.movedim(dim, -1).to(torch.int32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=p.device)
+    vals = (p.unsqueeze(-1) >> shifts) & 0xF  # [..., words, 8]
+    return vals.flatten(-2).movedim(-1, dim)
+
+
+def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of unpack_int4: values 0..15 (any int dtype), length on `dim` a multiple of 8."""
+    v = values.movedim(dim, -1).to(torch.int64)
+    assert v.shape[-1] % 8 == 0, v.shape
+    v = v.reshape(*v.shape[:-1], -1, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=v.device)
+    words = (v << shifts).sum(-1)  # < 2^32: fits int64, then wraps into int32
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim)
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ [R, N/8] int32 -> [R, N] values 0..15 in column order."""
+    vals = unpack_int4(packed, 1)  # nibble order
+    r, n = vals.shape
+    return vals.view(r, n // 8, 8)[:, :, list(_AWQ_UNDO)].reshape(r, n)
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """[R, N] values 0..15 -> AWQ [R, N/8] int32 (column AWQ_ORDER[i] of each 8 in nibble i)."""
+    r, n = values.shape
+    return pack_int4(values.view(r, n // 8, 8)[:, :, list(AWQ_ORDER)].reshape(r, n), 1)
+
+
+def group_perm(g_idx: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor | None:
+    """Act-order: the row order that makes groups contiguous (None when g_idx is already i // G).
+    Raises ValueError if the groups do not all hold group_size rows (the kernels assume it)."""
+    g = g_idx.to(torch.int64)
+    if torch.equal(g, torch.arange(in_features, device=g.device) // group_size):
+        return None
+    counts = torch.bincount(g, minlength=in_features // group_size)
+    if counts.numel() != in_features // group_size or bool((counts != group_size).any()):
+        raise ValueError(f"g_idx does not give every group {group_size} rows (counts {counts.unique().tolist()})")
+    return torch.argsort(g, stable=True)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               perm: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The engine's layout -> W [N, K] in `dtype` (computed in float32), input features in their
+    original order: the reference."""
+    q = unpack_int4(qweight, 0).float()  # [K, N]
+    k = q.shape[0]
+    g = torch.arange(k, device=q.device) // (k if group_size == -1 else group_size)
+    w = (q - zeros.float()[g]) * scales.float()[g]  # [K, N], rows in stored order
+    if perm is not None:
+        w = torch.empty_like(w).index_copy_(0, perm, w)
+    return w.t().contiguous().to(dtype)
+
+
+def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int, perm: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize(...).T (+ bias) in float32, returned in x's dtype."""
+    w = dequantize(qweight, scales, zeros, group_size, perm)
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

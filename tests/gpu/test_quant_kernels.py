@@ -1,0 +1,211 @@
+"""The quantization kernels against their plain-PyTorch references: the W4A16 GEMM (and its
+dequant + dense path), the FP8 linear, and the attention kernels over an FP8 (e4m3) KV cache.
+
+The check helpers are device-agnostic: tests/unit/test_quant_interpret.py runs them under
+Triton's interpreter on the CPU with small shapes (fp32 / fp16; the interpreter's float -> fp8
+rounding is not the hardware's, so there the FP8 caches are written by the reference and only
+the kernels' reads are checked); the tests here run them on the GPU (bf16 too, FP8 stores).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the interpreter child loads this file by path
+from test_triton_kernels import PagedCase, errors, make_case, random_specs  # noqa: E402
+
+from minivllm.attention.reference import paged_attention_reference, store_kv_reference  # noqa: E402
+from minivllm.quant import w4  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+# ---------------------------------------------------------------- W4A16 (any device)
+
+
+def w4_case(m: int, n: int, k: int, group: int, dtype, device, seed: int, act_order: bool = False):
+    """Random 4-bit weights in the engine's layout and activations x [m, k]."""
+    g = torch.Generator().manual_seed(seed)
+    ng = 1 if group == -1 else k // group
+    q = torch.randint(0, 16, (k, n), generator=g)
+    scales = (torch.rand(ng, n, generator=g) * 0.02 + 0.002).to(dtype)
+    zeros = torch.randint(0, 16, (ng, n), generator=g).to(dtype)
+    perm = torch.randperm(k, generator=g) if act_order else None
+    x = torch.randn(m, k, generator=g).to(dtype)
+    return [t.to(device) if t is not None else None for t in (x, w4.pack_int4(q, 0), scales, zeros, perm)]
+
+
+def check_w4a16(m: int, n: int, k: int, group: int, dtype, device, seed: int = 0, split_k: int | None = None,
+                config: dict | None = None, act_order: bool = False) -> float:
+    """Relative error of w4a16_linear (or w4a16_gemm with split_k/config) against the reference."""
+    from minivllm.kernels.w4a16_gemm import w4a16_gemm, w4a16_linear
+    x, qw, s, z, perm = w4_case(m, n, k, group, dtype, device, seed, act_order)
+    ref = w4.w4a16_reference(x, qw, s, z, group, perm).float()
+    if split_k is not None or config is not None:
+        out = w4a16_gemm(x if perm is None else x[:, perm], qw, s, z, group, split_k, config)
+    else:
+        out = w4a16_linear(x, qw, s, z, group, perm)
+    return errors(out, ref)[1]
+
+
+def check_w4a16_dequant(n: int, k: int, group: int, dtype, device, seed: int = 0) -> float:
+    from minivllm.kernels.w4a16_gemm import w4a16_dequantize
+    _, qw, s, z, _ = w4_case(1, n, k, group, dtype, device, seed)
+    ref = w4.dequantize(qw, s, z, group).t()
+    return (w4a16_dequantize(qw, s, z, group, torch.float32) - ref).abs().max().item()
+
+
+# ---------------------------------------------------------------- FP8 KV cache (any device)
+
+
+def fp8_caches(case: PagedCase, k_scale: float, v_scale: float):
+    """The case's K/V written by the reference into FP8 caches (unwritten slots NaN)."""
+    ks = torch.tensor([k_scale], device=case.key.device)
+    vs = torch.tensor([v_scale], device=case.key.device)
+    k8 = torch.full(case.k_cache.shape, float("nan"), device=case.key.device).to(FP8)
+    v8 = torch.full_like(k8, float("nan"))
+    store_kv_reference(case.key, case.value, k8, v8, case.slots, ks, vs)
+    return k8, v8, ks, vs
+
+
+def check_fp8_attention(case: PagedCase, kernel: str, k_scale: float = 0.02, v_scale: float = 0.01) -> float:
+    """Worst-row relative error of the decode or prefill kernel reading FP8 blocks, against the
+    reference reading the same blocks."""
+    from minivllm.kernels.decode_attention import decode_attention
+    from minivllm.kernels.prefill_attention import prefill_attention
+    k8, v8, ks, vs = fp8_caches(case, k_scale, v_scale)
+    q = case.query[: case.num_valid]
+    ref = paged_attention_reference(q, k8, v8, case.qsl_list, case.seq_lens_list, case.block_tables, case.scale, ks, vs)
+    out = torch.full_like(case.query, float("nan"))
+    args = (case.query, k8, v8, case.query_start_loc, case.seq_lens, case.block_tables, case.scale)
+    if kernel == "decode":
+        decode_attention(*args, max_seq_len=max(case.seq_lens_list), out=out, k_scale=ks, v_scale=vs)
+    else:
+        q_lens = [b - a for a, b in zip(case.qsl_list, case.qsl_list[1:])]
+        prefill_attention(*args, max_query_len=max(q_lens), out=out, k_scale=ks, v_scale=vs)
+    return errors(out[: case.num_valid], ref)[1]
+
+
+def check_fp8_store(case: PagedCase, scale: float = 0.02) -> bool:
+    """store_kv into FP8 caches writes the reference's bytes (hardware rounding: GPU only)."""
+    from minivllm.kernels.store_kv import store_kv
+    k8, v8, ks, vs = fp8_caches(case, scale, scale)
+    got_k, got_v = torch.full_like(k8, float("nan")), torch.full_like(v8, float("nan"))
+    store_kv(case.key, case.value, got_k, got_v, case.slots, ks, vs)
+    same = (lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+    return same(got_k, k8) and same(got_v, v8)
+
+
+# ---------------------------------------------------------------- GPU tests
+
+gpu = pytest.mark.gpu
+DEV = "cuda"
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 3, 16, 40, 100, 300])
+@pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (6144, 4096, 128), (4096, 14336, 128), (1536, 576, 64),
+                                         (512, 512, -1)])
+def test_w4a16(m: int, n: int, k: int, group: int) -> None:
+    assert check_w4a16(m, n, k, group, torch.bfloat16, DEV, seed=m) < 2e-2
+    assert check_w4a16(m, n, k, group, torch.float16, DEV, seed=m, act_order=group != -1) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("split_k", [1, 2, 8])
+@pytest.mark.parametrize("block_m", [1, 16])  # 1: the GEMV kernel
+def test_w4a16_split_k(split_k: int, block_m: int) -> None:
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 256}
+    assert check_w4a16(3, 4096, 4096, 128, torch.bfloat16, DEV, split_k=split_k, config=cfg) < 2e-2
+
+
+@gpu
+def test_w4a16_dequant() -> None:
+    assert check_w4a16_dequant(1024, 2048, 128, torch.bfloat16, DEV) < 1e-6
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 7, 256, 2048])
+def test_fp8_linear_matches_reference(m: int) -> None:
+    from minivllm.kernels.fp8_gemm import fp8_linear, quantize_rows_triton
+    from minivllm.quant.fp8 import fp8_linear_reference, quantize_rows
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 on this GPU")
+    g = torch.Generator(device=DEV).manual_seed(m)
+    x = torch.randn(m, 4096, device=DEV, generator=g, dtype=torch.bfloat16)
+    w_q, w_s = quantize_rows(torch.randn(6144, 4096, device=DEV, generator=g) * 0.02)
+    q, s = quantize_rows_triton(x)
+    q_ref, s_ref = quantize_rows(x)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    out, ref = fp8_linear(x, w_q, w_s.view(-1)), fp8_linear_reference(x, w_q, w_s.view(-1))
+    assert errors(out, ref)[0] < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_kv_attention(kernel: str, dtype) -> None:
+    import random
+    kind = "decode" if kernel == "decode" else "mixed"
+    case = make_case(random_specs(random.Random(1), 24, 700, kind), 32, 8, 128, 16, dtype, DEV, seed=2)
+    assert check_fp8_attention(case, kernel) < 2e-2
+
+
+@gpu
+def test_fp8_kv_store() -> None:
+    import random
+    case = make_case(random_specs(random.Random(3), 8, 300, "mixed"), 32, 8, 128, 16, torch.bfloat16, DEV, seed=4)
+    assert check_fp8_store(case)
+
+
+# ---------------------------------------------------------------- the engine on the GPU
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tmp_path_factory):
+    from minivllm.models.source import default_gguf_path
+    from minivllm.quant import export
+    pytest.importorskip("gguf")  # transformers reads the bundled GGUF through it
+    try:
+        gguf = default_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("quant")
+    return export.write_all(gguf, str(out), ("awq", "gptq-act", "ct-w4a16-asym", "ct-fp8"), 64)
+
+
+def _capital_of_france(llm) -> str:
+    from minivllm import SamplingParams
+    from minivllm.engine.tokenizer import apply_chat_template
+    ids = apply_chat_template(llm.get_tokenizer(), [{"role": "user", "content": "What is the capital of France?"}])
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    return out[0].outputs[0].text
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["awq", "gptq-act", "ct-w4a16-asym", "ct-fp8"])
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_quantized_default_model_on_gpu(quantized_dirs, fmt: str, kv: str) -> None:
+    """Real checkpoint files on the GPU kernels (CUDA graphs on): every quantized layer's output
+    equals the reference product of its own tensors, and the model still answers."""
+    from minivllm import LLM
+    from minivllm.quant.fp8 import fp8_linear_reference
+    from minivllm.quant.layer import QuantLinear
+    llm = LLM(model=quantized_dirs[fmt], device="cuda", dtype="float16", kv_cache_dtype=kv,
+              gpu_memory_utilization=0.3)
+    model = llm.llm_engine.executor.runner.model
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * model.cfg.num_layers
+    x = torch.randn(5, layers[0].in_features, device="cuda", dtype=torch.float16)
+    lin = layers[0]
+    if fmt == "ct-fp8":
+        ref = fp8_linear_reference(x, lin.weight_fp8, lin.weight_scale_f32, lin.bias)
+    else:
+        ref = w4.w4a16_reference(x, lin.qweight, lin.scales, lin.zeros, lin.group_size, lin.perm, lin.bias)
+    assert errors(lin(x), ref)[0] < 1e-2
+    assert "Paris" in _capital_of_france(llm)
+    llm.llm_engine.shutdown()

@@ -1,0 +1,52 @@
+"""The W4A16 GEMM and the FP8-KV attention kernels on the CPU under Triton's interpreter, against
+their references (the checks of tests/gpu/test_quant_kernels.py, in one child process: see
+tests/unit/test_triton_interpret.py for why)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from interpreter_child import run_under_interpreter
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = ROOT / "tests" / "gpu" / "test_quant_kernels.py"
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+CHILD = r"""
+res = {}
+small = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}
+# (name, m, n, k, group, dtype, split_k, act_order): ragged N and K tails, every group size, split-K
+for name, m, n, k, g, dt, split, act in [
+        ("w4a16 m1 g64 fp32", 1, 64, 256, 64, f32, 1, False),
+        ("w4a16 m3 g128 split2 fp32", 3, 96, 512, 128, f32, 2, False),
+        ("w4a16 m17 channel fp16", 17, 64, 384, -1, f16, 1, False),
+        ("w4a16 m5 g32 split4 ragged fp32", 5, 40, 320, 32, f32, 4, False),
+        ("w4a16 m2 g32 act-order fp32", 2, 48, 256, 32, f32, 2, True)]:
+    res[name] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split, config=small, act_order=act)
+    gemv = dict(small, BLOCK_M=1)  # the one-row kernel
+    res[name + " gemv"] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split, config=gemv, act_order=act)
+res["w4a16 dequant g64"] = checks.check_w4a16_dequant(72, 256, 64, f32, "cpu")
+mixed = [(37, 60), (1, 45), (20, 20), (5, 90), (1, 1), (10, 72)]
+decode = [(1, 60), (1, 1), (1, 97), (1, 300)]
+res["fp8kv decode fp32 gqa4"] = checks.check_fp8_attention(checks.make_case(decode, 8, 2, 64, 16, f32, "cpu", 5), "decode")
+res["fp8kv decode fp16 gqa1"] = checks.check_fp8_attention(checks.make_case(decode, 4, 4, 64, 16, f16, "cpu", 6), "decode")
+res["fp8kv prefill fp32 gqa2"] = checks.check_fp8_attention(checks.make_case(mixed, 4, 2, 64, 16, f32, "cpu", 7), "prefill")
+res["fp8kv prefill fp16 gqa4"] = checks.check_fp8_attention(checks.make_case(mixed, 8, 2, 64, 32, f16, "cpu", 8), "prefill")
+print("RESULT " + json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, float]:
+    return run_under_interpreter(CHILD, CHECKS, timeout_s=600)
+
+
+@pytest.mark.parametrize("kernel, tol", [("w4a16 m", 1e-3), ("w4a16 dequant", 1e-6), ("fp8kv", 2e-3)])
+def test_quant_kernels_match_reference_under_interpreter(results: dict[str, float], kernel: str, tol: float) -> None:
+    cases = {name: err for name, err in results.items() if name.startswith(kernel)}
+    assert cases, f"no {kernel} cases ran"
+    bad = {name: err for name, err in cases.items() if not err < tol}
+    assert not bad, f"error above {tol}: {bad}"
