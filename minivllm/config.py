@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minivllm.models.arch import ArchConfig
+from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.quant.config import QuantConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -71,6 +72,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     # schedule step N+1 while step N runs on the device (default: on for CUDA)
     async_scheduling: bool = False
+    speculative: SpeculativeConfig | None = None  # speculative decoding (spec_decode/config.py)
 
     @staticmethod
     def create(**kwargs) -> EngineConfig:

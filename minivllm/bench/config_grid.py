@@ -274,7 +274,7 @@ def run_grid(points: list[GridPoint], runner: GridRunner, log=print) -> list[Poi
         log(f"[{i + 1}/{len(points)}] {'ok  ' if r.ok else 'FAIL'} {point.label}: {r.seconds:.1f} s, "
             f"{r.num_preemptions} preemptions, {r.prefix_hit_tokens} prefix-hit tokens"
             + "".join(f"\n    {m}" for m in r.mismatches + r.bad_finishes)
-            + (f"\n    {r.leaked_blocks} blocks leaked" if r.leaked_blocks else ""))
+            + (f"\n    {r.leaked_blocks} blocks leaked" if r.leaked_blocks else ""), flush=True)
     return results
 
 

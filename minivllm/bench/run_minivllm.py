@@ -70,7 +70,15 @@ class MinivllmAdapter:
         model = getattr(runner, "model", None)
         if model is None:
             return {}
-        return {"model_param_bytes_measured": param_bytes(model)}
+        details = {"model_param_bytes_measured": param_bytes(model)}
+        s = self.engine_obj.get_stats()
+        if s.spec_num_drafts:
+            details["spec_decode"] = {"num_drafts": s.spec_num_drafts, "num_draft_tokens": s.spec_num_draft_tokens,
+                                      "num_accepted_tokens": s.spec_num_accepted_tokens,
+                                      "acceptance_rate": s.spec_num_accepted_tokens / max(s.spec_num_draft_tokens, 1),
+                                      "mean_acceptance_length": 1 + s.spec_num_accepted_tokens / s.spec_num_drafts,
+                                      "accepted_per_pos": list(s.spec_accepted_per_pos)}
+        return details
 
     def info(self) -> dict:
         eng = self.engine_obj

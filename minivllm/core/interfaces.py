@@ -34,6 +34,9 @@ class ScheduledRequest:
     num_computed_tokens: int  # before this step
     new_block_ids: list[int]  # appended to the request's block table this step
     samples: bool  # the chunk reaches the last known token, so this step yields a new token
+    # speculative decoding: the last num_draft_tokens of token_ids are proposed tokens to verify
+    # (the step then yields 1 to num_draft_tokens + 1 tokens)
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -60,6 +63,11 @@ class TokenLogprobs:
 
 @dataclass
 class RunnerOutput:
-    req_ids: list[str]  # requests that sampled a token this step, in order
-    sampled_token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None = None  # aligned with req_ids when any request asked
+    req_ids: list[str]  # requests that sampled this step, in order
+    # per request the tokens it gained: one, or with speculative decoding the accepted drafts
+    # and one more (1 .. num_draft_tokens + 1)
+    sampled_token_ids: list[list[int]]
+    # aligned with req_ids when any request asked: one TokenLogprobs per token gained (or None)
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    # speculative decoding: tokens proposed for each request's next step
+    draft_token_ids: dict[str, list[int]] | None = None

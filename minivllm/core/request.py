@@ -57,6 +57,9 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
     first_scheduled_time: float | None = None
+    # speculative decoding: tokens proposed for the next step (never part of all_token_ids, never
+    # hashed); dropped on preemption
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

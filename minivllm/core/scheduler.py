@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.interfaces import (
@@ -51,9 +51,43 @@ class SchedulerLimits:
     # about proportional to its tokens, while decoding requests wait half as long per step.
     # None: no cap.
     max_prefill_tokens_with_decodes: int | None = None
+    # Speculative decoding: KV slots past a step's tokens that the proposer writes (a draft
+    # model's forward passes), allocated with the step's blocks; and the number of decoding
+    # requests above which no drafts are scheduled (None: always).
+    num_lookahead_tokens: int = 0
+    spec_disable_batch_size: int | None = None
 
 
 LIGHT_LOAD_WAITING = 4  # queue length up to which the prefill cap above applies
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding counters, vLLM's: drafts (requests that verified proposals), draft
+    tokens verified, accepted tokens, and accepted tokens by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos += [0] * (num_draft - len(self.accepted_per_pos))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify step yields on average: the accepted drafts plus the one it samples."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass(slots=True)
@@ -77,6 +111,7 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
 
     # ---- requests in and out --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -154,7 +189,14 @@ class Scheduler:
             if n <= 0 or self._finishes_with_pending(req):
                 i += 1
                 continue
-            new_blocks = self.block_manager.allocate(req, n)
+            drafts = [] if prefilling else self._drafts_to_verify(req, budget - n)
+            lookahead = self._lookahead(req, req.num_computed_tokens, n)
+            new_blocks = self.block_manager.allocate(req, n + len(drafts) + lookahead)
+            if new_blocks is None and (drafts or lookahead):
+                # speculation is optional: it never preempts anyone (nor keeps a request from fitting)
+                drafts, lookahead = [], 0
+                new_blocks = self.block_manager.allocate(req, n)
+            n += len(drafts)
             while new_blocks is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -162,15 +204,37 @@ class Scheduler:
                 budget += self._preempt(victim, out)
                 if victim is req:
                     break
-                new_blocks = self.block_manager.allocate(req, n)
+                new_blocks = self.block_manager.allocate(req, n + lookahead)
             if new_blocks is None:
                 continue  # req itself was preempted; running[i] is now the next request
-            self._add_scheduled(out, req, n, new_blocks)
+            self._add_scheduled(out, req, n, new_blocks, drafts)
             budget -= n
             if prefilling:
                 self._prefill_left -= n
             i += 1
         return budget
+
+    def _lookahead(self, req: Request, start: int, n: int) -> int:
+        """KV slots past a step's n known tokens from `start` for a proposer's own forward passes
+        (a draft model writes the sampled token and the drafts it feeds back): only when the step
+        samples, never past max_model_len."""
+        if self.limits.num_lookahead_tokens == 0 or start + n != req.num_tokens_with_pending:
+            return 0
+        last = min(self.limits.max_model_len, req.num_prompt_tokens + req.max_tokens)  # no token goes past
+        return max(0, min(self.limits.num_lookahead_tokens, last - start - n))
+
+    def _drafts_to_verify(self, req: Request, budget_left: int) -> list[int]:
+        """The proposed tokens a decoding request verifies this step: as many as the budget
+        left, max_tokens (the step may yield every draft plus one: never past the limit) and
+        max_model_len allow; none while more requests decode than spec_disable_batch_size."""
+        if not req.spec_token_ids:
+            return []
+        limit = self.limits.spec_disable_batch_size
+        if limit is not None and len(self.running) > limit:
+            return []
+        room = min(budget_left, req.max_tokens - req.num_output_tokens - req.num_pending_tokens - 1,
+                   self.limits.max_model_len - req.num_tokens_with_pending - 1)
+        return req.spec_token_ids[:max(0, room)]
 
     def _finishes_with_pending(self, req: Request) -> bool:
         """The pending token is sure to be its last (length limit): computing more is waste."""
@@ -194,7 +258,10 @@ class Scheduler:
             n = min(n, budget, self._prefill_left)
             if n <= 0:
                 break  # the prefill cap is used up: the next step takes the rest
-            new_blocks = self.block_manager.allocate(req, n, cached)
+            lookahead = self._lookahead(req, num_cached, n)
+            new_blocks = self.block_manager.allocate(req, n + lookahead, cached)
+            if new_blocks is None and lookahead:  # (optional: never what keeps a prompt out)
+                new_blocks = self.block_manager.allocate(req, n, cached)
             if new_blocks is None:
                 break  # no room: wait for running requests to finish
             self.waiting.pop()
@@ -225,12 +292,15 @@ class Scheduler:
             eos_token_ids=req.eos_token_ids,
         ))
 
-    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int, new_blocks: list[int]) -> None:
-        start = req.num_computed_tokens
-        token_ids = req.all_token_ids[start:start + n]
-        token_ids += [PLACEHOLDER_TOKEN] * (n - len(token_ids))  # tokens the running step samples
-        samples = start + n == req.num_tokens_with_pending
-        out.scheduled.append(ScheduledRequest(req.request_id, token_ids, start, new_blocks, samples))
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int, new_blocks: list[int],
+                       drafts: list[int] = ()) -> None:
+        """n tokens from num_computed_tokens on, the last len(drafts) of them proposed ones."""
+        start, known = req.num_computed_tokens, n - len(drafts)
+        token_ids = req.all_token_ids[start:start + known]
+        token_ids += [PLACEHOLDER_TOKEN] * (known - len(token_ids))  # tokens the running step samples
+        token_ids += drafts
+        samples = start + known == req.num_tokens_with_pending
+        out.scheduled.append(ScheduledRequest(req.request_id, token_ids, start, new_blocks, samples, len(drafts)))
         req.num_computed_tokens += n
         if samples:
             req.num_pending_tokens += 1
@@ -254,6 +324,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_pending_tokens = 0  # a token still in flight is dropped and sampled again later
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         if req.request_id in self._sent_to_runner:
@@ -270,25 +341,46 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
         logprobs = dict(zip(result.req_ids, result.logprobs)) if result.logprobs else {}
+        drafts = result.draft_token_ids or {}
         updates = []
         for s in sched.scheduled:
             req = self.requests.get(s.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted while the step ran
-            self.block_manager.register_computed_blocks(req)  # blocks a decode token completed
-            if s.req_id not in sampled:
+            tokens = sampled.get(s.req_id)
+            if tokens is None:
+                self.block_manager.register_computed_blocks(req)  # blocks a prompt chunk completed
                 continue
-            token = sampled[s.req_id]
+            if s.num_draft_tokens:
+                self._take_verified(req, s.num_draft_tokens, len(tokens) - 1)
             req.num_pending_tokens -= 1
-            req.append_output_token(token)
+            new, finished = self._append_until_stop(req, tokens)
+            # only tokens now known and computed: rejected drafts never reach a block hash
+            self.block_manager.register_computed_blocks(req)
             lp = logprobs.get(s.req_id)
-            finished = self._check_stop(req, token)
-            updates.append(RequestUpdate(req, [token], [lp] if lp is not None else None, finished))
+            updates.append(RequestUpdate(req, new, lp[:len(new)] if lp else None, finished))
+            req.spec_token_ids = [] if finished else drafts.get(s.req_id, [])
         for u in updates:
             if u.finished:
                 self.running.remove(u.request)
                 self._release(u.request)
         return updates
+
+    def _take_verified(self, req: Request, num_draft: int, num_accepted: int) -> None:
+        """A verify step computed K/V for every draft; those after the first rejected one are not
+        the request's tokens: num_computed_tokens steps back over them (their slots are
+        overwritten later), and the acceptance is counted."""
+        assert 0 <= num_accepted <= num_draft, (num_accepted, num_draft)
+        req.num_computed_tokens -= num_draft - num_accepted
+        self.spec_stats.observe(num_draft, num_accepted)
+
+    def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], bool]:
+        """Append the step's tokens one by one; a stop condition drops the ones after it."""
+        for i, token in enumerate(tokens):
+            req.append_output_token(token)
+            if self._check_stop(req, token):
+                return tokens[:i + 1], True
+        return tokens, False
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params

@@ -31,6 +31,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the current one runs (default: on for CUDA)")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, vLLM\'s fields, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (methods: ngram, suffix, '
+                        'layer_skip with num_layers, medusa with model; a "model" alone: a draft model)')
     g.add_argument("--quantization", "-q", default=None, choices=["awq", "gptq", "compressed-tensors", "fp8"],
                    help="quantized weights: default the checkpoint's quantization_config; fp8 also quantizes an "
                         "unquantized model while loading")
@@ -48,7 +52,7 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
          "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
-         "calculate_kv_scales"]
+         "calculate_kv_scales", "speculative_config"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

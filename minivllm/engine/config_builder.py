@@ -41,14 +41,14 @@ def _resolve_dtype(dtype: str, device: str, arch: ArchConfig) -> str:
     return arch.torch_dtype if arch.torch_dtype in ("float16", "bfloat16") else "bfloat16"
 
 
-def _load_arch(source: ModelSource) -> ArchConfig:
+def load_arch(source: ModelSource) -> ArchConfig:
     if source.kind == "hf":
         return ArchConfig.from_hf_dict(read_hf_config(source.path))
     from minivllm.models.gguf_loader import gguf_arch_config, open_gguf
     return gguf_arch_config(open_gguf(source.path))
 
 
-def _resolve_quantization(source: ModelSource, quantization: str | None, device: str) -> QuantConfig | None:
+def resolve_quantization(source: ModelSource, quantization: str | None, device: str) -> QuantConfig | None:
     hf_qc = read_hf_config(source.path).get("quantization_config") if source.kind == "hf" else None
     quant = resolve_quant_config(hf_qc, quantization, source.name)
     if quant is not None and quant.scheme == "fp8" and device.startswith("cuda"):
@@ -92,6 +92,7 @@ def build_engine_config(
     served_model_name: str | None = None,
     async_scheduling: bool | None = None,
     max_prefill_tokens_with_decodes: int | None = None,
+    speculative_config: dict | str | None = None,
     serving: bool = False,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
@@ -99,11 +100,11 @@ def build_engine_config(
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
-    arch = _load_arch(source)
+    arch = load_arch(source)
     device = _resolve_device(device)
     on_gpu = device.startswith("cuda")
     dtype = _resolve_dtype(dtype, device, arch)
-    quant = _resolve_quantization(source, quantization, device)
+    quant = resolve_quantization(source, quantization, device)
     kv_cache_dtype = _resolve_kv_cache_dtype(kv_cache_dtype)
     if max_model_len is None:
         max_model_len = min(arch.max_position_embeddings, 8192 if not on_gpu else arch.max_position_embeddings)
@@ -143,6 +144,11 @@ def build_engine_config(
                         kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8")
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
-    async_scheduling = on_gpu if async_scheduling is None else async_scheduling
+    from minivllm.spec_decode.config import parse_speculative_config
+    speculative = parse_speculative_config(speculative_config, arch.num_layers)
+    # speculative steps need the previous step's accepted tokens before they are scheduled
+    check(not (speculative and async_scheduling), "async_scheduling",
+          "cannot be on with speculative decoding (a step's drafts depend on the previous step's result)")
+    async_scheduling = (on_gpu and speculative is None) if async_scheduling is None else async_scheduling
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
-                        enforce_eager or not on_gpu, attention_backend, async_scheduling)
+                        enforce_eager or not on_gpu, attention_backend, async_scheduling, speculative)

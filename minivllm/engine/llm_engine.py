@@ -24,6 +24,8 @@ from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+SPEC_LOG_INTERVAL_S = 10.0  # how often the acceptance of speculative decoding is logged
+
 
 @dataclass
 class EngineStats:
@@ -37,6 +39,12 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # computed prompt tokens, total
     generation_tokens: int  # generated tokens, total
+    # speculative decoding (zeros without it): verify steps of a request, drafts verified,
+    # drafts accepted, accepted drafts by position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
     # MoE models: tokens routed to each expert, summed over the layers (refreshed about once a
     # second, runner/expert_counts.py); None for dense models
     expert_token_counts: tuple[int, ...] | None = None
@@ -57,10 +65,13 @@ class LLMEngine:
         self.executor = make_executor(config, model)
         num_blocks = self.executor.num_blocks
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        s = config.scheduler
+        s, spec = config.scheduler, config.speculative
         self.scheduler = Scheduler(SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
                                                    s.policy, s.enable_chunked_prefill,
-                                                   s.max_prefill_tokens_with_decodes), self.block_manager)
+                                                   s.max_prefill_tokens_with_decodes,
+                                                   spec.num_lookahead_tokens if spec else 0,
+                                                   spec.disable_by_batch_size if spec else None),
+                                   self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self._aborted_outputs: list[RequestOutput] = []
@@ -73,6 +84,7 @@ class LLMEngine:
         # host seconds of the last step's phases (schedule, launch, wait = blocked on the device,
         # update, outputs) and its size; cheap, always on (read by the probes and the step log)
         self.last_step: dict[str, float] = {}
+        self._spec_logged = (time.monotonic(), (0, 0, 0))  # when, and the counters then
         freeze_startup_heap()  # later full GC passes skip the model, the KV blocks, the imports
         self.startup_s = time.perf_counter() - t0
         logger.info("engine ready in %.1f s: %d KV blocks x %d = %d tokens", self.startup_s, num_blocks,
@@ -157,6 +169,7 @@ class LLMEngine:
         if launched is not None and not self.async_scheduling:
             outputs += self._complete(launched)[0]
             self._inflight = None
+        self._log_spec_stats()
         return outputs
 
     def _needs_sync(self, sched) -> bool:
@@ -218,11 +231,28 @@ class LLMEngine:
         return self.output_processor.finish_children(children, "error")
 
     def get_stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, spec = self.block_manager, self.scheduler.spec_stats
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
-                           self.prompt_tokens_total, self.generation_tokens_total,
+                           self.prompt_tokens_total, self.generation_tokens_total, spec.num_drafts,
+                           spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_pos),
                            self.executor.expert_token_counts())
+
+    def _log_spec_stats(self) -> None:
+        """Every SPEC_LOG_INTERVAL_S with speculative decoding: the acceptance since the last line."""
+        now = time.monotonic()
+        if self.config.speculative is None or now - self._spec_logged[0] < SPEC_LOG_INTERVAL_S:
+            return
+        spec, (_, last) = self.scheduler.spec_stats, self._spec_logged
+        drafts, proposed, accepted = (spec.num_drafts - last[0], spec.num_draft_tokens - last[1],
+                                      spec.num_accepted_tokens - last[2])
+        self._spec_logged = (now, (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens))
+        if drafts:
+            logger.info("speculative decoding (%s): acceptance rate %.1f %%, mean acceptance length %.2f, "
+                        "%d drafts, %d draft tokens, %d accepted; per position since start %s",
+                        self.config.speculative.method, 100.0 * accepted / max(proposed, 1), 1 + accepted / drafts,
+                        drafts, proposed, accepted,
+                        [round(a / spec.num_drafts, 2) for a in spec.accepted_per_pos])
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

@@ -124,15 +124,17 @@ class CpuForward:
                        for layer in model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+                output_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, H] (a new tensor), or of
-        the token rows output_rows only ([R] int64) -> [R, H]."""
+        the token rows output_rows only ([R] int64) -> [R, H]; through the first num_layers
+        layers only when given."""
         residual = F.embedding(input_ids, self.embed)  # [T, H], owned: updated in place below
+        layers = self.layers[:num_layers]
         if self.ops is not None:
-            return self._forward_fused(residual, positions, meta, output_rows)
+            return self._forward_fused(residual, positions, meta, output_rows, layers)
         cos2, sin2 = rotary_tables(self.cos_sin, positions)
         hidden = None
-        for layer in self.layers:
+        for layer in layers:
             hidden = self._layer(layer, hidden, residual, cos2, sin2, meta)
         out = rms_norm_(residual.add_(hidden), self.final_norm, self.eps)
         return out if output_rows is None else out[output_rows]
@@ -159,7 +161,7 @@ class CpuForward:
 
 
     def _forward_fused(self, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       output_rows: torch.Tensor | None) -> torch.Tensor:
+                       output_rows: torch.Tensor | None, layers: list[_Layer]) -> torch.Tensor:
         """The same layers through the compiled kernels: four fused calls a layer. With
         output_rows, the last layer runs attention, o-proj and MLP for those rows only (its K/V
         are still written for every token): W5's prompt tokens skip ~1/30 of their prefill."""
@@ -170,8 +172,8 @@ class CpuForward:
         check_rope_store(positions, meta.slot_mapping, self.cos_sin.shape[0],
                          first.k_cache.shape[0] * first.k_cache.shape[1])
         hidden = None
-        last = len(self.layers) - 1
-        for i, p in enumerate(self.layers):
+        last = len(layers) - 1
+        for i, p in enumerate(layers):
             attn = p.attn
             qkv = p.qkv(ops.add_rms_norm(residual, hidden, p.input_norm, eps))  # [T, (Hq + 2 Hk) D]
             # q and k rotated in place, k and v written to their cache slots

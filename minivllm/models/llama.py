@@ -66,18 +66,19 @@ class CausalLM(nn.Module):
         self.cpu_forward = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+                output_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size], or only
         the rows output_rows ([R] int64 token indices, e.g. the tokens that sample) -> [R, hidden_size].
         Every token's K/V is written either way; the CPU forward also skips the last layer's
-        work after attention for the other tokens."""
+        work after attention for the other tokens. num_layers: run only the first layers, then
+        the final norm (layer-skip self-speculation drafts with them)."""
         if self.cpu_forward is not None:
-            return self.cpu_forward.forward(input_ids, positions, meta, output_rows)
+            return self.cpu_forward.forward(input_ids, positions, meta, output_rows, num_layers)
         hidden = self.embed_tokens(input_ids)
         residual = None
         # MoE token counters skip CUDA-graph padding tokens (slot -1)
         token_valid = meta.slot_mapping >= 0 if self.moe_blocks else None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             hidden, residual = layer(positions, hidden, residual, meta, token_valid)
         hidden, _ = self.norm(hidden, residual)
         return hidden if output_rows is None else hidden[output_rows]

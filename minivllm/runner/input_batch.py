@@ -16,11 +16,16 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling] int64: last token of each sampling request
+    # [num_logits] int64: the last token of each sampling request, or with speculative decoding
+    # its last 1 + num_draft_tokens tokens (the verify rows, see spec_decode/rejection.py)
+    logits_indices: torch.Tensor
     sampling_req_ids: list[str]  # requests that sample this step, in logits order
     # flat positions whose token is PLACEHOLDER_TOKEN, and the request each belongs to
     placeholder_positions: list[int]
     placeholder_req_ids: list[str]
+    # speculative decoding: the tokens each sampling request verifies (aligned with
+    # sampling_req_ids); None when no request of the step has any
+    draft_token_ids: list[list[int]] | None = None
 
 
 def build_step_inputs(
@@ -49,7 +54,17 @@ def build_step_inputs(
     slot_mapping = block_table[seq_idx, positions // block_size].astype(np.int64) * block_size + positions % block_size
     seq_lens = (starts + q_lens).astype(np.int32)
     sampling = [i for i, s in enumerate(scheduled) if s.samples]
-    logits_indices = cu[1:][sampling] - 1
+    drafts = None
+    if any(s.num_draft_tokens for s in scheduled):
+        drafts = [scheduled[i].token_ids[len(scheduled[i].token_ids) - scheduled[i].num_draft_tokens:]
+                  for i in sampling]
+        # each request's last 1 + k tokens, in order: its end - (k + 1) .. end - 1
+        widths = np.asarray([len(d) + 1 for d in drafts], dtype=np.int64)
+        first = np.repeat(cu[1:][sampling] - widths, widths)
+        within = np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths, widths)
+        logits_indices = first + within
+    else:
+        logits_indices = cu[1:][sampling] - 1
 
     def to_dev(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
@@ -68,5 +83,6 @@ def build_step_inputs(
         seq_lens_cpu=seq_lens.tolist(),
     )
     holes = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN).tolist()
-    return StepInputs(to_dev(input_ids), to_dev(positions), meta, to_dev(logits_indices),
-                      [scheduled[i].req_id for i in sampling], holes, [scheduled[seq_idx[h]].req_id for h in holes])
+    return StepInputs(to_dev(input_ids), to_dev(positions), meta, to_dev(logits_indices.astype(np.int64)),
+                      [scheduled[i].req_id for i in sampling], holes, [scheduled[seq_idx[h]].req_id for h in holes],
+                      drafts)

@@ -39,6 +39,7 @@ class LaunchedStep:
     host: HostSamplerOutput | None = None  # already on the host (blocking path)
     host_buf: torch.Tensor | None = None  # pinned [B] int64, filled by an async copy
     event: torch.cuda.Event | None = None  # recorded after that copy
+    spec: RunnerOutput | None = None  # speculative decoding: the finished step's output
 
 
 @dataclass
@@ -63,6 +64,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.graphs = None  # CudaGraphRunner once captured
+        self.speculator = None  # spec_decode.Speculator with speculative decoding
+        self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # a draft model's own
         # sampled ids of the last launched step (device) and each request's row in them
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         # the first real step runs eagerly and calibrates the FP8 KV scales (calculate_kv_scales)
@@ -76,30 +79,32 @@ class ModelRunner:
         before (another engine's, e.g. the configuration-grid harness's; its KV cache is replaced
         by init_kv_cache, so that engine must not run any more)."""
         t = time.perf_counter()
-        reused = model is not None
-        if not reused:
-            model = build_model(self.config.model, get_attention_backend(self.config.attention_backend), self.device,
-                                self.dtype)
-        self.model = model
-        self.expert_counts = ExpertCountsReader(model, self.device)
-        if reused:
-            return
-        self._setup_cpu_model()
+        if model is not None:
+            self.model = model
+        else:
+            backend = get_attention_backend(self.config.attention_backend)
+            self.model = build_model(self.config.model, backend, self.device, self.dtype)
+            self.setup_cpu_model(self.model)
+        self.expert_counts = ExpertCountsReader(self.model, self.device)
+        if self.config.speculative is not None:
+            from minivllm.spec_decode import make_speculator
+            self.speculator = make_speculator(self.config.speculative, self)
         self.timings["load_model_s"] = time.perf_counter() - t
         logger.info("loaded %s (%s, %s) in %.1f s", self.config.model.served_name, self.config.model.dtype,
                     self.device, self.timings["load_model_s"])
 
-    def _setup_cpu_model(self) -> None:
+    def setup_cpu_model(self, model: CausalLM) -> None:
         """CPU float32 only: linear layers on prepacked weights (models/cpu_linear.py: minivllm's
         panel kernel or oneDNN), the forward in fewer ops (models/cpu_forward.py) and the compiled
-        kernels (kernels/cpu_kernels.py, built on first use and cached)."""
+        kernels (kernels/cpu_kernels.py, built on first use and cached). For the target model and
+        a speculative-decoding draft model alike."""
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return
         from minivllm.kernels import cpu_kernels
         from minivllm.models.cpu_forward import enable_cpu_forward
         from minivllm.models.cpu_linear import (AFFINE_MAX_ROWS, SCREEN_MAX_ROWS, PackedLinear, kernel_linear_preferred,
                                                 pack_linears, packed_linear_available)
-        backend = self.model.layers[0].self_attn.backend  # one instance serves every layer
+        backend = model.layers[0].self_attn.backend  # one instance serves every layer
         ops = None
         # the compiled attention and rotary + K/V store read and write float32 caches only: with an
         # FP8 cache they stay off (PyTorch ops, attention/torch_backend.py); the linears still use them
@@ -110,28 +115,36 @@ class ModelRunner:
                 backend.use_cpu_kernel(ops)
         if kernel_linear_preferred(ops):
             logger.info("CPU: %d linear layers on minivllm's packed-panel kernel (%s)",
-                        pack_linears(self.model, ops=ops), ops.vector_isa())
-            affine = sum(lin.prepare_affine_blocks() for lin in self.model.modules() if isinstance(lin, PackedLinear))
+                        pack_linears(model, ops=ops), ops.vector_isa())
+            affine = sum(lin.prepare_affine_blocks() for lin in model.modules() if isinstance(lin, PackedLinear))
             if affine:
                 logger.info("CPU: %d linear layers also as exact 4-bit affine blocks for steps of up to %d rows "
                             "(kernels/cpu/affine_block_linear.cpp)", affine, AFFINE_MAX_ROWS)
-            lm_head = getattr(self.model, "lm_head", None)
+            lm_head = getattr(model, "lm_head", None)
             if isinstance(lm_head, PackedLinear) and lm_head.prepare_screened_argmax():
                 logger.info("CPU: greedy tokens of up to %d rows through the LM head's int8 screen "
                             "(kernels/cpu/screened_argmax.cpp)", SCREEN_MAX_ROWS)
         elif packed_linear_available():
-            logger.info("CPU: %d linear layers on prepacked oneDNN weights", pack_linears(self.model))
-        if enable_cpu_forward(self.model, ops if fp32_cache else None):  # after packing: it binds the final linear modules
+            logger.info("CPU: %d linear layers on prepacked oneDNN weights", pack_linears(model))
+        if enable_cpu_forward(model, ops if fp32_cache else None):  # after packing: it binds the final linear modules
             logger.info("CPU: float32 forward in fewer ops (models/cpu_forward.py)%s",
                         ", fused C++ ops" if ops is not None else "")
 
     def init_kv_cache(self) -> int:
         """Size the KV cache from the memory budget, allocate it and hand it to the layers."""
+        draft = self._draft_model()
         per_block = bytes_per_block(self.arch, self.block_size, self.kv_dtype)
+        if draft is not None:  # a draft model's K/V share the target's block ids (spec_decode/model_proposer.py)
+            per_block += bytes_per_block(draft.cfg, self.block_size, self.kv_dtype)
         self.num_blocks = plan_num_blocks(self, per_block)
         self.kv_caches = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.kv_dtype, self.device)
         for layer, (k, v) in zip(self.model.layers, self.kv_caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+        if draft is not None:
+            self.draft_kv_caches = allocate_kv_cache(draft.cfg, self.num_blocks, self.block_size, self.kv_dtype,
+                                                     self.device)
+            for layer, (k, v) in zip(draft.layers, self.draft_kv_caches):
+                layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
         tokens = self.num_blocks * self.block_size
         if self.kv_dtype != self.dtype:  # the same bytes would hold this many tokens in the model's dtype
             same_bytes = tokens * per_block // bytes_per_block(self.arch, self.block_size, self.dtype)
@@ -141,6 +154,12 @@ class ModelRunner:
         else:
             logger.info("KV cache: %d blocks of %d tokens = %d tokens", self.num_blocks, self.block_size, tokens)
         return self.num_blocks
+
+    def _draft_model(self) -> CausalLM | None:
+        """A separate draft model of speculative decoding (it needs a KV cache of its own)."""
+        proposer = getattr(self.speculator, "proposer", None)
+        model = getattr(proposer, "model", None)
+        return model if model is not None and model is not self.model else None
 
     def capture_cuda_graphs(self) -> None:
         if self.config.enforce_eager or self.device.type != "cuda":
@@ -192,8 +211,11 @@ class ModelRunner:
 
     # ---- per-request state ------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
-        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+        gone = sched.finished_req_ids | sched.preempted_req_ids
+        for req_id in gone:
             self.requests.pop(req_id, None)
+        if self.speculator is not None and gone:
+            self.speculator.drop(gone)
         for new in sched.new_requests:
             self.requests[new.req_id] = RunnerRequest([], _sampling_state(new))
         for s in sched.scheduled:
@@ -224,7 +246,22 @@ class ModelRunner:
             hidden = self._forward_sampling_rows(inputs)
         if not inputs.sampling_req_ids:
             return LaunchedStep([], [])
+        if self.speculator is not None:
+            return self._run_speculative(hidden, inputs)
         return self._launch_sampling(hidden, inputs.sampling_req_ids)
+
+    def _run_speculative(self, hidden: torch.Tensor, inputs: StepInputs) -> LaunchedStep:
+        """Verify the step's drafts (every request's tokens on the host at once), then propose the
+        next ones (spec_decode/speculator.py). Synchronous: the next step needs these results."""
+        req_ids = inputs.sampling_req_ids
+        states = [self.requests[r].sampling for r in req_ids]
+        drafts = inputs.draft_token_ids or [[] for _ in req_ids]
+        step = self.speculator.verify(self.model, hidden, states, drafts, self.generator)
+        for state, tokens in zip(states, step.tokens):
+            state.output_token_ids.extend(tokens)
+        proposals = self.speculator.propose(req_ids, states, [self.requests[r].block_ids for r in req_ids],
+                                            step.final_hidden)
+        return LaunchedStep(req_ids, states, spec=RunnerOutput(req_ids, step.tokens, step.logprobs, proposals))
 
     def _fill_placeholders(self, inputs: StepInputs) -> None:
         """Tokens the previous step sampled are not on the host yet: copy them on the device."""
@@ -245,11 +282,10 @@ class ModelRunner:
     def _forward_sampling_rows(self, inputs: StepInputs) -> torch.Tensor:
         """The final hidden states of the tokens that sample: [len(sampling_req_ids), H]."""
         hidden = self.graphs.try_run(inputs) if self.graphs is not None else None
+        # as many logits rows as tokens: every token, in order (decode, or verify steps of drafts)
+        every_token = inputs.logits_indices.shape[0] == inputs.input_ids.shape[0]
         if hidden is not None:
-            if len(inputs.sampling_req_ids) == hidden.shape[0]:  # every token samples (decode): no gather
-                return hidden
-            return hidden[inputs.logits_indices]
-        every_token = len(inputs.sampling_req_ids) == inputs.input_ids.shape[0]
+            return hidden if every_token else hidden[inputs.logits_indices]
         # only the sampling rows (the CPU forward then skips the last layer's work for the others)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta,
                           output_rows=None if every_token else inputs.logits_indices)
@@ -285,6 +321,8 @@ class ModelRunner:
         self.expert_counts.poll()
         if not step.req_ids:
             return RunnerOutput([], [])
+        if step.spec is not None:
+            return step.spec
         if step.host is None:
             step.event.synchronize()
             step.host = HostSamplerOutput(step.host_buf.tolist())
@@ -292,7 +330,7 @@ class ModelRunner:
         for state, tok in zip(step.states, host.sampled_token_ids):
             state.output_token_ids.append(tok)
             state.num_pending -= 1
-        return RunnerOutput(step.req_ids, host.sampled_token_ids, _token_logprobs(step.states, host))
+        return RunnerOutput(step.req_ids, [[t] for t in host.sampled_token_ids], _token_logprobs(step.states, host))
 
     # ---- profiling helpers ----------------------------------------------------------------
     @torch.inference_mode()
@@ -311,14 +349,14 @@ class ModelRunner:
         return forward_peak
 
 
-def _token_logprobs(states: list[SamplingRequestState], host: HostSamplerOutput) -> list[TokenLogprobs] | None:
+def _token_logprobs(states: list[SamplingRequestState], host: HostSamplerOutput) -> list[list[TokenLogprobs] | None] | None:
     if host.logprobs is None:
         return None
     out = []
     for i, s in enumerate(states):
         k = s.params.logprobs
-        out.append(None if k is None else TokenLogprobs(
-            host.logprob_token_ids[i][:1 + k], host.logprobs[i][:1 + k], host.sampled_ranks[i]))
+        out.append(None if k is None else [TokenLogprobs(
+            host.logprob_token_ids[i][:1 + k], host.logprobs[i][:1 + k], host.sampled_ranks[i])])
     return out
 
 

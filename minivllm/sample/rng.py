@@ -76,6 +76,19 @@ def seeded_exponentials(seeds: torch.Tensor, counters: torch.Tensor, vocab_size:
     return out
 
 
+_UNIFORM_STREAM = _i64(0x5EEDAC0FFEE5EED1)  # keeps seeded_uniforms independent of the race's noise
+
+
+def seeded_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One uniform in (0, 1) per (seed, counter), float64, from a stream of its own (the
+    acceptance test of speculative decoding; the race at the same counter draws the token).
+
+    seeds, counters: [R] int64 -> [R] float64."""
+    key = _mix_(_mix_(seeds ^ _UNIFORM_STREAM) ^ counters)
+    _mix_(key)
+    return _shr(key, 64 - _UNIFORM_BITS).to(torch.float64).add_(0.5).mul_(2.0 ** -_UNIFORM_BITS)
+
+
 def exponential_race(
     probs: torch.Tensor,  # [B, V] float32, rows sum to 1, masked tokens exactly 0
     generator: torch.Generator | None,

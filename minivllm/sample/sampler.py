@@ -75,7 +75,7 @@ class Sampler:
         sampled = _sample(processed, batch)
         if raw_logprobs is None:
             return SamplerOutput(sampled)
-        return _gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
+        return gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -126,7 +126,7 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  # -> [
     return torch.where(batch.greedy_mask, greedy, random)
 
 
-def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> SamplerOutput:
+def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> SamplerOutput:
     # logprobs: [B, V] float32 of the raw logits; sampled: [B] int64
     sampled_lp = logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
     ranks = (logprobs >= sampled_lp).sum(dim=-1)  # 1-based, as vLLM counts it

@@ -162,7 +162,10 @@ class _EngineStatsCollector:
                  ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens."),
                  ("vllm:num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
                  ("vllm:prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
-                 ("vllm:generation_tokens", "generation_tokens", "Number of generation tokens processed.")]
+                 ("vllm:generation_tokens", "generation_tokens", "Number of generation tokens processed."),
+                 ("vllm:spec_decode_num_drafts", "spec_num_drafts", "Number of spec decoding drafts."),
+                 ("vllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Number of draft tokens."),
+                 ("vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Number of accepted tokens.")]
     _GAUGES = [("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),
                ("vllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
                ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage.")]
@@ -181,6 +184,11 @@ class _EngineStatsCollector:
             g = GaugeMetricFamily(metric, doc, labels=["model_name"])
             g.add_metric([self.model_name], float(getattr(stats, attr)))
             yield g
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=["model_name", "position"])
+        for pos, n in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], float(n))
+        yield per_pos
         counts = getattr(stats, "expert_token_counts", None)
         if counts is not None:
             c = CounterMetricFamily("minivllm:moe_expert_tokens", "Tokens routed to each expert, summed over "

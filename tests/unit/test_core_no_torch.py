@@ -47,7 +47,7 @@ _CHILD = textwrap.dedent("""
                       BlockManager(num_blocks=8, block_size=4, enable_caching=True))
     sched.add_request(Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2), frozenset(), 0.0, 2))
     out = sched.schedule()
-    sched.update(out, RunnerOutput(["r"], [7]))
+    sched.update(out, RunnerOutput(["r"], [[7]]))
     print(json.dumps({
         "torch_in_sys_modules": "torch" in sys.modules,
         "torch_modules": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),

@@ -27,8 +27,8 @@ DEFAULT_TOKEN = 7
 
 def make_sched(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64,
                max_model_len: int = 256, policy: str = "fcfs", chunked: bool = True,
-               caching: bool = False, prefill_cap: int | None = None) -> Scheduler:
-    return Scheduler(SchedulerLimits(max_num_seqs, budget, max_model_len, policy, chunked, prefill_cap),
+               caching: bool = False, prefill_cap: int | None = None, lookahead: int = 0) -> Scheduler:
+    return Scheduler(SchedulerLimits(max_num_seqs, budget, max_model_len, policy, chunked, prefill_cap, lookahead),
                      BlockManager(num_blocks, block_size, caching))
 
 
@@ -54,7 +54,10 @@ class FakeRunner:
     `kv[block_id][slot]` is the token whose K/V the runner wrote there: a chunk may only start
     past 0 (a prefix hit) if the blocks it skips really hold the request's tokens."""
 
-    def __init__(self, sched: Scheduler, script: dict[str, list[int]] | None = None) -> None:
+    def __init__(self, sched: Scheduler, script: dict[str, list[int]] | None = None, propose=None) -> None:
+        """propose(req_id, k_th output next) -> draft tokens for the request's next step, or None:
+        no speculative decoding. Drafts are verified against the script (the "target")."""
+        self.propose = propose
         self.sched = sched
         self.bs = sched.block_manager.block_size
         self.script = script or {}
@@ -78,9 +81,11 @@ class FakeRunner:
         assert out.num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled)
         assert out.num_scheduled_tokens <= self.sched.limits.max_num_batched_tokens
         assert len({s.req_id for s in out.scheduled}) == len(out.scheduled)
-        req_ids, tokens = [], []
+        req_ids, tokens, drafts = [], [], {}
         for s in out.scheduled:
             st_ = self.state[s.req_id]
+            nd = s.num_draft_tokens
+            assert nd == 0 or self.propose is not None
             first_fresh = len(st_.table) if st_.num_computed is not None else s.num_computed_tokens // self.bs
             st_.table += s.new_block_ids
             for b in st_.table[first_fresh:]:  # fresh blocks (not prefix hits) hold nothing yet
@@ -92,25 +97,46 @@ class FakeRunner:
                     assert self.kv[st_.table[i // self.bs]][i % self.bs] == st_.tokens[i], "bad prefix hit"
             assert s.num_computed_tokens == st_.num_computed
             assert len(s.token_ids) > 0
-            assert s.token_ids == st_.tokens[st_.num_computed:st_.num_computed + len(s.token_ids)]
+            known = len(s.token_ids) - nd
+            assert s.token_ids[:known] == st_.tokens[st_.num_computed:st_.num_computed + known]
             assert len(st_.table) * self.bs >= st_.num_computed + len(s.token_ids), "KV slots without a block"
-            for i in range(st_.num_computed, st_.num_computed + len(s.token_ids)):
+            written = st_.tokens[st_.num_computed:st_.num_computed + known] + s.token_ids[known:]
+            for i, tok in enumerate(written, st_.num_computed):
                 blk = self.sched.block_manager.blocks[st_.table[i // self.bs]]
                 if blk.ref_cnt > 1 or blk.block_hash is not None:
                     # registered (and maybe shared) in the step that computes it: the content
-                    # written must be what the hash promises, never different tokens
-                    assert self.kv[blk.block_id][i % self.bs] in (None, st_.tokens[i]), "overwriting cached KV"
-                self.kv[blk.block_id][i % self.bs] = st_.tokens[i]
-            st_.num_computed += len(s.token_ids)
+                    # written must be what the hash promises, never different tokens (nor drafts)
+                    assert i - st_.num_computed < known, "a draft written into a cached block"
+                    assert self.kv[blk.block_id][i % self.bs] in (None, tok), "overwriting cached KV"
+                self.kv[blk.block_id][i % self.bs] = tok
+            st_.num_computed += known
             assert st_.table == self.sched.block_manager.block_ids(s.req_id)
             assert s.samples == (st_.num_computed == len(st_.tokens))
             if s.samples:
-                tok = self.token_for(s.req_id, st_.num_outputs)
-                st_.tokens.append(tok)
-                st_.num_outputs += 1
+                new = self._verify(s.req_id, st_, s.token_ids[known:])
+                for i in range(st_.num_computed, st_.num_computed + nd + 1 - len(new)):  # rejected drafts:
+                    self.kv[st_.table[i // self.bs]][i % self.bs] = None  # junk no hash ever promised
                 req_ids.append(s.req_id)
-                tokens.append(tok)
-        return RunnerOutput(req_ids, tokens)
+                tokens.append(new)
+                if self.propose is not None:
+                    drafts[s.req_id] = self.propose(s.req_id, st_.num_outputs)
+            else:
+                assert nd == 0, "drafts on a step that does not sample"
+        return RunnerOutput(req_ids, tokens, draft_token_ids=drafts or None)
+
+    def _verify(self, rid: str, st_: _RunnerReq, draft: list[int]) -> list[int]:
+        """The target's tokens: drafts while they equal the script, then the script's next one.
+        The accepted drafts' K/V were written above; the rejected ones' slots hold junk."""
+        new = []
+        for d in draft:
+            if d != self.token_for(rid, st_.num_outputs + len(new)):
+                break
+            new.append(d)
+        new.append(self.token_for(rid, st_.num_outputs + len(new)))
+        st_.num_computed += len(new) - 1  # the accepted drafts are computed
+        st_.tokens += new
+        st_.num_outputs += len(new)
+        return new
 
     def step(self):
         out = self.sched.schedule()
@@ -627,12 +653,33 @@ def _expected_output(script: list[int], min_tokens: int) -> list[int]:
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_finish_with_scripted_outputs(w):
+    _run_random_workload(w)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.integers(1, 4), st.integers(0, 2 ** 32 - 1), st.sampled_from([0, 1, 3]))
+def test_random_workloads_with_drafts_finish_with_scripted_outputs(w, k, seed, lookahead):
+    """The same with speculative decoding: each sampling step proposes up to k drafts, some right
+    (the script's next tokens), some wrong; the outputs must be exactly the scripted ones (never
+    past max_tokens, stops mid-draft honoured), no draft ever lands in a cached block, and
+    lookahead slots leak nothing."""
+    import random
+    rng = random.Random(seed)
+
+    def propose(rid, next_k):
+        return [runner_ref[0].token_for(rid, next_k + j + 1) if rng.random() < 0.7 else rng.choice([3, 4, 5, EOS])
+                for j in range(rng.randint(0, k))]
+    runner_ref = []
+    _run_random_workload(w, propose, runner_ref, lookahead)
+
+
+def _run_random_workload(w, propose=None, runner_ref=None, lookahead: int = 0):
     """Whatever chunking, preemption, prefix sharing, sibling waiting and aborts happen, every
     request finishes with exactly its scripted tokens (a prefix of them if aborted), limits hold
     every step, no block leaks and the runner is told to drop every request it saw."""
     sched = make_sched(num_blocks=w["num_blocks"], block_size=w["bs"], budget=w["budget"],
                        max_num_seqs=w["max_num_seqs"], policy=w["policy"], caching=w["caching"], max_model_len=10**6,
-                       prefill_cap=w["prefill_cap"])
+                       prefill_cap=w["prefill_cap"], lookahead=lookahead)
     script, expected, reqs, aborts = {}, {}, [], {}
     for i, (prompt, max_tokens, min_tokens, n, prio, sc, abort_at) in enumerate(w["reqs"]):
         group = PromptGroup(n) if n > 1 else None
@@ -646,7 +693,9 @@ def test_random_workloads_finish_with_scripted_outputs(w):
             sched.add_request(req)
             if abort_at is not None:
                 aborts.setdefault(abort_at, []).append(rid)
-    runner = FakeRunner(sched, script)
+    runner = FakeRunner(sched, script, propose)
+    if runner_ref is not None:
+        runner_ref.append(runner)
     bm = sched.block_manager
     for step in range(2000):
         if not sched.has_unfinished_requests():
@@ -657,7 +706,11 @@ def test_random_workloads_finish_with_scripted_outputs(w):
         assert sched.num_running <= w["max_num_seqs"]
         assert bm.num_free_blocks + num_referenced(sched) == bm.num_blocks
         for r in sched.running:
-            assert len(bm.block_ids(r.request_id)) == bm.blocks_needed(r.num_computed_tokens)
+            if propose is None:
+                assert len(bm.block_ids(r.request_id)) == bm.blocks_needed(r.num_computed_tokens)
+            else:  # rejected drafts and lookahead slots keep their blocks until the request ends
+                assert len(bm.block_ids(r.request_id)) >= bm.blocks_needed(r.num_computed_tokens)
+            assert r.num_output_tokens <= r.max_tokens
     else:
         raise AssertionError("workload did not finish (livelock?)")
     for req in reqs:

@@ -1,0 +1,170 @@
+"""W8: speculative decoding on input-grounded prompts (minivllm/bench/data/w8_prompts.json: 64
+prompts asking to summarise, edit, quote or translate a passage of 200-800 tokens), greedy, 256
+output tokens, batch 1 and batch 32, each proposer against no speculation; the same on vLLM.
+
+    minivllm bench spec --model HF_DIR [--methods none,ngram,suffix,layer_skip,draft_model,medusa]
+        [--draft-model DIR] [--medusa-model DIR] [--engine minivllm|vllm] [--output FILE]
+
+Batch 1 runs the first --batch1-prompts prompts one after another; batch 32 runs the prompts 32
+at a time. Figures per method: output tok/s, acceptance rate and mean acceptance length (from the
+engine's counters). vLLM runs in its own process (`--engine vllm`, vLLM importable), with the
+same token ids (the model's chat template applied here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+PROMPTS_PATH = os.path.join(os.path.dirname(__file__), "data", "w8_prompts.json")
+
+
+def method_configs(args) -> dict[str, dict | None]:
+    k = args.num_speculative_tokens
+    configs = {
+        "none": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+        "suffix": {"method": "suffix", "num_speculative_tokens": 2 * k},
+        "layer_skip": {"method": "layer_skip", "num_layers": args.layer_skip_layers, "num_speculative_tokens": k},
+        "draft_model": {"model": args.draft_model, "num_speculative_tokens": k} if args.draft_model else None,
+        "medusa": {"method": "medusa", "model": args.medusa_model, "num_speculative_tokens": k}
+        if args.medusa_model else None,
+    }
+    chosen = {}
+    for m in args.methods.split(","):
+        if m != "none" and configs.get(m) is None:
+            raise SystemExit(f"--methods: {m!r} needs its model flag or is unknown")
+        chosen[m] = configs[m]
+    return chosen
+
+
+def prompt_ids(model_dir: str, n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    with open(PROMPTS_PATH) as f:
+        prompts = json.load(f)[:n]
+    return [tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
+                                    tokenize=True) for p in prompts]
+
+
+def _engine(args, spec: dict | None):
+    common = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0)
+    if args.engine == "vllm":
+        from vllm import LLM
+        if spec is not None and "model" in spec and spec.get("method") is None:
+            spec = dict(spec, method="draft_model")
+        return LLM(**common, speculative_config=spec, gpu_memory_utilization=args.gpu_memory_utilization)
+    from minivllm import LLM
+    return LLM(**common, speculative_config=spec, gpu_memory_utilization=args.gpu_memory_utilization)
+
+
+def _params(engine: str, max_tokens: int):
+    if engine == "vllm":
+        from vllm import SamplingParams
+    else:
+        from minivllm import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _spec_counters(llm, engine: str) -> dict:
+    """(drafts, draft tokens, accepted tokens) so far."""
+    if engine == "minivllm":
+        s = llm.llm_engine.get_stats()
+        return {"drafts": s.spec_num_drafts, "draft_tokens": s.spec_num_draft_tokens,
+                "accepted": s.spec_num_accepted_tokens}
+    totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    try:
+        for m in llm.get_metrics():
+            if m.name in names:
+                totals[names[m.name]] += int(getattr(m, "value", 0))
+    except Exception:  # noqa: BLE001  (metrics API differences: report what we have)
+        pass
+    return totals
+
+
+def _timed(llm, engine: str, batches: list[list[list[int]]], params) -> dict:
+    before = _spec_counters(llm, engine)
+    t, tokens = time.perf_counter(), 0
+    for batch in batches:
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    seconds = time.perf_counter() - t
+    after = _spec_counters(llm, engine)
+    d = {k: after[k] - before[k] for k in after}
+    return {"output_tokens": tokens, "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1),
+            "acceptance_rate": round(d["accepted"] / d["draft_tokens"], 4) if d["draft_tokens"] else None,
+            "mean_acceptance_length": round(1 + d["accepted"] / d["drafts"], 3) if d["drafts"] else None}
+
+
+def run(args) -> dict:
+    prompts = prompt_ids(args.model, args.num_prompts)
+    params = _params(args.engine, args.max_tokens)
+    results = {}
+    for name, spec in method_configs(args).items():
+        llm = _engine(args, spec)
+        llm.generate([{"prompt_token_ids": prompts[0]}], _params(args.engine, 8), use_tqdm=False)  # warm-up
+        one = [[p] for p in prompts[:args.batch1_prompts]]
+        many = [prompts[i:i + 32] for i in range(0, len(prompts), 32)]
+        results[name] = {"batch1": _timed(llm, args.engine, one, params),
+                         "batch32": _timed(llm, args.engine, many, params), "config": spec}
+        print(json.dumps({"method": name, **results[name]}), flush=True)
+        del llm
+        _free()
+    return {"workload": "W8", "engine": args.engine, "model": args.model, "num_prompts": len(prompts),
+            "max_tokens": args.max_tokens, "results": results}
+
+
+def _free() -> None:
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a Hugging Face directory with a tokenizer (the target)")
+    p.add_argument("--engine", default="minivllm", choices=["minivllm", "vllm"])
+    p.add_argument("--methods", default="none,ngram,suffix,layer_skip")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--medusa-model", default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--layer-skip-layers", type=int, default=10)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--batch1-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--output", default=None)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("spec", help="W8: speculative decoding on input-grounded prompts")
+    add_args(p)
+    p.set_defaults(bench_func=cmd_spec)
+
+
+def cmd_spec(args) -> int:
+    out = run(args)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(out, f, indent=1)
+    print(json.dumps(out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m minivllm.bench.spec_bench ... (the vLLM peer runs this way, in its own process)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_args(p)
+    return cmd_spec(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
