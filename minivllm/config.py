@@ -42,6 +42,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # explicit override of the block count (tests)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, per-tensor scales)
     calculate_kv_scales: bool = False  # fp8: scales from the first step's K/V (else checkpoint or 1.0)
+    prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (core/block_hash.py)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
+    cache_salt: str | None = None  # tenant key: only requests with the same salt share cached blocks
     first_scheduled_time: float | None = None
     # speculative decoding: tokens proposed for the next step (never part of all_token_ids, never
     # hashed); dropped on preemption

@@ -109,14 +109,18 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._prefill_left = limits.max_num_batched_tokens  # prompt tokens the step being scheduled may still take
         self._finished_since_last_step: set[str] = set()
+        self._requeued_since_last_step: set[str] = set()  # requeue(): the runner drops their state
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        # prompt + max_tokens of every unfinished request: what the engine may still have to hold
+        self.tokens_in_flight = 0
 
     # ---- requests in and out --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         self.requests[req.request_id] = req
+        self.tokens_in_flight += req.num_prompt_tokens + req.max_tokens
         self.waiting.push(req)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -138,7 +142,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.block_manager.free(req)
-        self.requests.pop(req.request_id, None)
+        if self.requests.pop(req.request_id, None) is not None:
+            self.tokens_in_flight -= req.num_prompt_tokens + req.max_tokens
         if req.group is not None:
             req.group.prompt_computed = True  # never leave siblings waiting on a finished leader
         if req.request_id in self._sent_to_runner:
@@ -166,6 +171,8 @@ class Scheduler:
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         out.num_scheduled_tokens = sum(len(s.token_ids) for s in out.scheduled)
+        out.preempted_req_ids |= self._requeued_since_last_step
+        self._requeued_since_last_step = set()
         return out
 
     def _prefill_cap(self) -> int:
@@ -316,9 +323,21 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+    def requeue(self, req_ids: Iterable[str]) -> list[str]:
+        """Send running requests back to the waiting queue to be recomputed (as a preemption): the
+        requests of a failed step that were not at fault. Returns the ids requeued."""
+        done = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                self._preempt(req, None)
+                done.append(req_id)
+        return done
+
+    def _preempt(self, req: Request, out: SchedulerOutput | None) -> int:
         """Free the request's blocks and queue it for recompute. Returns the tokens it had been
-        given earlier in this step (back to the budget)."""
+        given earlier in this step (back to the budget); out None: outside scheduling (requeue),
+        the next step's output tells the runner."""
         self.running.remove(req)
         self.block_manager.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -329,12 +348,14 @@ class Scheduler:
         self.num_preemptions += 1
         if req.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(req.request_id)
-            out.preempted_req_ids.add(req.request_id)
+            (out.preempted_req_ids if out is not None else self._requeued_since_last_step).add(req.request_id)
+        self.waiting.push_front(req)
+        if out is None:
+            return 0
         # a request preempted in the step it was scheduled in must not stay in the output
         given = sum(len(s.token_ids) for s in out.scheduled if s.req_id == req.request_id)
         out.scheduled = [s for s in out.scheduled if s.req_id != req.request_id]
         out.new_requests = [n for n in out.new_requests if n.req_id != req.request_id]
-        self.waiting.push_front(req)
         return given
 
     # ---- results of a step ----------------------------------------------------------------

@@ -43,6 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="with --kv-cache-dtype fp8: per-layer scales from the first step's K/V (else the "
                         "checkpoint's, or 1.0)")
+    g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
+                   help="block hash of the prefix cache: sha256 (default) or xxhash (faster, not cryptographic)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
@@ -52,7 +54,8 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
          "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
-         "calculate_kv_scales", "speculative_config"]
+         "calculate_kv_scales", "speculative_config",
+         "prefix_caching_hash_algo"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -80,6 +80,7 @@ def build_engine_config(
     gpu_memory_utilization: float = 0.9,
     kv_cache_memory_bytes: int | None = None,
     num_kv_blocks: int | None = None,
+    prefix_caching_hash_algo: str = "sha256",
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
     scheduling_policy: str = "fcfs",
@@ -140,8 +141,11 @@ def build_engine_config(
         served_name=served_model_name or source.name, arch=arch, dtype=dtype, load_format=load_format,
         max_model_len=max_model_len, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init,
         chat_template=chat_template, seed=seed, quantization=quant)
+    from minivllm.core.block_hash import block_hash_fn
+    block_hash_fn(prefix_caching_hash_algo)  # validates the name (and that xxhash is installed)
     cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks,
-                        kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8")
+                        kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8",
+                        prefix_caching_hash_algo=prefix_caching_hash_algo)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
     from minivllm.spec_decode.config import parse_speculative_config

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from minivllm.config import EngineConfig
 from minivllm.core.block_manager import BlockManager
+from minivllm.core.interfaces import RequestFault
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler, SchedulerLimits
 from minivllm.engine.gc_heap import freeze_startup_heap
@@ -45,6 +46,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    tokens_in_flight: int = 0  # prompt + max_tokens of every unfinished request (admission control)
     # MoE models: tokens routed to each expert, summed over the layers (refreshed about once a
     # second, runner/expert_counts.py); None for dense models
     expert_token_counts: tuple[int, ...] | None = None
@@ -63,8 +65,13 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model)
         from minivllm.executor import make_executor
         self.executor = make_executor(config, model)
+        from minivllm.engine.faults import FaultInjection
+        faults = FaultInjection.from_env()  # the soak suite's, off unless MINIVLLM_FAULT_INJECTION is set
+        if faults is not None:
+            faults.install(self.executor)
         num_blocks = self.executor.num_blocks
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                          config.cache.prefix_caching_hash_algo)
         s, spec = config.scheduler, config.speculative
         self.scheduler = Scheduler(SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
                                                    s.policy, s.enable_chunked_prefill,
@@ -119,7 +126,7 @@ class LLMEngine:
         max_tokens = validate_prompt(parsed.token_ids, params, self.config.model.arch.vocab_size,
                                      self.max_model_len, self.block_manager.num_blocks * self.config.cache.block_size)
         reqs = make_sample_requests(request_id, parsed.token_ids, params, max_tokens, self.eos_token_ids,
-                                    priority, arrival_time)
+                                    priority, arrival_time, parsed.cache_salt)
         self.output_processor.add_request(request_id, parsed.text, parsed.token_ids, params,
                                           [r.request_id for r in reqs], reqs[0].arrival_time)
         for r in reqs:
@@ -184,9 +191,8 @@ class LLMEngine:
         t = time.perf_counter()
         try:
             return sched, self.executor.launch(sched)
-        except Exception:
-            logger.exception("model step failed; failing the step's requests")
-            self._aborted_outputs += self._fail_scheduled(sched)
+        except Exception as e:
+            self._aborted_outputs += self._fail_scheduled(sched, e)
             return None
         finally:
             self._add_time("launch", t)
@@ -197,9 +203,8 @@ class LLMEngine:
         t = time.perf_counter()
         try:
             result = self.executor.finish(launched)
-        except Exception:
-            logger.exception("model step failed; failing the step's requests")
-            return self._fail_scheduled(sched), False
+        except Exception as e:
+            return self._fail_scheduled(sched, e), False
         t = self._add_time("wait", t)
         updates = self.scheduler.update(sched, result)
         self._count_tokens(updates)
@@ -221,12 +226,24 @@ class LLMEngine:
             if u.request.num_output_tokens == len(u.new_token_ids):  # its first token: prompt done
                 self.prompt_tokens_total += u.request.num_prompt_tokens
 
-    def _fail_scheduled(self, sched) -> list[RequestOutput]:
+    def _fail_scheduled(self, sched, error: BaseException | None = None) -> list[RequestOutput]:
+        """A step raised: its requests end with "error", or, when the fault was some requests'
+        own (RequestFault), those alone do and the others are recomputed. Either way the blocks
+        the step was to write are unpublished first (their hashes were registered when it was
+        scheduled) and freed with their requests."""
         reqs = self.scheduler.requests
         for s in sched.scheduled:  # their new K/V was never written: unpublish those blocks
             if s.req_id in reqs:
                 self.block_manager.forget_unwritten(reqs[s.req_id], s.num_computed_tokens)
         children = [s.req_id for s in sched.scheduled]
+        if isinstance(error, RequestFault):
+            culprits = set(error.req_ids)
+            logger.warning("a step failed for requests %s (%s); the step's %d others are recomputed",
+                           sorted(culprits), error, len(children) - len(culprits & set(children)))
+            self.scheduler.requeue([c for c in children if c not in culprits])
+            children = [c for c in children if c in culprits]
+        elif error is not None:
+            logger.error("model step failed; failing the step's %d requests", len(children), exc_info=error)
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
         return self.output_processor.finish_children(children, "error")
 
@@ -236,7 +253,7 @@ class LLMEngine:
                            bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
                            self.prompt_tokens_total, self.generation_tokens_total, spec.num_drafts,
                            spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_pos),
-                           self.executor.expert_token_counts())
+                           self.scheduler.tokens_in_flight, self.executor.expert_token_counts())
 
     def _log_spec_stats(self) -> None:
         """Every SPEC_LOG_INTERVAL_S with speculative decoding: the acceptance since the last line."""

@@ -56,6 +56,8 @@ class SamplingFields(OpenAIModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    # vLLM's tenant key for the prefix cache: only requests with the same salt share cached blocks
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
 
 class CompletionRequest(SamplingFields):

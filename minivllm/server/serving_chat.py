@@ -74,7 +74,8 @@ class ServingChat(ServingBase):
         ids = chat_prompt_ids(self.engine.tokenizer, req.messages, req.add_generation_prompt,
                               req.continue_final_message)
         rid = new_id("chatcmpl")
-        streams = await self.submit(rid, [{"prompt_token_ids": ids}], params, req.priority, "messages")
+        streams = await self.submit(rid, [{"prompt_token_ids": ids}], params, req.priority, "messages",
+                                    req.cache_salt)
         created = int(time.time())
         if req.stream:
             return StreamingResponse(sse_body(self._stream(req, streams[0], rid, model, created), streams),

@@ -54,7 +54,7 @@ class ServingCompletion(ServingBase):
         params = completion_params(req, self.engine.config.model.arch.vocab_size)
         prompts = engine_prompts(req.prompt)
         rid = new_id("cmpl")
-        streams = await self.submit(rid, prompts, params, req.priority, "prompt")
+        streams = await self.submit(rid, prompts, params, req.priority, "prompt", req.cache_salt)
         created = int(time.time())
         if req.stream:
             body = sse_body(self._stream(req, streams, rid, model, created), streams)
