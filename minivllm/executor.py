@@ -15,6 +15,7 @@ class UniProcExecutor:
         self.num_blocks = self.runner.init_kv_cache()
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_kernels()
+        self.runner.expert_counts.reset()  # count requests' tokens only, not the startup passes
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(sched)
@@ -32,6 +33,11 @@ class UniProcExecutor:
 
     def finish(self, launched) -> RunnerOutput:
         return self.runner.finish(launched)
+
+    def expert_token_counts(self) -> tuple[int, ...] | None:
+        """A MoE model's tokens routed to each expert (summed over its layers), as of up to a
+        second ago; None for a dense model."""
+        return self.runner.expert_counts.latest
 
     def shutdown(self) -> None:
         pass

@@ -48,6 +48,9 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
     tokens_in_flight: int = 0  # prompt + max_tokens of every unfinished request (admission control)
+    # MoE models: tokens routed to each expert, summed over the layers (refreshed about once a
+    # second, runner/expert_counts.py); None for dense models
+    expert_token_counts: tuple[int, ...] | None = None
 
 
 class LLMEngine:
@@ -291,7 +294,7 @@ class LLMEngine:
                            bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
                            self.prompt_tokens_total, self.generation_tokens_total, spec.num_drafts,
                            spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_pos),
-                           self.scheduler.tokens_in_flight)
+                           self.scheduler.tokens_in_flight, self.executor.expert_token_counts())
 
     def _log_spec_stats(self) -> None:
         """Every SPEC_LOG_INTERVAL_S with speculative decoding: the acceptance since the last line."""

@@ -20,6 +20,7 @@ from minivllm.config import EngineConfig
 from minivllm.core.interfaces import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
 from minivllm.models.llama import CausalLM
 from minivllm.models.loader import build_model
+from minivllm.runner.expert_counts import ExpertCountsReader
 from minivllm.runner.input_batch import StepInputs, build_step_inputs
 from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, format_bytes
 from minivllm.runner.memory import plan_num_blocks
@@ -82,6 +83,7 @@ class ModelRunner:
         # the first real step runs eagerly and calibrates the FP8 KV scales (calculate_kv_scales)
         self._calibrate_kv_pending = config.cache.calculate_kv_scales
         self.timings: dict[str, float] = {}
+        self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
 
     # ---- startup --------------------------------------------------------------------------
     def load_model(self, model: CausalLM | None = None) -> None:
@@ -95,6 +97,7 @@ class ModelRunner:
             backend = get_attention_backend(self.config.attention_backend)
             self.model = build_model(self.config.model, backend, self.device, self.dtype)
             self.setup_cpu_model(self.model)
+        self.expert_counts = ExpertCountsReader(self.model, self.device)
         if self.config.speculative is not None:
             from minivllm.spec_decode import make_speculator
             self.speculator = make_speculator(self.config.speculative, self)
@@ -361,6 +364,7 @@ class ModelRunner:
 
     def finish(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and return its sampled tokens (and logprobs) as plain data."""
+        self.expert_counts.poll()
         if not step.req_ids:
             return RunnerOutput([], [])
         if step.spec is not None:
