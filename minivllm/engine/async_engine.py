@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.engine.llm_engine import EngineStats, LLMEngine
+from minivllm.engine.step_history import StepHistory
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -116,8 +117,10 @@ class EngineClient:
     """What AsyncEngine and MPAsyncEngine share around their own add_request/abort: the output
     iterator, the stats snapshot, acceptance, and the output observers."""
 
-    def __init__(self, stats: EngineStats) -> None:
+    def __init__(self, stats: EngineStats, history: StepHistory) -> None:
         self._stats = stats  # replaced whole by the engine side; read from any thread
+        # per-step statistics (engine/step_history.py): the engine's own ring, or a mirror of it
+        self.history = history
         self._observers: list[OutputObserver] = []
         self._observers_lock = threading.Lock()
         self._accepting = True
@@ -156,6 +159,10 @@ class EngineClient:
         """The engine's counters as of its last step (a snapshot; never blocks on a step)."""
         return self._stats
 
+    def set_block_map_interval(self, interval_s: float | None) -> None:
+        """Have the engine take a KV block map into `history` every interval_s (None: never)."""
+        raise NotImplementedError
+
     @property
     def is_accepting(self) -> bool:
         return self._accepting and self.dead_error is None
@@ -184,7 +191,7 @@ class AsyncEngine(EngineClient):
     """Thread-safe, asyncio-facing wrapper of one LLMEngine (see the module docstring)."""
 
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 1.0, own_engine: bool = True) -> None:
-        super().__init__(engine.get_stats())
+        super().__init__(engine.get_stats(), engine.history)
         self.engine = engine
         self._own_engine = own_engine  # shutdown() also shuts the LLMEngine down
         self._cond = threading.Condition()
@@ -256,6 +263,9 @@ class AsyncEngine(EngineClient):
         """Requests submitted but not yet handed to the engine (they will wait too)."""
         with self._cond:
             return sum(isinstance(c, _Add) for c in self._commands)
+
+    def set_block_map_interval(self, interval_s: float | None) -> None:
+        self.engine.history.block_map_interval_s = interval_s  # (one attribute: read once per step)
 
     def pause(self) -> None:
         """Stops stepping (requests are still accepted and wait); resume() continues."""

@@ -193,6 +193,7 @@ class EngineCore:
     """The command/step loop around one LLMEngine (the engine thread of AsyncEngine, as a process)."""
 
     IDLE_WAIT_S = 1.0
+    HISTORY_SEND_S = 0.1  # new step records go to the HTTP process at most this often
 
     def __init__(self, engine, cmd_conn, out_conn) -> None:
         self.engine = engine
@@ -202,6 +203,7 @@ class EngineCore:
         self.paused = False
         self.stopping = False
         self.drain_deadline: float | None = None  # monotonic; abort everything left after it
+        self._history_sent = (0, 0.0)  # next step to send, monotonic time of the last send
 
     def run(self) -> None:
         self.out.put(("ready", self.engine.startup_s, self.engine.get_stats()))
@@ -216,6 +218,8 @@ class EngineCore:
                     self.out.put(("added", added, self.engine.get_stats()))
                 if self.engine.has_unfinished_requests() and not self.paused:
                     self._step()
+                else:
+                    self._send_history(force=True)  # the last steps before going idle
         except BaseException as e:  # noqa: BLE001 - report whatever killed the loop
             logger.exception("engine core died")
             self.out.put(("dead", f"{type(e).__name__}: {e}"))
@@ -232,8 +236,21 @@ class EngineCore:
         outputs = self.engine.step()
         t1 = time.perf_counter()
         self.out.put(("out", [pack_output(o) for o in outputs], self.engine.get_stats()))
+        self._send_history(force=not self.engine.has_unfinished_requests())
         if self.step_log is not None:
             self.step_log.write(t0, time.perf_counter(), {"pack": time.perf_counter() - t1, **self.engine.last_step})
+
+    def _send_history(self, force: bool = False) -> None:
+        """The step records since the last send (with the latest batch and block map), at most
+        every HISTORY_SEND_S: one message per interval, whatever the step rate."""
+        next_step, last = self._history_sent
+        now = time.monotonic()
+        history = self.engine.history
+        if history.next_step == next_step or (now - last < self.HISTORY_SEND_S and not force):
+            return
+        snap = history.since(next_step)
+        self.out.put(("steps", snap.records, snap.last_batch, snap.block_map))
+        self._history_sent = (history.next_step, now)
 
     def _wait_s(self) -> float:
         if self.drain_deadline is None:
@@ -249,6 +266,8 @@ class EngineCore:
                 added.append((cmd[1], self._add(*cmd[1:])))
             elif kind == "abort":
                 self.engine.abort_request(cmd[1])
+            elif kind == "block_map":  # the dashboard wants the KV block map every cmd[1] s
+                self.engine.history.block_map_interval_s = cmd[1]
             elif kind == "pause":
                 self.paused = True
             elif kind == "resume":

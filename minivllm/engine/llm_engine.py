@@ -20,6 +20,7 @@ from minivllm.engine.input_processor import (
     validate_prompt,
 )
 from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.step_history import StepHistory
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured.manager import StructuredOutputManager
@@ -95,6 +96,8 @@ class LLMEngine:
         # host seconds of the last step's phases (schedule, launch, wait = blocked on the device,
         # update, outputs) and its size; cheap, always on (read by the probes and the step log)
         self.last_step: dict[str, float] = {}
+        # per-step statistics (batch composition, queue, KV use) for the dashboard, /load, timelines
+        self.history = StepHistory()
         self._spec_logged = (time.monotonic(), (0, 0, 0))  # when, and the counters then
         freeze_startup_heap()  # later full GC passes skip the model, the KV blocks, the imports
         self.startup_s = time.perf_counter() - t0
@@ -169,6 +172,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
                           "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
+        if not sched.is_empty:
+            self.history.record(sched, self.scheduler, self.block_manager, self.generation_tokens_total)
         if self._inflight is not None and self._needs_sync(sched):
             outputs += self._take_inflight(sched)
         launched = self._launch(sched, outputs)

@@ -36,6 +36,7 @@ from minivllm.engine.async_engine import (
 )
 from minivllm.engine.engine_core_proc import PackedOutput, engine_core_main
 from minivllm.engine.input_processor import parse_prompt
+from minivllm.engine.step_history import StepHistory
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -73,7 +74,7 @@ class MPAsyncEngine(EngineClient):
         self._requests: dict[str, _Tracked] = {}
         self._stopped = False
         self.startup_s, stats = self._wait_ready(startup_timeout_s)
-        super().__init__(stats)
+        super().__init__(stats, StepHistory())  # filled from the engine core's "steps" messages
         self._receiver = threading.Thread(target=self._receive, name="minivllm-engine-receiver", daemon=True)
         self._receiver.start()
 
@@ -154,6 +155,9 @@ class MPAsyncEngine(EngineClient):
         with self._lock:
             return sum(t.future is not None for t in self._requests.values())
 
+    def set_block_map_interval(self, interval_s: float | None) -> None:
+        self._send(("block_map", interval_s))
+
     def pause(self) -> None:
         self._send(("pause",))
 
@@ -212,6 +216,8 @@ class MPAsyncEngine(EngineClient):
             if kind == "out":
                 self._stats = msg[2]
                 self._dispatch(msg[1])
+            elif kind == "steps":
+                self.history.add(msg[1], msg[2], msg[3])
             elif kind == "added":
                 self._stats = msg[2]
                 self._acknowledge(msg[1])

@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minivllm import __version__
 from minivllm.engine.async_engine import AsyncEngine, EngineDeadError
+from minivllm.server.dashboard import dashboard_router, load_router
 from minivllm.server.errors import JSONResponse, OpenAIError, bad_request, error_response, install_error_handlers
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import (
@@ -35,7 +36,8 @@ from minivllm.server.serving_completions import ServingCompletion
 
 logger = logging.getLogger(__name__)
 
-_OPEN_PATHS = ("/health", "/metrics", "/version", "/ping", "/openapi.json", "/docs", "/redoc")
+_OPEN_PATHS = ("/health", "/metrics", "/load", "/version", "/ping", "/openapi.json", "/docs", "/redoc")
+_QUERY_KEY_PATHS = ("/dashboard",)  # a browser's page load and EventSource send the key as ?api_key=
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
 
 
@@ -101,12 +103,20 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         got = dict(scope["headers"]).get(b"authorization", b"")
+        if scope["path"].startswith(_QUERY_KEY_PATHS) and not got:
+            got = b"Bearer " + _query_key(scope)
         if not secrets.compare_digest(got, self.expected):
             err = OpenAIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
                               code="invalid_api_key")
             await error_response(err)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def _query_key(scope: Scope) -> bytes:
+    from urllib.parse import parse_qs
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])
+    return values[0].encode("latin-1", "replace")
 
 
 @contextlib.asynccontextmanager
@@ -142,6 +152,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # outermost: before any parsing
     app.include_router(_openai_router())
     app.include_router(_utility_router())
+    app.include_router(load_router())
+    if settings.enable_dashboard:
+        app.include_router(dashboard_router())
     return app
 
 

@@ -58,6 +58,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     from minivllm.server.tool_parsers import TOOL_PARSERS
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are written in the model's output")
+    g.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the live dashboard at /dashboard (behind --api-key; --no-dashboard turns it off)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -69,7 +71,8 @@ def server_settings(args: argparse.Namespace):
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           max_body_bytes=args.max_request_body_bytes, max_prompts_per_request=args.max_prompts_per_request,
                           max_n=args.max_n, max_stop_sequences=args.max_stop_sequences,
-                          max_logit_bias=args.max_logit_bias, max_tokens_in_flight=args.max_tokens_in_flight)
+                          max_logit_bias=args.max_logit_bias, max_tokens_in_flight=args.max_tokens_in_flight,
+                          enable_dashboard=args.dashboard)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from prometheus_client.utils import floatToGoString
 
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.outputs import RequestOutput
+from minivllm.server.live_stats import RecentLatencies
 
 # vLLM's buckets
 _TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -55,6 +56,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._progress: dict[str, _Progress] = {}  # engine thread only
+        self.recent = RecentLatencies()  # the same latencies per second, for the dashboard and /load
         self._make_request_metrics(engine.max_model_len)
         self.registry.register(_EngineStatsCollector(engine, model_name))
         engine.add_output_observer(self.observe)
@@ -97,15 +99,19 @@ class ServerMetrics:
             if n > p.num_tokens:
                 m = out.metrics
                 if p.last_token_time is None and m is not None and m.first_token_time is not None:
-                    self.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))
+                    ttft = max(m.first_token_time - m.arrival_time, 0.0)
+                    self.ttft.observe(ttft)
+                    self.recent.add_ttft(now, ttft)
                 elif p.last_token_time is not None:
                     self.itl.observe(now - p.last_token_time)
+                    self.recent.add_itl(now, now - p.last_token_time)
                 p.num_tokens, p.last_token_time = n, now
             if out.finished:
                 self._finish(out, now)
 
     def _finish(self, out: RequestOutput, now: float) -> None:
         self._progress.pop(out.request_id, None)
+        self.recent.add_finished(now)
         m = out.metrics
         if m is not None:
             self.e2e.observe(max((m.finished_time or now) - m.arrival_time, 0.0))

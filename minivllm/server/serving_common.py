@@ -38,6 +38,8 @@ class ServerSettings:
     max_stop_sequences: int = 16
     max_logit_bias: int = 1024
     max_tokens_in_flight: int | None = None  # prompt + max_tokens of all unfinished requests; None: no cap
+    enable_dashboard: bool = True  # GET /dashboard and /dashboard/events (--no-dashboard)
+    dashboard_interval_s: float = 0.5  # how often the dashboard's event stream sends an update
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:

@@ -1,0 +1,89 @@
+"""StepHistory: the per-step ring buffer the engine fills (prefill/decode split, queue, KV use,
+block map), driven by the real scheduler with hand-made runner outputs (no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm.core.interfaces import RunnerOutput
+from minivllm.engine.step_history import CACHED, FREE, StepHistory, take_block_map
+from tests.unit.test_scheduler import make_req, make_sched
+
+
+def _step(sched, history: StepHistory):
+    out = sched.schedule()
+    history.record(out, sched, sched.block_manager, 0)
+    sampled = [s.req_id for s in out.scheduled if s.samples]
+    sched.update(out, RunnerOutput(sampled, [[7] for _ in sampled]))
+    return out
+
+
+def test_records_prefill_then_decode_split_and_queue():
+    sched = make_sched(num_blocks=64, block_size=4, max_num_seqs=2, budget=16)
+    for i in range(3):
+        sched.add_request(make_req(f"r{i}", list(range(10 + i)), max_tokens=4))
+    h = StepHistory(capacity=100)
+    _step(sched, h)
+    first = h.latest()
+    # r0 (10 tokens) and 6 tokens of r1's prompt; r2 waits: max_num_seqs 2
+    assert (first.step, first.num_seqs, first.num_tokens) == (0, 2, 16)
+    assert (first.prefill_tokens, first.decode_tokens) == (16, 0)
+    assert (first.num_running, first.num_waiting, first.token_budget) == (2, 1, 16)
+    assert first.kv_used_blocks == 3 + 2 and first.num_blocks == 64
+    assert h.since(0).last_batch == [("r0", 10, 0), ("r1", 6, 0)]
+    _step(sched, h)  # r0 decodes one token, r1 finishes its prompt (5 tokens)
+    second = h.latest()
+    assert (second.step, second.prefill_tokens, second.decode_tokens) == (1, 5, 1)
+    assert h.since(0).last_batch == [("r0", 0, 1), ("r1", 5, 0)]
+    assert [r.step for r in h.since(1).records] == [1]
+    assert [r.step for r in h.since(0).records] == [0, 1]
+
+
+def test_ring_keeps_the_newest_and_since_counts_from_the_engine_step():
+    h = StepHistory(capacity=3)
+    sched = make_sched()
+    sched.add_request(make_req("a", [1, 2, 3], max_tokens=10))
+    for _ in range(5):
+        _step(sched, h)
+    assert [r.step for r in h.since(0).records] == [2, 3, 4]
+    assert [r.step for r in h.since(4).records] == [4]
+    assert h.since(5).records == []
+    assert [r.step for r in h.since(0, limit=2).records] == [3, 4]
+    h.set_capacity(10)
+    assert [r.step for r in h.since(0).records] == [2, 3, 4] and h.capacity == 10
+    with pytest.raises(ValueError, match="capacity"):
+        h.set_capacity(0)
+
+
+def test_mirror_gets_the_same_records():
+    src, mirror = StepHistory(), StepHistory()
+    sched = make_sched()
+    sched.add_request(make_req("a", [1, 2, 3], max_tokens=5))
+    for _ in range(3):
+        _step(sched, src)
+    snap = src.since(mirror.next_step)
+    mirror.add(snap.records, snap.last_batch, snap.block_map)
+    assert mirror.since(0).records == src.since(0).records and mirror.next_step == 3
+
+
+def test_block_map_shows_owners_cached_and_free_blocks():
+    sched = make_sched(num_blocks=16, block_size=4, caching=True)
+    sched.add_request(make_req("a", list(range(9)), max_tokens=2))  # 3 blocks, 2 full (hashed)
+    h = StepHistory(block_map_interval_s=0.0)
+    _step(sched, h)
+    m = h.since(0).block_map
+    assert m.num_blocks == 16 and m.blocks_per_cell == 1 and m.legend == ["a"]
+    assert sorted(c for c in m.cells if c != FREE) == [2, 2, 2]
+    sched.finish_requests(["a"], sched.requests["a"].status.FINISHED_ABORTED)
+    m = take_block_map(sched.block_manager, 0.0)
+    assert m.legend == [] and m.cells.count(CACHED) == 2 and m.cells.count(FREE) == 14
+    big = take_block_map(make_sched(num_blocks=5000).block_manager, 0.0, max_cells=1000)
+    assert big.blocks_per_cell == 5 and len(big.cells) == 1000
+
+
+def test_no_block_map_unless_asked():
+    h = StepHistory()
+    sched = make_sched()
+    sched.add_request(make_req("a", [1, 2, 3]))
+    _step(sched, h)
+    assert h.since(0).block_map is None
