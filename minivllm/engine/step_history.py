@@ -89,7 +89,9 @@ class StepHistory:
     def __init__(self, capacity: int = DEFAULT_CAPACITY, block_map_interval_s: float | None = None) -> None:
         self._ring: deque[StepRecord] = deque(maxlen=capacity)
         self._lock = threading.Lock()
-        self._last_batch: list[tuple[str, int, int]] = []
+        # the latest step's ScheduledRequests (engine side; not changed after scheduling) or, in
+        # a mirror, its composition as sent
+        self._last_batch: list = []
         self._block_map: BlockMap | None = None
         self.block_map_interval_s = block_map_interval_s  # None: never take one
         self._next_map_t = 0.0
@@ -113,17 +115,12 @@ class StepHistory:
     # ---- engine side --------------------------------------------------------------------------
     def record(self, sched, scheduler, block_manager, generation_tokens_total: int) -> None:
         """One step, just scheduled (sched: SchedulerOutput)."""
-        prefill = decode = 0
-        batch: list[tuple[str, int, int]] = []
-        for s in sched.scheduled:
+        decode = 0
+        for s in sched.scheduled:  # the one pass over the batch (the composition is built when read)
             n = len(s.token_ids)
-            is_decode = s.samples and n - s.num_draft_tokens == 1  # one known token, and it samples
-            if is_decode:
+            if s.samples and n - s.num_draft_tokens == 1:  # one known token, and it samples: decoding
                 decode += n
-            else:
-                prefill += n
-            if len(batch) < MAX_BATCH_ENTRIES:
-                batch.append((s.req_id, 0 if is_decode else n, n if is_decode else 0))
+        prefill = sched.num_scheduled_tokens - decode
         bm, spec, now = block_manager, scheduler.spec_stats, time.time()
         rec = StepRecord(self._next_step, now, len(sched.scheduled), sched.num_scheduled_tokens, prefill, decode,
                          scheduler.limits.max_num_batched_tokens, scheduler.num_running, scheduler.num_waiting,
@@ -134,7 +131,7 @@ class StepHistory:
         if self.block_map_interval_s is not None and now >= self._next_map_t:
             self._next_map_t = now + self.block_map_interval_s
             block_map = take_block_map(block_manager, now)
-        self.add([rec], batch, block_map)
+        self.add([rec], sched.scheduled, block_map)
 
     # ---- both sides ---------------------------------------------------------------------------
     def add(self, records: list[StepRecord], last_batch: list[tuple[str, int, int]] | None,
@@ -156,7 +153,7 @@ class StepHistory:
             batch, block_map = self._last_batch, self._block_map
         if limit is not None:
             records = records[-limit:]
-        return HistorySnapshot(records, batch, block_map)
+        return HistorySnapshot(records, batch_composition(batch), block_map)
 
     def latest(self) -> StepRecord | None:
         with self._lock:
@@ -165,6 +162,20 @@ class StepHistory:
     @property
     def next_step(self) -> int:
         return self._next_step
+
+
+def batch_composition(scheduled: list) -> list[tuple[str, int, int]]:
+    """[(request id, prefill tokens, decode tokens)] of a step's first MAX_BATCH_ENTRIES
+    requests; a composition already built passes through."""
+    out = []
+    for s in scheduled[:MAX_BATCH_ENTRIES]:
+        if isinstance(s, tuple):
+            out.append(s)
+            continue
+        n = len(s.token_ids)
+        is_decode = s.samples and n - s.num_draft_tokens == 1
+        out.append((s.req_id, 0 if is_decode else n, n if is_decode else 0))
+    return out
 
 
 def take_block_map(block_manager, now: float, max_cells: int = MAX_MAP_CELLS) -> BlockMap:
