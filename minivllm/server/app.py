@@ -33,6 +33,7 @@ from minivllm.server.protocol import (
 from minivllm.server.serving_chat import ServingChat, chat_prompt_ids
 from minivllm.server.serving_common import ServerSettings, ServingBase
 from minivllm.server.serving_completions import ServingCompletion
+from minivllm.server.status_log import log_status_forever
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,13 @@ def _query_key(scope: Scope) -> bytes:
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI):
-    yield
     state: ServerState = app.state.minivllm
+    status = None
+    if state.settings.status_log_interval_s:
+        status = asyncio.create_task(log_status_forever(state.engine, state.settings.status_log_interval_s))
+    yield
+    if status is not None:
+        status.cancel()
     state.metrics.close()
     if state.settings.own_engine:
         await asyncio.to_thread(state.engine.shutdown, state.settings.shutdown_grace_s)

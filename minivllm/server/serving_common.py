@@ -40,6 +40,7 @@ class ServerSettings:
     max_tokens_in_flight: int | None = None  # prompt + max_tokens of all unfinished requests; None: no cap
     enable_dashboard: bool = True  # GET /dashboard and /dashboard/events (--no-dashboard)
     dashboard_interval_s: float = 0.5  # how often the dashboard's event stream sends an update
+    status_log_interval_s: float | None = 10.0  # the periodic engine status line (None: off)
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
