@@ -18,6 +18,7 @@ import time
 
 from minivllm.bench import workloads
 from minivllm.bench.common import cpu_name, emit, envelope, log, param_bytes
+from minivllm.bench.observe import add_observe_args, observe_run
 
 
 def _decode_rate(t1s: list[float], tns: list[float], n: int) -> dict:
@@ -38,13 +39,14 @@ def _minivllm(args) -> tuple[dict, workloads.Workload]:
     params = [SamplingParams(**p) for p in wl.params]
     llm.generate([wl.prompt_inputs()[0]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     walls = []
-    for _ in range(args.batch_reps):  # each from an empty prefix cache: the prompts do not hit
-        llm.reset_prefix_cache()
-        t = time.perf_counter()
-        outs = llm.generate(wl.prompt_inputs(), params, use_tqdm=False)
-        walls.append(time.perf_counter() - t)
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        log(f"minivllm W5 batch: {n_out} tokens in {walls[-1]:.2f} s = {n_out / walls[-1]:.1f} tok/s")
+    with observe_run(args, llm.llm_engine, "W5 on SmolLM2-135M-Instruct (CPU)"):
+        for _ in range(args.batch_reps):  # each from an empty prefix cache: the prompts do not hit
+            llm.reset_prefix_cache()
+            t = time.perf_counter()
+            outs = llm.generate(wl.prompt_inputs(), params, use_tqdm=False)
+            walls.append(time.perf_counter() - t)
+            n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+            log(f"minivllm W5 batch: {n_out} tokens in {walls[-1]:.2f} s = {n_out / walls[-1]:.1f} tok/s")
     wall = statistics.median(walls)
     single = _single_stream(lambda p: llm.generate([wl.prompt_inputs()[0]], p, use_tqdm=False),
                             lambda n: SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n),
@@ -223,4 +225,5 @@ def add_parser(sub) -> None:
     c.add_argument("--skip-floor", action="store_true",
                    help="do not time the linear layers alone over W5's schedule (bench/cpu_floor.py)")
     c.add_argument("--output", default=None)
+    add_observe_args(c)
     c.set_defaults(bench_func=run_cpu_bench)

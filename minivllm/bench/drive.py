@@ -10,6 +10,7 @@ from collections.abc import Callable
 from minivllm.bench import model_dirs, workloads
 from minivllm.bench.common import (copy_bandwidth_in_subprocess, device_name, emit_all, envelope, log,
                                    quant_dir_config)
+from minivllm.bench.observe import observe_run
 from minivllm.bench.procedures import first_token_probe, run_latency, run_throughput
 
 AdapterFactory = Callable[[str, workloads.Workload], object]  # (model_dir, first workload) -> adapter
@@ -25,6 +26,18 @@ def load_workloads(args) -> tuple[list[workloads.Workload], dict]:
                          "or pass one --model-config")
     cfg = model_dirs.load_config(wls[0].model_config)
     return [wl.fit_vocab(cfg["vocab_size"]) for wl in wls], cfg
+
+
+def _engine(adapter):
+    """minivllm's LLMEngine (None for a peer's adapter)."""
+    return getattr(adapter, "engine_obj", None)
+
+
+def _uses_cuda(device: str) -> bool:
+    if device != "auto":
+        return device.startswith("cuda")
+    import torch
+    return torch.cuda.is_available()
 
 
 def _with_quant(settings: dict, args) -> dict:
@@ -48,7 +61,9 @@ def throughput(args: argparse.Namespace, engine: str, make_adapter: AdapterFacto
     probe = first_token_probe(adapter, cfg["vocab_size"])
     results, ok = [], True
     for wl in wls:
-        res = run_throughput(adapter, wl, args.repeats)
+        with observe_run(args, _engine(adapter), f"{wl.name} on {model_dirs.config_name(wl.model_config)}",
+                         _uses_cuda(device)):
+            res = run_throughput(adapter, wl, args.repeats)
         figures = dict(res["figures"], startup_s=adapter.startup_s,
                        launch_to_first_token_s=probe["launch_to_first_token_s"])
         ok = ok and figures["output_tokens_ok"]
@@ -74,7 +89,8 @@ def latency(args: argparse.Namespace, engine: str, make_adapter: AdapterFactory,
     adapter = make_adapter(model_dir, wl)
     log(f"{engine} {adapter.version} ready in {adapter.startup_s:.1f} s")
     probe = first_token_probe(adapter, cfg["vocab_size"])
-    res = run_latency(adapter, wl, args.reps)
+    with observe_run(args, _engine(adapter), f"{wl.name} on {model_dirs.config_name(wl.model_config)}", on_gpu):
+        res = run_latency(adapter, wl, args.reps)
     info = adapter.info()
     extra = adapter.extra_details() if hasattr(adapter, "extra_details") else {}
     adapter.close()

@@ -174,16 +174,19 @@ def _on_gpu(device: str) -> bool:
 
 def add_parsers(sub) -> None:
     from minivllm.bench.common import add_common_engine_args, add_workload_args
+    from minivllm.bench.observe import add_observe_args
     t = sub.add_parser("throughput", help="W1 / W1-8B / W4 offline throughput on dummy weights")
     add_workload_args(t, ["W1", "W1-8B", "W4", "W10"], "W1")
     add_common_engine_args(t)
     add_minivllm_engine_args(t)
+    add_observe_args(t)
     t.set_defaults(bench_func=cmd_throughput)
 
     lat = sub.add_parser("latency", help="W2 batch-1 latency: TTFT, decode tok/s, roofline share")
     add_workload_args(lat, ["W2", "W10-decode"], "W2")
     add_common_engine_args(lat)
     add_minivllm_engine_args(lat)
+    add_observe_args(lat)
     lat.add_argument("--reps", type=int, default=5, help="timed repetitions of each of T_1 and T_n")
     lat.add_argument("--no-bandwidth", action="store_true", help="skip the copy-bandwidth probe")
     lat.set_defaults(bench_func=cmd_latency)

@@ -20,6 +20,7 @@ from minivllm.engine.input_processor import (
     validate_prompt,
 )
 from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.profiler import EngineProfiler
 from minivllm.engine.step_history import StepHistory
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -98,6 +99,7 @@ class LLMEngine:
         self.last_step: dict[str, float] = {}
         # per-step statistics (batch composition, queue, KV use) for the dashboard, /load, timelines
         self.history = StepHistory()
+        self.profiler = EngineProfiler()  # torch-profiler traces on demand (/start_profile, --profile)
         self._spec_logged = (time.monotonic(), (0, 0, 0))  # when, and the counters then
         freeze_startup_heap()  # later full GC passes skip the model, the KV blocks, the imports
         self.startup_s = time.perf_counter() - t0
@@ -169,14 +171,16 @@ class LLMEngine:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         outputs += self._fail_broken_grammars()
         t = time.perf_counter()
-        sched = self.scheduler.schedule()
+        with self.profiler.phase("minivllm.schedule"):
+            sched = self.scheduler.schedule()
         self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
                           "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
         if not sched.is_empty:
             self.history.record(sched, self.scheduler, self.block_manager, self.generation_tokens_total)
         if self._inflight is not None and self._needs_sync(sched):
             outputs += self._take_inflight(sched)
-        launched = self._launch(sched, outputs)
+        with self.profiler.phase("minivllm.launch"):
+            launched = self._launch(sched, outputs)
         if self._inflight is not None:
             outputs += self._take_inflight(launched[0] if launched is not None else None)
         self._inflight = launched
@@ -248,14 +252,17 @@ class LLMEngine:
         sched, launched = inflight
         t = time.perf_counter()
         try:
-            result = self.executor.finish(launched)
+            with self.profiler.phase("minivllm.wait"):
+                result = self.executor.finish(launched)
         except Exception as e:
             return self._fail_scheduled(sched, e), False
         t = self._add_time("wait", t)
-        updates = self.scheduler.update(sched, result)
-        self._count_tokens(updates)
+        with self.profiler.phase("minivllm.update"):
+            updates = self.scheduler.update(sched, result)
+            self._count_tokens(updates)
         t = self._add_time("update", t)
-        new_outputs, stopped = self.output_processor.process(updates)
+        with self.profiler.phase("minivllm.outputs"):
+            new_outputs, stopped = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._add_time("outputs", t)
