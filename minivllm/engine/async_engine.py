@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.engine.llm_engine import EngineStats, LLMEngine
+from minivllm.engine.profiler import apply_profile_command
 from minivllm.engine.step_history import StepHistory
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -111,6 +112,7 @@ class _Add:
 class _Commands:
     adds: list[_Add] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    profile: list[tuple[str, str | None]] = field(default_factory=list)  # ("start" | "stop", directory)
 
 
 class EngineClient:
@@ -161,6 +163,11 @@ class EngineClient:
 
     def set_block_map_interval(self, interval_s: float | None) -> None:
         """Have the engine take a KV block map into `history` every interval_s (None: never)."""
+        raise NotImplementedError
+
+    def profile(self, action: str, directory: str | None = None) -> None:
+        """Starts ("start") or stops ("stop", writing the Chrome trace to `directory`) a
+        torch-profiler trace of the engine (and, in its own process, of the engine core)."""
         raise NotImplementedError
 
     @property
@@ -250,6 +257,13 @@ class AsyncEngine(EngineClient):
             if self._stop and not self._thread.is_alive():
                 return
             self._commands.append(("abort", request_id))
+            self._cond.notify()
+
+    def profile(self, action: str, directory: str | None = None) -> None:
+        """Starts ("start") or stops ("stop": the trace goes to `directory`) a torch-profiler
+        trace on the engine thread, between two steps."""
+        with self._cond:
+            self._commands.append(("profile", action, directory))
             self._cond.notify()
 
     def check_health(self) -> None:
@@ -347,6 +361,8 @@ class AsyncEngine(EngineClient):
         for c in items:
             if isinstance(c, _Add):
                 cmds.adds.append(c)
+            elif c[0] == "profile":
+                cmds.profile.append((c[1], c[2]))
             else:
                 cmds.aborts.append(c[1])
         return cmds
@@ -366,6 +382,8 @@ class AsyncEngine(EngineClient):
             self._apply_add(add)
         if cmds.aborts:
             self.engine.abort_request(cmds.aborts)
+        for action, directory in cmds.profile:
+            apply_profile_command(self.engine, action, directory)
 
     def _apply_add(self, add: _Add) -> None:
         rid = add.stream.request_id

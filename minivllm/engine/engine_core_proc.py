@@ -266,6 +266,9 @@ class EngineCore:
                 added.append((cmd[1], self._add(*cmd[1:])))
             elif kind == "abort":
                 self.engine.abort_request(cmd[1])
+            elif kind == "profile":
+                from minivllm.engine.profiler import apply_profile_command
+                apply_profile_command(self.engine, cmd[1], cmd[2])
             elif kind == "block_map":  # the dashboard wants the KV block map every cmd[1] s
                 self.engine.history.block_map_interval_s = cmd[1]
             elif kind == "pause":

@@ -158,6 +158,9 @@ class MPAsyncEngine(EngineClient):
     def set_block_map_interval(self, interval_s: float | None) -> None:
         self._send(("block_map", interval_s))
 
+    def profile(self, action: str, directory: str | None = None) -> None:
+        self._send(("profile", action, directory))  # the engine core traces itself and writes the file
+
     def pause(self) -> None:
         self._send(("pause",))
 

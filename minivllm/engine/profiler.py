@@ -9,8 +9,11 @@ read off the trace; when none runs, `phase` is a no-op (no torch call per step).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
+
+logger = logging.getLogger(__name__)
 
 _NO_PHASE = contextlib.nullcontext()
 
@@ -46,7 +49,8 @@ class EngineProfiler:
         prof.stop()
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.pt.trace.json")
-        prof.export_chrome_trace(path)
+        prof.export_chrome_trace(path + ".partial")
+        os.replace(path + ".partial", path)  # appears whole: a reader polling the directory never sees half a file
         return path
 
     def phase(self, name: str):
@@ -54,3 +58,15 @@ class EngineProfiler:
         if self._record_function is None:
             return _NO_PHASE
         return self._record_function(name)
+
+
+def apply_profile_command(engine, action: str, directory: str | None) -> None:
+    """On the engine's own thread; a start while one runs (or a stop without one) is logged, not raised."""
+    try:
+        if action == "start":
+            engine.profiler.start()
+            logger.info("torch profiler started")
+        else:
+            logger.info("torch profiler trace written to %s", engine.profiler.stop(directory or ".", "engine"))
+    except ValueError as e:
+        logger.warning("%s", e)

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minivllm import __version__
 from minivllm.engine.async_engine import AsyncEngine, EngineDeadError
-from minivllm.server.dashboard import dashboard_router, load_router
+from minivllm.server.dashboard import dashboard_router, load_router, profile_router
 from minivllm.server.errors import JSONResponse, OpenAIError, bad_request, error_response, install_error_handlers
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import (
@@ -161,6 +161,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     app.include_router(load_router())
     if settings.enable_dashboard:
         app.include_router(dashboard_router())
+    if settings.profile_dir:
+        app.include_router(profile_router())
     return app
 
 

@@ -60,6 +60,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="how tool calls are written in the model's output")
     g.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the live dashboard at /dashboard (behind --api-key; --no-dashboard turns it off)")
+    g.add_argument("--profile-dir", default=None,
+                   help="enable POST /start_profile and /stop_profile (vLLM's): torch-profiler Chrome traces "
+                        "of the engine core, written to this directory")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -72,7 +75,7 @@ def server_settings(args: argparse.Namespace):
                           max_body_bytes=args.max_request_body_bytes, max_prompts_per_request=args.max_prompts_per_request,
                           max_n=args.max_n, max_stop_sequences=args.max_stop_sequences,
                           max_logit_bias=args.max_logit_bias, max_tokens_in_flight=args.max_tokens_in_flight,
-                          enable_dashboard=args.dashboard)
+                          enable_dashboard=args.dashboard, profile_dir=args.profile_dir)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -75,6 +75,25 @@ def load_router() -> APIRouter:
     return r
 
 
+def profile_router() -> APIRouter:
+    """vLLM's profiler routes (present only with --profile-dir): the engine starts or stops a
+    torch-profiler trace between two steps; the trace appears in the directory once written."""
+    r = APIRouter()
+
+    @r.post("/start_profile")
+    async def start_profile(request: Request) -> Response:
+        request.app.state.minivllm.engine.profile("start")
+        return Response(status_code=200)
+
+    @r.post("/stop_profile")
+    async def stop_profile(request: Request) -> Response:
+        state = request.app.state.minivllm
+        state.engine.profile("stop", state.settings.profile_dir)
+        return Response(status_code=200)
+
+    return r
+
+
 def dashboard_router() -> APIRouter:
     """With --api-key the page and its events take the key as `?api_key=` (a browser's page load
     and EventSource send no Authorization header); see ApiKeyMiddleware."""

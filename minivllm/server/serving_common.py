@@ -41,6 +41,7 @@ class ServerSettings:
     enable_dashboard: bool = True  # GET /dashboard and /dashboard/events (--no-dashboard)
     dashboard_interval_s: float = 0.5  # how often the dashboard's event stream sends an update
     status_log_interval_s: float | None = 10.0  # the periodic engine status line (None: off)
+    profile_dir: str | None = None  # POST /start_profile and /stop_profile write torch traces here
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:

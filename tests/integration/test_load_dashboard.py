@@ -143,3 +143,19 @@ def test_dashboard_needs_the_key_and_can_be_off(server):
     with ServerThread(app) as srv:
         assert httpx.get(srv.base_url + "/dashboard").status_code == 404
         assert httpx.get(srv.base_url + "/load").status_code == 200
+
+
+def test_start_and_stop_profile_write_a_chrome_trace(server, tmp_path):
+    engine, _ = server
+    settings = ServerSettings(own_engine=False, profile_dir=str(tmp_path), status_log_interval_s=None)
+    with ServerThread(create_app(engine, settings)) as srv:
+        assert httpx.post(srv.base_url + "/start_profile").status_code == 200
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": [5] * 20, "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200
+        assert httpx.post(srv.base_url + "/stop_profile").status_code == 200
+        (trace,) = _until(lambda: list(tmp_path.glob("engine-*.pt.trace.json")), what="the trace file")
+        names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+        assert {"minivllm.schedule", "minivllm.launch"} <= names and any(str(n).startswith("aten::") for n in names)
+    app = create_app(engine, ServerSettings(own_engine=False))  # without --profile-dir: no such routes
+    with ServerThread(app) as srv:
+        assert httpx.post(srv.base_url + "/start_profile").status_code == 404
