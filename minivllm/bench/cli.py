@@ -7,6 +7,7 @@
     minivllm bench config-grid [--device cuda] [--quick]   (a differential test, not a timing)
     minivllm bench spec --model HF_DIR [--methods ...]      (W8, speculative decoding)
     minivllm bench soak [--requests 10000]                  (soak and fault suite: nothing lost)
+    minivllm bench tune --slo ttft_p99=500ms,itl_p99=50ms    (serving settings of most goodput under an SLO)
     minivllm bench invariance [--batch-invariant]           (one prompt under random load: distinct outputs)
 
 Every sub-command prints one JSON object (see minivllm.bench.common). The peers run through
@@ -20,7 +21,7 @@ import argparse
 
 
 def register(subparsers) -> None:
-    from minivllm.bench import config_grid, cpu_bench, invariance, run_minivllm, soak, spec_bench, startup
+    from minivllm.bench import config_grid, cpu_bench, invariance, run_minivllm, soak, spec_bench, startup, tune
     from minivllm.server.bench_serve import register_bench_serve
     b = subparsers.add_parser("bench", help="benchmarks: throughput, latency, startup, cpu, serve",
                               description="The standard workloads of BENCHMARKS.md on minivllm.")
@@ -35,6 +36,7 @@ def register(subparsers) -> None:
     soak.add_parser(sub)  # the soak and fault suite (issue 22)
     invariance.add_parser(sub)  # batch invariance under load (issue 22)
     register_bench_serve(sub)  # W3, against any OpenAI-compatible server
+    tune.add_parser(sub)  # the serving settings of most goodput under an SLO
     b.set_defaults(func=_dispatch)
 
 

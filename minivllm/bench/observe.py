@@ -52,3 +52,55 @@ def observe_run(args, engine, title: str, with_cuda: bool = False):
         if timeline is not None:
             from minivllm.bench.timeline import write_timeline
             log(f"timeline: {write_timeline(history.since(first).records, timeline, title)}")
+
+
+class ServerObserver:
+    """--timeline and --profile for a benchmark against a running minivllm server: the step
+    records come from its dashboard's event stream (/dashboard/events), the trace from its
+    /start_profile and /stop_profile (the server needs --profile-dir; the trace is written there)."""
+
+    def __init__(self, args, client, headers: dict[str, str]) -> None:
+        self.args, self.client, self.headers = args, client, headers
+        self.base = args.base_url.rstrip("/")
+        self.records: list[dict] = []
+        self._task = None
+
+    async def start(self) -> None:
+        import asyncio
+        import time
+        if getattr(self.args, "profile", False):
+            r = await self.client.post(self.base + "/start_profile", headers=self.headers)
+            if r.status_code != 200:
+                raise ValueError(f"--profile: POST /start_profile answered {r.status_code} (start the server with "
+                                 "--profile-dir DIR)")
+        if getattr(self.args, "timeline", None):
+            self._task = asyncio.create_task(self._collect(time.time()))
+
+    async def _collect(self, t0: float) -> None:
+        import json
+        key = self.args.api_key
+        url = self.base + "/dashboard/events" + (f"?api_key={key}" if key else "")
+        async with self.client.stream("GET", url, timeout=None) as r:
+            if r.status_code != 200:
+                log(f"--timeline: {url} answered {r.status_code} (a minivllm server with its dashboard on?)")
+                return
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    self.records += [s for s in json.loads(line[6:])["steps"] if s["t"] >= t0]
+
+    async def finish(self, title: str) -> None:
+        import asyncio
+        if self._task is not None:
+            await asyncio.sleep(2 * 0.5)  # the dashboard's last updates (it sends every 0.5 s)
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception) as e:  # noqa: BLE001 - the stream ends either way
+                if not isinstance(e, asyncio.CancelledError):
+                    log(f"--timeline: the event stream failed: {e!r}")
+            if self.records:
+                from minivllm.bench.timeline import write_timeline
+                log(f"timeline: {write_timeline(self.records, self.args.timeline, title)}")
+        if getattr(self.args, "profile", False):
+            await self.client.post(self.base + "/stop_profile", headers=self.headers)
+            log("profile: the server writes its trace to its --profile-dir")

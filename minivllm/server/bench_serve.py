@@ -24,6 +24,9 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from tqdm import tqdm
+
+from minivllm.bench.observe import ServerObserver, add_observe_args
 
 
 @dataclass
@@ -132,17 +135,25 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
                              args.vocab_size)
         offsets = arrival_offsets(len(work), args.request_rate, args.seed)
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        observer = ServerObserver(args, client, headers)
+        await observer.start()
+        bar = tqdm(total=len(work), desc="W3 requests", unit="req", disable=not args.progress, file=sys.stderr)
         t0 = time.perf_counter()
 
         async def launch(req: BenchRequest, at: float) -> RequestResult:
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
             if sem is None:
-                return await send_one(client, url, model, req, headers)
-            async with sem:
-                return await send_one(client, url, model, req, headers)
+                res = await send_one(client, url, model, req, headers)
+            else:
+                async with sem:
+                    res = await send_one(client, url, model, req, headers)
+            bar.update(1)
+            return res
 
         results = await asyncio.gather(*(launch(r, at) for r, at in zip(work, offsets)))
         duration = time.perf_counter() - t0
+        bar.close()
+        await observer.finish(f"W3 at {args.request_rate} req/s on {model}")
     return summarize(args, model, work, results, duration)
 
 
@@ -175,6 +186,7 @@ def summarize(args: argparse.Namespace, model: str, work: list[BenchRequest], re
     out_tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
     errors = [r.error for r in results if not r.ok]
+    goodput = parse_goodput(args.goodput) if getattr(args, "goodput", None) else None
     figures = {
         "requests_finished": len(ok), "requests_failed": len(results) - len(ok), "duration_s": duration,
         "output_tokens_per_s": out_tokens / duration if duration > 0 else None,
@@ -184,6 +196,10 @@ def summarize(args: argparse.Namespace, model: str, work: list[BenchRequest], re
         "tpot_ms": _stats(tpot, pct),
         "e2e_latency_ms": _stats([r.e2e for r in ok if r.e2e is not None], pct),
     }
+    if goodput is not None:  # requests/s that met every per-request target (vLLM's --goodput)
+        good = sum(meets_goodput(r, goodput) for r in ok)
+        figures["goodput_per_s"] = good / duration if duration > 0 else None
+        figures["goodput_requests"] = good
     return {
         "workload": "W3", "engine": args.engine_label, "model": model, "base_url": args.base_url,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv),
@@ -196,6 +212,34 @@ def summarize(args: argparse.Namespace, model: str, work: list[BenchRequest], re
         "figures": figures,
         "details": {"first_errors": errors[:5]},
     }
+
+
+GOODPUT_KEYS = ("ttft", "tpot", "e2el", "itl")  # vLLM's three, and ours: the request's p99 gap
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    """vLLM's --goodput KEY:MS ...: {key: seconds}; ValueError naming a bad item."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        if not sep or key not in GOODPUT_KEYS:
+            raise ValueError(f"--goodput takes KEY:MILLISECONDS with KEY in {GOODPUT_KEYS}, got {item!r}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
+        if not ms > 0:
+            raise ValueError(f"--goodput {item!r}: the target must be > 0 ms")
+        out[key] = ms / 1e3
+    return out
+
+
+def meets_goodput(r: RequestResult, targets: dict[str, float]) -> bool:
+    """Whether one finished request met every target (seconds)."""
+    values = {"ttft": r.ttft, "e2el": r.e2e,
+              "tpot": (r.e2e - r.ttft) / (r.output_tokens - 1) if r.ttft is not None and r.output_tokens > 1 else 0.0,
+              "itl": sorted(r.itl)[min(len(r.itl) - 1, round(0.99 * (len(r.itl) - 1)))] if r.itl else 0.0}
+    return all(values[k] is not None and values[k] <= t for k, t in targets.items())
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
@@ -212,8 +256,14 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=10000, help="prompt token ids are drawn from [0, this)")
     p.add_argument("--percentiles", type=float, nargs="+", default=[50.0, 90.0, 99.0])
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="per-request targets (vLLM's): ttft, tpot, e2el, itl (the request's p99 gap), in ms; "
+                        "adds goodput_per_s, the requests/s that met them all")
     p.add_argument("--engine-label", default="openai-server", help="the 'engine' field of the JSON result")
     p.add_argument("--output-json", default=None, help="also write the result to this file")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a progress bar of finished requests on stderr")
+    add_observe_args(p)  # --timeline (from a minivllm server's dashboard events), --profile (its --profile-dir)
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -223,6 +273,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.goodput:
+        parse_goodput(args.goodput)
     for name in ("input_len", "output_len"):
         lo, hi = getattr(args, name)
         if not 1 <= lo <= hi:
