@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 
+from minivllm.engine.profiler import apply_profile_command
 from minivllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -267,7 +268,6 @@ class EngineCore:
             elif kind == "abort":
                 self.engine.abort_request(cmd[1])
             elif kind == "profile":
-                from minivllm.engine.profiler import apply_profile_command
                 apply_profile_command(self.engine, cmd[1], cmd[2])
             elif kind == "block_map":  # the dashboard wants the KV block map every cmd[1] s
                 self.engine.history.block_map_interval_s = cmd[1]
