@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from urllib.parse import parse_qs
 
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
@@ -115,7 +116,6 @@ class ApiKeyMiddleware:
 
 
 def _query_key(scope: Scope) -> bytes:
-    from urllib.parse import parse_qs
     values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])
     return values[0].encode("latin-1", "replace")
 
