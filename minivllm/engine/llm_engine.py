@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from minivllm.config import EngineConfig
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler, SchedulerLimits
+from minivllm.engine.config_builder import build_engine_config
+from minivllm.engine.errors import EngineDeadError
 from minivllm.engine.gc_heap import freeze_startup_heap
 from minivllm.engine.input_processor import (
     PromptInput,
@@ -19,6 +22,7 @@ from minivllm.engine.input_processor import (
     validate_prompt,
 )
 from minivllm.engine.output_processor import OutputProcessor
+from minivllm.executor.errors import ExecutorDeadError
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -60,6 +64,7 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model)
         from minivllm.executor import make_executor
         self.executor = make_executor(config, model)
+        self.dead_error: BaseException | None = None  # a rank died: every request failed, none is taken
         num_blocks = self.executor.num_blocks
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         s, spec = config.scheduler, config.speculative
@@ -67,7 +72,8 @@ class LLMEngine:
                                                    s.policy, s.enable_chunked_prefill,
                                                    s.max_prefill_tokens_with_decodes,
                                                    spec.num_lookahead_tokens if spec else 0,
-                                                   spec.disable_by_batch_size if spec else None),
+                                                   spec.disable_by_batch_size if spec else None,
+                                                   config.parallel.pipeline_parallel_size),
                                    self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
@@ -75,6 +81,9 @@ class LLMEngine:
         # async scheduling: the next step is scheduled and launched while this one runs
         self.async_scheduling = config.async_scheduling
         self._inflight = None  # (SchedulerOutput, launched step) still running on the device
+        # pipeline parallelism: up to one whole batch per stage in flight, oldest first
+        self._max_batches = config.parallel.pipeline_parallel_size
+        self._batches: deque = deque()
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -89,7 +98,7 @@ class LLMEngine:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
-        return cls(EngineConfig.create(**kwargs))
+        return cls(build_engine_config(**kwargs))
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.config.model.arch.eos_token_ids)
@@ -108,6 +117,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Validate and queue a request; raises ValueError (naming the field and limit) if it can't run."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
         params = params or SamplingParams()
         params.validate()
         if request_id in self.output_processor.states:
@@ -131,7 +142,8 @@ class LLMEngine:
             self._aborted_outputs += self.output_processor.finish_children(children, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.states) or bool(self._aborted_outputs) or self._inflight is not None
+        return (bool(self.output_processor.states) or bool(self._aborted_outputs) or self._inflight is not None
+                or bool(self._batches))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
@@ -143,11 +155,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step; with async scheduling, while it runs on the device, take
         in the results of the step launched before it (one step in flight at most)."""
+        if self._max_batches > 1:
+            return self._step_pipelined()
         outputs, self._aborted_outputs = self._aborted_outputs, []
-        t = time.perf_counter()
-        sched = self.scheduler.schedule()
-        self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
-                          "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
+        sched = self._schedule()
         if self._inflight is not None and self._needs_sync(sched):
             done, ok = self._complete(self._inflight)
             outputs += done
@@ -169,6 +180,24 @@ class LLMEngine:
         self._log_spec_stats()
         return outputs
 
+    def _schedule(self):
+        t = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
+                          "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
+        return sched
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline parallelism: launch a new batch of requests not already in flight, and take in
+        the oldest batch's results once every stage has one (or nothing new could be launched)."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        launched = self._launch(self._schedule())
+        if launched is not None:
+            self._batches.append(launched)
+        if self._batches and (launched is None or len(self._batches) >= self._max_batches):
+            outputs += self._complete(self._batches.popleft())[0]
+        return outputs
+
     def _needs_sync(self, sched) -> bool:
         """Penalties need the previous step's token values on the host before sampling."""
         reqs = self.scheduler.requests
@@ -181,6 +210,9 @@ class LLMEngine:
         t = time.perf_counter()
         try:
             return sched, self.executor.launch(sched)
+        except ExecutorDeadError as e:
+            self._aborted_outputs += self._die(e)
+            return None
         except Exception:
             logger.exception("model step failed; failing the step's requests")
             self._aborted_outputs += self._fail_scheduled(sched)
@@ -194,6 +226,8 @@ class LLMEngine:
         t = time.perf_counter()
         try:
             result = self.executor.finish(launched)
+        except ExecutorDeadError as e:
+            return self._die(e), False
         except Exception:
             logger.exception("model step failed; failing the step's requests")
             return self._fail_scheduled(sched), False
@@ -226,6 +260,29 @@ class LLMEngine:
         children = [s.req_id for s in sched.scheduled]
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
         return self.output_processor.finish_children(children, "error")
+
+    def _die(self, error: BaseException) -> list[RequestOutput]:
+        """A rank is gone: no step can run again. Every request ends now with finish_reason
+        'error'; later add_request calls raise EngineDeadError (the server's /health: 503)."""
+        if self.dead_error is None:
+            logger.error("the engine is dead, failing every request: %s", error)
+            self.dead_error = error
+        self._inflight = None
+        self._batches.clear()
+        children = [c for rid in list(self.output_processor.states) for c in self.output_processor.child_ids(rid)]
+        self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
+        return self.output_processor.finish_children(children, "error")
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError if a rank died (found now, or by an earlier step); then every
+        request still there has been failed, its error outputs left for the next step()."""
+        if self.dead_error is None:
+            try:
+                self.executor.check_health()
+            except ExecutorDeadError as e:
+                self._aborted_outputs += self._die(e)
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
 
     def get_stats(self) -> EngineStats:
         bm, spec = self.block_manager, self.scheduler.spec_stats
