@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from minivllm.sampling_params import SamplingParams
 
@@ -24,6 +25,27 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.finished else None
+
+
+class GrammarState(Protocol):
+    """A structured request's grammar as the scheduler sees it (the engine's
+    structured.request.GrammarHandle): whether it has compiled, and its verdict on each token."""
+
+    def is_ready(self) -> bool:
+        """False while the grammar compiles: the request waits, the batch goes on without it."""
+        ...
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar refuses it (the request fails)."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar has ended: the request finishes with finish_reason "stop"."""
+        ...
+
+    def release(self) -> None:
+        """The request is done (finished, aborted, failed)."""
+        ...
 
 
 @dataclass(slots=True, eq=False)
@@ -55,11 +77,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
+    cache_salt: str | None = None  # tenant key: only requests with the same salt share cached blocks
     first_scheduled_time: float | None = None
     # speculative decoding: tokens proposed for the next step (never part of all_token_ids, never
     # hashed); dropped on preemption
     spec_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarState | None = None  # structured outputs only; kept across preemption
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -52,6 +53,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="uni: in process (world size 1); mp: one worker process per rank; ray: Ray actors, "
                         "also on other nodes of a Ray cluster (default: uni for one rank, else mp)")
+    from minivllm.reasoning import REASONING_PARSERS
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split <think>...</think> into reasoning_content; structured output then constrains "
+                        "only what follows the reasoning section")
+    g.add_argument("--structured-outputs-config", type=json.loads, default=None,
+                   help='structured outputs options as JSON, e.g. \'{"backend": "xgrammar"}\'')
+    g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
+                   help="block hash of the prefix cache: sha256 (default) or xxhash (faster, not cryptographic)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
@@ -61,8 +70,9 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
          "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
-         "calculate_kv_scales", "speculative_config", "tensor_parallel_size", "pipeline_parallel_size",
-         "data_parallel_size", "distributed_executor_backend"]
+         "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config",
+         "prefix_caching_hash_algo", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+         "distributed_executor_backend"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

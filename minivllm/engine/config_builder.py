@@ -10,6 +10,7 @@ from minivllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     check,
 )
 from minivllm.models.arch import ArchConfig
@@ -66,6 +67,7 @@ def build_engine_config(
     gpu_memory_utilization: float = 0.9,
     kv_cache_memory_bytes: int | None = None,
     num_kv_blocks: int | None = None,
+    prefix_caching_hash_algo: str = "sha256",
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
     scheduling_policy: str = "fcfs",
@@ -82,6 +84,8 @@ def build_engine_config(
     async_scheduling: bool | None = None,
     max_prefill_tokens_with_decodes: int | None = None,
     speculative_config: dict | str | None = None,
+    structured_outputs_config: StructuredOutputsConfig | dict | None = None,
+    reasoning_parser: str | None = None,
     serving: bool = False,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
@@ -128,8 +132,11 @@ def build_engine_config(
         served_name=served_model_name or source.name, arch=arch, dtype=dtype, load_format=load_format,
         max_model_len=max_model_len, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init,
         chat_template=chat_template, seed=seed, quantization=quant)
+    from minivllm.core.block_hash import block_hash_fn
+    block_hash_fn(prefix_caching_hash_algo)  # validates the name (and that xxhash is installed)
     cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks,
-                        kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8")
+                        kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8",
+                        prefix_caching_hash_algo=prefix_caching_hash_algo)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
     from minivllm.spec_decode.config import parse_speculative_config
@@ -148,7 +155,7 @@ def build_engine_config(
     # CUDA graphs capture the whole model's forward; a pipeline stage's receives stay eager
     eager = enforce_eager or not on_gpu or parallel.pipeline_parallel_size > 1
     return EngineConfig(model_cfg, cache, sched, parallel, device, eager, attention_backend, async_scheduling,
-                        speculative)
+                        speculative, _structured_config(structured_outputs_config, reasoning_parser))
 
 
 def _positive_int(value, name: str) -> None:
@@ -190,7 +197,32 @@ def resolve_parallel(arch: ArchConfig, device: str, tp: int, pp: int, dp: int, b
         check(quant is None, "quantization",
               f"{quant.method if quant else ''!r} is not supported with tensor/pipeline parallelism yet "
               f"(tensor_parallel_size={tp}, pipeline_parallel_size={pp})")
+        check(arch.moe is None, "tensor_parallel_size",
+              f"x pipeline_parallel_size = {world}: mixture-of-experts models run on one rank only for now")
         check(speculative is None, "speculative_config",
               f"is not supported with tensor/pipeline parallelism yet (tensor_parallel_size={tp}, "
               f"pipeline_parallel_size={pp})")
     return ParallelConfig(tp, pp, dp, backend)
+
+
+
+def _structured_config(given: StructuredOutputsConfig | dict | None, reasoning_parser: str | None) -> StructuredOutputsConfig:
+    """structured_outputs_config (a dict of its fields, as vLLM takes it) with --reasoning-parser."""
+    from dataclasses import fields, replace
+
+    from minivllm.reasoning import REASONING_PARSERS
+    from minivllm.structured.backend import available_backends
+    if isinstance(given, dict):
+        names = {f.name for f in fields(StructuredOutputsConfig)}
+        unknown = sorted(set(given) - names)
+        check(not unknown, "structured_outputs_config", f"has unknown fields {unknown} (fields: {sorted(names)})")
+        given = StructuredOutputsConfig(**given)
+    cfg = given or StructuredOutputsConfig()
+    if reasoning_parser:
+        cfg = replace(cfg, reasoning_parser=reasoning_parser)
+    check(cfg.backend in available_backends(), "structured_outputs_config.backend",
+          f"must be one of {available_backends()}, got {cfg.backend!r}")
+    check(cfg.reasoning_parser is None or cfg.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
+          f"must be one of {sorted(REASONING_PARSERS)}, got {cfg.reasoning_parser!r}")
+    return cfg
+

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from minivllm.config import EngineConfig
 from minivllm.core.block_manager import BlockManager
+from minivllm.core.interfaces import RequestFault
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler, SchedulerLimits
 from minivllm.engine.config_builder import build_engine_config
@@ -25,6 +26,7 @@ from minivllm.engine.output_processor import OutputProcessor
 from minivllm.executor.errors import ExecutorDeadError
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    tokens_in_flight: int = 0  # prompt + max_tokens of every unfinished request (admission control)
+    # MoE models: tokens routed to each expert, summed over the layers (refreshed about once a
+    # second, runner/expert_counts.py); None for dense models
+    expert_token_counts: tuple[int, ...] | None = None
 
 
 class LLMEngine:
@@ -65,8 +71,13 @@ class LLMEngine:
         from minivllm.executor import make_executor
         self.executor = make_executor(config, model)
         self.dead_error: BaseException | None = None  # a rank died: every request failed, none is taken
+        from minivllm.engine.faults import FaultInjection
+        faults = FaultInjection.from_env()  # the soak suite's, off unless MINIVLLM_FAULT_INJECTION is set
+        if faults is not None:
+            faults.install(self.executor)
         num_blocks = self.executor.num_blocks
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                          config.cache.prefix_caching_hash_algo)
         s, spec = config.scheduler, config.speculative
         self.scheduler = Scheduler(SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
                                                    s.policy, s.enable_chunked_prefill,
@@ -77,6 +88,9 @@ class LLMEngine:
                                    self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
+        self.structured = StructuredOutputManager(config.structured_outputs, self.tokenizer, config.model.arch.vocab_size,
+                                                  self.eos_token_ids, s.max_num_seqs,
+                                                  pin_memory=config.device.startswith("cuda"))
         self._aborted_outputs: list[RequestOutput] = []
         # async scheduling: the next step is scheduled and launched while this one runs
         self.async_scheduling = config.async_scheduling
@@ -126,8 +140,14 @@ class LLMEngine:
         parsed = parse_prompt(prompt, self.tokenizer)
         max_tokens = validate_prompt(parsed.token_ids, params, self.config.model.arch.vocab_size,
                                      self.max_model_len, self.block_manager.num_blocks * self.config.cache.block_size)
+        so = params.structured_outputs
+        if so is not None:
+            self.structured.validate(params)
         reqs = make_sample_requests(request_id, parsed.token_ids, params, max_tokens, self.eos_token_ids,
-                                    priority, arrival_time)
+                                    priority, arrival_time, parsed.cache_salt)
+        if so is not None:  # one matcher per sample; the compile starts now, off the step loop
+            for r in reqs:
+                r.grammar = self.structured.new_handle(r.request_id, so, parsed.token_ids)
         self.output_processor.add_request(request_id, parsed.text, parsed.token_ids, params,
                                           [r.request_id for r in reqs], reqs[0].arrival_time)
         for r in reqs:
@@ -158,25 +178,19 @@ class LLMEngine:
         if self._max_batches > 1:
             return self._step_pipelined()
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs += self._fail_broken_grammars()
         sched = self._schedule()
         if self._inflight is not None and self._needs_sync(sched):
-            done, ok = self._complete(self._inflight)
-            outputs += done
-            self._inflight = None
-            if not ok:  # as below; launched all the same, so the runner's request state stays in step
-                outputs += self._fail_scheduled(sched)
-        launched = self._launch(sched)
+            outputs += self._take_inflight(sched)
+        launched = self._launch(sched, outputs)
         if self._inflight is not None:
-            done, ok = self._complete(self._inflight)
-            outputs += done
-            if not ok and launched is not None:
-                # the step just launched may read what the failed one never wrote (its inputs
-                # and prefix hits): its requests fail too; its device work still finishes first
-                outputs += self._fail_scheduled(launched[0])
+            outputs += self._take_inflight(launched[0] if launched is not None else None)
         self._inflight = launched
         if launched is not None and not self.async_scheduling:
             outputs += self._complete(launched)[0]
             self._inflight = None
+        if launched is None and self._inflight is None and self.structured.num_compiling:
+            self.structured.wait_for_compiles(0.02)  # only grammars are left to wait for: sleep
         self._log_spec_stats()
         return outputs
 
@@ -191,12 +205,23 @@ class LLMEngine:
         """Pipeline parallelism: launch a new batch of requests not already in flight, and take in
         the oldest batch's results once every stage has one (or nothing new could be launched)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
-        launched = self._launch(self._schedule())
+        outputs += self._fail_broken_grammars()
+        launched = self._launch(self._schedule(), outputs)
         if launched is not None:
             self._batches.append(launched)
         if self._batches and (launched is None or len(self._batches) >= self._max_batches):
             outputs += self._complete(self._batches.popleft())[0]
         return outputs
+
+    def _take_inflight(self, next_sched) -> list[RequestOutput]:
+        """Completes the step in flight. If it failed, the step scheduled after it (launched, or
+        to be launched all the same, so the runner's request state stays in step) may read what
+        the failed one never wrote: its requests fail too; its device work still finishes first."""
+        done, ok = self._complete(self._inflight)
+        self._inflight = None
+        if not ok and next_sched is not None:
+            done += self._fail_scheduled(next_sched)
+        return done
 
     def _needs_sync(self, sched) -> bool:
         """Penalties need the previous step's token values on the host before sampling."""
@@ -204,21 +229,47 @@ class LLMEngine:
         return not self.async_scheduling or any(
             s.req_id in reqs and reqs[s.req_id].sampling_params.uses_penalties for s in sched.scheduled)
 
-    def _launch(self, sched):
+    def _launch(self, sched, outputs: list[RequestOutput]):
+        """Launches the step: (sched, launched step), or None if there is nothing to run. A step
+        with constrained rows launches its forward, takes in the step in flight (the grammars
+        need its tokens), fills the bitmask while the forward runs, then launches the sampling."""
         if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
             return None
         t = time.perf_counter()
         try:
-            return sched, self.executor.launch(sched)
+            handles = self._grammar_handles(sched)
+            if not handles:
+                return sched, self.executor.launch(sched)
+            forward = self.executor.launch_forward(sched)
+            if self._inflight is not None:
+                t = self._add_time("launch", t)  # the wait and update below are timed on their own
+                outputs += self._take_inflight(sched)
+                t = time.perf_counter()
+            bitmask = self.structured.bitmask(handles)
+            return sched, self.executor.launch_sampling(forward, bitmask)
         except ExecutorDeadError as e:
             self._aborted_outputs += self._die(e)
             return None
-        except Exception:
-            logger.exception("model step failed; failing the step's requests")
-            self._aborted_outputs += self._fail_scheduled(sched)
+        except Exception as e:
+            self._aborted_outputs += self._fail_scheduled(sched, e)
             return None
         finally:
             self._add_time("launch", t)
+
+    def _grammar_handles(self, sched) -> list:
+        """The grammars of the step's sampling rows, in row order."""
+        reqs = self.scheduler.requests
+        return [reqs[s.req_id].grammar for s in sched.scheduled
+                if s.samples and s.req_id in reqs and reqs[s.req_id].grammar is not None]
+
+    def _fail_broken_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile end with finish_reason "error"; the rest run on."""
+        failed = self.structured.take_failed()
+        for rid, err in failed:
+            logger.warning("request %s: its grammar failed to compile: %s", rid, err)
+        ids = [rid for rid, _ in failed]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        return self.output_processor.finish_children(ids, "error")
 
     def _complete(self, inflight) -> tuple[list[RequestOutput], bool]:
         """Waits for a launched step and takes in its results: (outputs, whether it succeeded)."""
@@ -228,9 +279,8 @@ class LLMEngine:
             result = self.executor.finish(launched)
         except ExecutorDeadError as e:
             return self._die(e), False
-        except Exception:
-            logger.exception("model step failed; failing the step's requests")
-            return self._fail_scheduled(sched), False
+        except Exception as e:
+            return self._fail_scheduled(sched, e), False
         t = self._add_time("wait", t)
         updates = self.scheduler.update(sched, result)
         self._count_tokens(updates)
@@ -252,12 +302,24 @@ class LLMEngine:
             if u.request.num_output_tokens == len(u.new_token_ids):  # its first token: prompt done
                 self.prompt_tokens_total += u.request.num_prompt_tokens
 
-    def _fail_scheduled(self, sched) -> list[RequestOutput]:
+    def _fail_scheduled(self, sched, error: BaseException | None = None) -> list[RequestOutput]:
+        """A step raised: its requests end with "error", or, when the fault was some requests'
+        own (RequestFault), those alone do and the others are recomputed. Either way the blocks
+        the step was to write are unpublished first (their hashes were registered when it was
+        scheduled) and freed with their requests."""
         reqs = self.scheduler.requests
         for s in sched.scheduled:  # their new K/V was never written: unpublish those blocks
             if s.req_id in reqs:
                 self.block_manager.forget_unwritten(reqs[s.req_id], s.num_computed_tokens)
         children = [s.req_id for s in sched.scheduled]
+        if isinstance(error, RequestFault):
+            culprits = set(error.req_ids)
+            logger.warning("a step failed for requests %s (%s); the step's %d others are recomputed",
+                           sorted(culprits), error, len(children) - len(culprits & set(children)))
+            self.scheduler.requeue([c for c in children if c not in culprits])
+            children = [c for c in children if c in culprits]
+        elif error is not None:
+            logger.error("model step failed; failing the step's %d requests", len(children), exc_info=error)
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
         return self.output_processor.finish_children(children, "error")
 
@@ -289,7 +351,8 @@ class LLMEngine:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
                            self.prompt_tokens_total, self.generation_tokens_total, spec.num_drafts,
-                           spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_pos))
+                           spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_pos),
+                           self.scheduler.tokens_in_flight, self.executor.expert_token_counts())
 
     def _log_spec_stats(self) -> None:
         """Every SPEC_LOG_INTERVAL_S with speculative decoding: the acceptance since the last line."""
@@ -311,4 +374,5 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

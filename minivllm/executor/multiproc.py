@@ -31,6 +31,7 @@ from minivllm.config import EngineConfig
 from minivllm.core.interfaces import RunnerOutput, SchedulerOutput
 from minivllm.executor.errors import ExecutorDeadError
 from minivllm.executor.worker import AUTHKEY_ENV
+from minivllm.structured.bitmask import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -135,10 +136,12 @@ class MultiprocExecutor:
         return [got[r] for r in range(self.world_size)]
 
     # ---- steps -------------------------------------------------------------------------------
-    def launch(self, sched: SchedulerOutput) -> int:
-        """Send the step to every rank (one pickle, the same bytes to each); returns its number."""
+    def launch(self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None) -> int:
+        """Send the step to every rank (one pickle, the same bytes to each); returns its number.
+        grammar: the bitmask of the step's constrained rows (every rank applies it to the same
+        gathered logits, so every rank samples the same tokens)."""
         self._raise_if_dead()
-        payload = pickle.dumps(("step", sched), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(("step", sched, grammar), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self._conns:
                 conn.send_bytes(payload)
@@ -146,6 +149,17 @@ class MultiprocExecutor:
             self._fail(f"a worker's connection is closed ({e})")
         self._launched += 1
         return self._launched
+
+    def launch_forward(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """A step with constrained rows: nothing is sent until its bitmask is known (the
+        workers run forward and sampling as one message)."""
+        return sched
+
+    def launch_sampling(self, forward: SchedulerOutput, grammar: GrammarBitmask | None = None) -> int:
+        return self.launch(forward, grammar)
+
+    def expert_token_counts(self) -> None:
+        return None  # a MoE model runs on one rank only (config_builder)
 
     def finish(self, handle: int) -> RunnerOutput:
         """The driver's output of step `handle` (steps finish in launch order)."""

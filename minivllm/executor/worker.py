@@ -9,8 +9,8 @@
     launch(sched) / finish(launched)                   every step, on every rank, in order
     shutdown()
 
-The mp process loop (`serve`): one pickled ("step", SchedulerOutput) message per step arrives
-on the connection (the executor pickles it once and writes the same bytes to every rank); the
+The mp process loop (`serve`): one pickled ("step", SchedulerOutput, GrammarBitmask | None)
+message per step arrives on the connection (the bitmask only for a step with constrained rows) (the executor pickles it once and writes the same bytes to every rank); the
 driver rank (last stage, TP rank 0) answers each with ("out", RunnerOutput); the other ranks
 answer nothing. Any exception is sent as ("error", traceback) and the process exits; a closed
 connection (the engine is gone) makes it exit too, so no worker outlives its engine.
@@ -29,6 +29,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.core.interfaces import RunnerOutput, SchedulerOutput
 from minivllm.distributed.sharding import RankInfo
+from minivllm.structured.bitmask import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,8 @@ class Worker:
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_kernels()
 
-    def launch(self, sched: SchedulerOutput):
-        return self.runner.launch(sched)
+    def launch(self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None):
+        return self.runner.launch_sampling(self.runner.launch_forward(sched), grammar)
 
     def finish(self, launched) -> RunnerOutput | None:
         """Every rank takes in its step (sampling state); only the driver's output goes back."""
@@ -105,7 +106,7 @@ def serve(conn, worker: Worker, overlap: bool) -> None:
         msg = pickle.loads(conn.recv_bytes())
         if msg[0] == "stop":
             break
-        launched = worker.launch(msg[1])
+        launched = worker.launch(msg[1], msg[2])
         if pending is not None:
             _reply(conn, worker.finish(pending))
         pending = launched

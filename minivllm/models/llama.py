@@ -1,10 +1,13 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral) and Qwen2/Qwen3 as one decoder:
-they differ only by config flags (qk-norm, attention bias, tied embeddings, rope scaling).
+"""The Llama family (Llama 2/3, SmolLM2, Mistral), Qwen2/Qwen3 and their mixture-of-experts
+variants (Qwen2-MoE, Qwen3-MoE, Mixtral) as one decoder: they differ only by config flags
+(qk-norm, attention bias, tied embeddings, rope scaling, and `cfg.moe`: which layers' MLP is a
+sparse MoE block, models/moe.py).
 
 Under tensor/pipeline parallelism (distributed/) the same classes hold one rank's part: its
 heads, MLP features and vocabulary rows (distributed/sharding.py's ShardPlan), and only its
 pipeline stage's layers (`layers` holds layer_start .. layer_end - 1; the first stage alone has
-the embedding, the last alone the final norm and the LM head)."""
+the embedding, the last alone the final norm and the LM head). MoE layers are not sharded
+(config_builder refuses a MoE model with more than one rank)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from minivllm.distributed.layers import ParallelLMHead, VocabParallelEmbedding
 from minivllm.distributed.parallel_state import ParallelGroups
 from minivllm.distributed.sharding import RankInfo, ShardPlan
 from minivllm.models.arch import ArchConfig
+from minivllm.models.expert_parallel import ExpertComm, ExpertPlacement
 from minivllm.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from minivllm.models.moe import SparseMoeBlock
 from minivllm.quant.config import QuantConfig
 
 
@@ -34,16 +39,21 @@ class IntermediateTensors:
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, plan: ShardPlan, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 quant: QuantConfig | None = None, prefix: str = "", tp=None) -> None:
+                 index: int, quant: QuantConfig | None = None, placement: ExpertPlacement | None = None,
+                 comm: ExpertComm | None = None, tp=None) -> None:
         super().__init__()
+        prefix = f"model.layers.{index}"
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, plan.num_heads, plan.num_kv_heads, cfg.head_dim,
                                    cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps, rotary, backend,
                                    quant, f"{prefix}.self_attn", tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, plan.intermediate_size, quant, f"{prefix}.mlp", tp)
+        self.is_moe = cfg.is_moe_layer(index)
+        # a sparse layer's routed experts stay unquantized (only its shared expert follows `quant`)
+        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, placement, comm, quant, f"{prefix}.mlp") if self.is_moe
+                    else MLP(cfg.hidden_size, plan.intermediate_size, quant, f"{prefix}.mlp", tp))
 
-    def forward(self, positions, hidden, residual, meta):
+    def forward(self, positions, hidden, residual, meta, token_valid: torch.Tensor | None = None):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -51,14 +61,17 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return (self.mlp(hidden, token_valid) if self.is_moe else self.mlp(hidden)), residual
 
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, max_positions: int,
-                 quant: QuantConfig | None = None, parallel: ParallelGroups | None = None) -> None:
-        """quant: the model's quantization (its decoder linears become QuantLinear); None: unquantized.
-        parallel: this rank's groups under tensor/pipeline parallelism; None: the whole model."""
+                 quant: QuantConfig | None = None, placement: ExpertPlacement | None = None,
+                 comm: ExpertComm | None = None, parallel: ParallelGroups | None = None) -> None:
+        """quant: the model's quantization (its decoder linears become QuantLinear); None:
+        unquantized. placement / comm: this rank's experts and the expert-parallel communicator
+        (MoE models under expert parallelism; None: every expert here). parallel: this rank's
+        groups under tensor/pipeline parallelism; None: the whole model."""
         super().__init__()
         self.cfg = cfg
         self.rank = parallel.rank if parallel is not None else RankInfo()
@@ -71,8 +84,9 @@ class CausalLM(nn.Module):
         if self.rank.is_first_stage:
             self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
                                  else VocabParallelEmbedding(cfg.hidden_size, self.plan, tp))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.plan, rotary, backend, quant, f"model.layers.{i}", tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.plan, rotary, backend, i, quant, placement, comm, tp)
                                     for i in range(self.plan.layer_start, self.plan.layer_end))
+        self.moe_blocks: list[SparseMoeBlock] = [layer.mlp for layer in self.layers if layer.is_moe]
         self.norm = self.lm_head = None
         if self.rank.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -104,12 +118,26 @@ class CausalLM(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
+        # MoE token counters skip CUDA-graph padding tokens (slot -1)
+        token_valid = meta.slot_mapping >= 0 if self.moe_blocks else None
         for layer in self.layers[:num_layers]:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(positions, hidden, residual, meta, token_valid)
         if self.norm is None:
             return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden if output_rows is None else hidden[output_rows]
+
+    def expert_token_counts(self) -> torch.Tensor | None:
+        """Tokens routed to each expert since the last reset: int64 [MoE layers, E] on the
+        model's device (a new tensor; reading it on the host waits for queued work), or None
+        for a dense model."""
+        if not self.moe_blocks:
+            return None
+        return torch.stack([b.token_counts for b in self.moe_blocks])
+
+    def reset_expert_token_counts(self) -> None:
+        for b in self.moe_blocks:
+            b.token_counts.zero_()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, vocab_size] (under tensor parallelism gathered from every rank)."""

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from minivllm.models.llama import CausalLM
+from minivllm.models.moe_weights import expected_keys, is_expert_tensor, load_expert_tensor
 
 # HF sub-module name -> (our fused parameter, shard index)
 _FUSED = {
@@ -66,13 +67,16 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, CheckpointTensor]]:
                 yield name, _SafetensorsTensor(f, name)
 
 
-def _shard_bounds(model: CausalLM, fused: str, shard: int) -> tuple[int, int]:
-    """Where shard `shard` (q, k, v / gate, up) lies in the fused matrix: this rank's sizes."""
-    plan, head_dim = model.plan, model.cfg.head_dim
+def _shard_bounds(model: CausalLM, fused: str, shard: int, target: str) -> tuple[int, int]:
+    """Output features of shard `shard` (q, k, v / gate, up) of the fused parameter `target` on
+    this rank (gate_up: two halves as wide as that MLP: a dense layer's share of intermediate_size,
+    or a MoE shared expert's)."""
+    cfg, plan = model.cfg, model.plan
     if fused == "qkv_proj":
         q, kv = plan.num_heads * head_dim, plan.num_kv_heads * head_dim
         return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
-    inter = plan.intermediate_size
+    shared = ".shared_expert." in target and cfg.moe is not None
+    inter = cfg.moe.shared_expert_intermediate_size if shared else plan.intermediate_size
     return [(0, inter), (inter, 2 * inter)][shard]
 
 
@@ -89,19 +93,23 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor | Ch
     """Copy every weight (or this rank's slice of it) into place; raise if a parameter of the
     model was never written."""
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     written: set[str] = set()
     for hf_name, source in weights:
-        name = _local_name(model, params, hf_name.removeprefix("model."))
-        if name is None:
+        name = _local_name(model, params, hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp."))
+        if name is None:  # (Mixtral's MoE block is named block_sparse_moe)
             continue
         tensor = _read_shard(model, name, source)
+        if is_expert_tensor(name):
+            written.update(load_expert_tensor(modules, name, tensor, hf_name))
+            continue
         if _load_kv_scale(model, name, tensor):
             continue
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in _FUSED:
             fused, shard = _FUSED[parts[-2]]
             target = ".".join(parts[:-2] + [fused, parts[-1]])
-            _copy(params, target, tensor, hf_name, rows=_shard_bounds(model, fused, shard))
+            _copy(params, target, tensor, hf_name, rows=_shard_bounds(model, fused, shard, target))
             shared = target in params and getattr(params[target], "shared", False)
             written.add(target if shared else f"{target}#{shard}")
         else:
@@ -194,6 +202,10 @@ def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, hf_n
 def _check_all_written(model: CausalLM, params: dict, written: set[str]) -> None:
     missing = []
     for name, p in params.items():
+        experts = expected_keys(name, p)
+        if experts is not None:
+            missing += [k for k in experts if k not in written]
+            continue
         if getattr(p, "optional", False):
             continue
         if getattr(p, "shared", False):

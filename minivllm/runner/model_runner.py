@@ -13,6 +13,8 @@ gathered logits with the same seeded generator, so all of them hold the same tok
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -25,11 +27,13 @@ from minivllm.core.interfaces import NewRequestData, RunnerOutput, SchedulerOutp
 from minivllm.distributed.parallel_state import ParallelGroups
 from minivllm.models.llama import CausalLM, IntermediateTensors
 from minivllm.models.loader import build_model
+from minivllm.runner.expert_counts import ExpertCountsReader
 from minivllm.runner.input_batch import StepInputs, build_step_inputs
 from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, format_bytes
 from minivllm.runner.memory import plan_num_blocks
 from minivllm.sample.batch import SamplingBatch, SamplingRequestState
 from minivllm.sample.sampler import HostSamplerOutput, Sampler, SamplerOutput
+from minivllm.structured.bitmask import GrammarBitmask, apply_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,15 @@ class LaunchedStep:
     host_buf: torch.Tensor | None = None  # pinned [B] int64, filled by an async copy
     event: torch.cuda.Event | None = None  # recorded after that copy
     spec: RunnerOutput | None = None  # speculative decoding: the finished step's output
+
+
+@dataclass
+class ForwardStep:
+    """A step whose forward is queued and whose sampling is not (launch_sampling does it)."""
+
+    hidden: torch.Tensor | None  # [rows, H]: the final hidden states of the sampling rows (and drafts)
+    req_ids: list[str]  # requests that sample, in row order
+    inputs: StepInputs | None = None
 
 
 @dataclass
@@ -81,6 +94,7 @@ class ModelRunner:
         # the first real step runs eagerly and calibrates the FP8 KV scales (calculate_kv_scales)
         self._calibrate_kv_pending = config.cache.calculate_kv_scales
         self.timings: dict[str, float] = {}
+        self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
 
     # ---- startup --------------------------------------------------------------------------
     def load_model(self, model: CausalLM | None = None) -> None:
@@ -94,6 +108,7 @@ class ModelRunner:
             backend = get_attention_backend(self.config.attention_backend)
             self.model = build_model(self.config.model, backend, self.device, self.dtype, self.parallel)
             self.setup_cpu_model(self.model)
+        self.expert_counts = ExpertCountsReader(self.model, self.device)
         if self.config.speculative is not None:
             from minivllm.spec_decode import make_speculator
             self.speculator = make_speculator(self.config.speculative, self)
@@ -253,27 +268,48 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the step's device work (forward, sampling, copy of the sampled ids to the host)
         and return without waiting for it."""
+        return self.launch_sampling(self.launch_forward(sched))
+
+    @torch.inference_mode()
+    def launch_forward(self, sched: SchedulerOutput) -> ForwardStep:
+        """Queue the step's forward only: the host can work out the step's grammar bitmask (it
+        needs the previous step's tokens) while the device runs it."""
         self._update_states(sched)
         if sched.is_empty:
-            return LaunchedStep([], [])
+            return ForwardStep(None, [])
         block_ids = {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled}
         inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
                                    pin=self.device.type == "cuda")
         self._fill_placeholders(inputs)
         hidden = self._forward(inputs)
-        if hidden is None or not inputs.sampling_req_ids:  # (None: a pipeline stage before the last)
+        if hidden is None:  # a pipeline stage before the last: its output went to the next stage
+            return ForwardStep(None, [])
+        return ForwardStep(hidden, inputs.sampling_req_ids, inputs)
+
+    @torch.inference_mode()
+    def launch_sampling(self, fwd: ForwardStep, grammar: GrammarBitmask | None = None) -> LaunchedStep:
+        """Queue the sampling of a forward, with the grammar's bitmask on its constrained rows."""
+        if not fwd.req_ids:
             return LaunchedStep([], [])
         if self.speculator is not None:
-            return self._run_speculative(hidden, inputs)
-        return self._launch_sampling(hidden, inputs.sampling_req_ids)
+            return self._run_speculative(fwd.hidden, fwd.inputs, grammar)
+        return self._launch_sampling(fwd.hidden, fwd.req_ids, grammar)
 
-    def _run_speculative(self, hidden: torch.Tensor, inputs: StepInputs) -> LaunchedStep:
+    def _run_speculative(self, hidden: torch.Tensor, inputs: StepInputs,
+                         grammar: GrammarBitmask | None = None) -> LaunchedStep:
         """Verify the step's drafts (every request's tokens on the host at once), then propose the
-        next ones (spec_decode/speculator.py). Synchronous: the next step needs these results."""
+        next ones (spec_decode/speculator.py). Synchronous: the next step needs these results.
+        A constrained request has no drafts (the scheduler gives it none): its one verify row
+        gets its bitmask."""
         req_ids = inputs.sampling_req_ids
         states = [self.requests[r].sampling for r in req_ids]
         drafts = inputs.draft_token_ids or [[] for _ in req_ids]
-        step = self.speculator.verify(self.model, hidden, states, drafts, self.generator)
+        hook = None
+        if grammar is not None:
+            starts = itertools.accumulate((1 + len(d) for d in drafts[:-1]), initial=0)  # each request's first row
+            rows = dict(zip(req_ids, starts))
+            hook = functools.partial(self._apply_grammar_rows, rows=rows, grammar=grammar)
+        step = self.speculator.verify(self.model, hidden, states, drafts, self.generator, logits_hook=hook)
         for state, tokens in zip(states, step.tokens):
             state.output_token_ids.extend(tokens)
         proposals = self.speculator.propose(req_ids, states, [self.requests[r].block_ids for r in req_ids],
@@ -331,7 +367,8 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta,
                           output_rows=None if every_token else inputs.logits_indices, intermediate=intermediate)
 
-    def _launch_sampling(self, hidden: torch.Tensor, req_ids: list[str]) -> LaunchedStep:
+    def _launch_sampling(self, hidden: torch.Tensor, req_ids: list[str],
+                         grammar: GrammarBitmask | None = None) -> LaunchedStep:
         states = [self.requests[r].sampling for r in req_ids]
         # On the CPU a batch that only takes the argmax of the raw logits skips them: the LM head
         # folds the argmax into its kernel (models/cpu_linear.py; W5 decode: 0.9 ms a step of
@@ -340,11 +377,13 @@ class ModelRunner:
         logits = None if self.device.type == "cpu" else self.model.compute_logits(hidden)
         vocab_size = logits.shape[-1] if logits is not None else self.model.vocab_size
         batch = SamplingBatch.build(states, vocab_size, self.device, self.generator)
-        if logits is None and batch.argmax_of_raw_logits:
+        if logits is None and batch.argmax_of_raw_logits and grammar is None:
             out = SamplerOutput(self.model.compute_greedy_tokens(hidden))
         else:
             if logits is None:
                 logits = self.model.compute_logits(hidden)
+            if grammar is not None:  # before sampling and logprobs: masked tokens get -inf
+                self._apply_grammar(logits, req_ids, grammar)
             out = self.sampler(logits, batch)
         for state in states:
             state.num_pending += 1
@@ -357,8 +396,21 @@ class ModelRunner:
         event.record()
         return LaunchedStep(req_ids, states, host_buf=host_buf, event=event)
 
+    def _apply_grammar(self, logits: torch.Tensor, req_ids: list[str], grammar: GrammarBitmask) -> None:
+        """logits [B, V] (fresh from the LM head, so changed in place): each constrained row
+        keeps only the tokens its grammar allows."""
+        self._apply_grammar_rows(logits, {r: i for i, r in enumerate(req_ids)}, grammar)
+
+    def _apply_grammar_rows(self, logits: torch.Tensor, rows: dict[str, int], grammar: GrammarBitmask) -> None:
+        """As _apply_grammar, with each constrained request's logits row given."""
+        bitmask = grammar.bitmask
+        if self.device.type == "cuda":
+            bitmask = bitmask.to(self.device, non_blocking=True)  # pinned by the manager
+        apply_token_bitmask(logits, bitmask, self._to_device([rows[r] for r in grammar.req_ids]))
+
     def finish(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and return its sampled tokens (and logprobs) as plain data."""
+        self.expert_counts.poll()
         if not step.req_ids:
             return RunnerOutput([], [])
         if step.spec is not None:

@@ -93,8 +93,8 @@ def test_fp8_weights_and_fp8_kv_cache_answer_coherently(tokenizer, prompts) -> N
     assert attn.k_scale.item() == attn.v_scale.item() == 1.0 and attn.calibrate_kv is False
     assert runner.model.layers[0].mlp.down_proj.weight_fp8.dtype == FP8 and runner.kv_caches[0][0].dtype == FP8
     # the CPU's default KV budget holds 4x the blocks it holds in float32 (1 byte per value, not 4)
-    fp32_blocks = CPU_DEFAULT_KV_BYTES // bytes_per_block(runner.arch, runner.block_size, torch.float32)
-    assert llm.llm_engine.block_manager.num_blocks == 4 * fp32_blocks
+    per_fp8, per_fp32 = (bytes_per_block(runner.arch, runner.block_size, dt) for dt in (FP8, torch.float32))
+    assert per_fp32 == 4 * per_fp8 and llm.llm_engine.block_manager.num_blocks == CPU_DEFAULT_KV_BYTES // per_fp8
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert "Paris" in tokenizer.decode(outs[0].outputs[0].token_ids)
     assert all(len(o.outputs[0].token_ids) > 3 for o in outs)
