@@ -122,7 +122,10 @@ def _reply(conn, out: RunnerOutput | None) -> None:
 def main(argv: list[str]) -> int:
     """python -m minivllm.executor.worker HOST PORT RANK: connect to the executor, then run."""
     from multiprocessing.connection import Client
+    import faulthandler
+    import signal
     host, port, rank = argv[0], int(argv[1]), int(argv[2])
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a stuck rank is
     _exit_with_parent()
     conn = Client((host, port), authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
     conn.send(("hello", rank, os.getpid()))

@@ -22,7 +22,7 @@ def build_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.devic
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = CausalLM(cfg.arch, backend, cfg.max_model_len, cfg.quantization, parallel)
+            model = CausalLM(cfg.arch, backend, cfg.max_model_len, cfg.quantization, parallel=parallel)
     except ValueError as e:  # a quantized layer's shape the format cannot take: say which model
         raise ValueError(f"model {cfg.served_name!r}: {e}") from e
     finally:

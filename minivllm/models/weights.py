@@ -73,7 +73,7 @@ def _shard_bounds(model: CausalLM, fused: str, shard: int, target: str) -> tuple
     or a MoE shared expert's)."""
     cfg, plan = model.cfg, model.plan
     if fused == "qkv_proj":
-        q, kv = plan.num_heads * head_dim, plan.num_kv_heads * head_dim
+        q, kv = plan.num_heads * cfg.head_dim, plan.num_kv_heads * cfg.head_dim
         return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
     shared = ".shared_expert." in target and cfg.moe is not None
     inter = cfg.moe.shared_expert_intermediate_size if shared else plan.intermediate_size
