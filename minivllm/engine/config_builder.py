@@ -90,6 +90,7 @@ def build_engine_config(
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
     calculate_kv_scales: bool = False,
+    batch_invariant: bool = False,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
@@ -154,8 +155,10 @@ def build_engine_config(
                         if async_scheduling is None else async_scheduling)
     # CUDA graphs capture the whole model's forward; a pipeline stage's receives stay eager
     eager = enforce_eager or not on_gpu or parallel.pipeline_parallel_size > 1
+    batch_invariant = _resolve_batch_invariant(batch_invariant, device, dtype, quant is not None, arch.moe is not None,
+                                               kv_cache_dtype, speculative is not None)
     return EngineConfig(model_cfg, cache, sched, parallel, device, eager, attention_backend, async_scheduling,
-                        speculative, _structured_config(structured_outputs_config, reasoning_parser))
+                        speculative, _structured_config(structured_outputs_config, reasoning_parser), batch_invariant)
 
 
 def _positive_int(value, name: str) -> None:
@@ -205,6 +208,16 @@ def resolve_parallel(arch: ArchConfig, device: str, tp: int, pp: int, dp: int, b
               f"pipeline_parallel_size={pp})")
     return ParallelConfig(tp, pp, dp, backend)
 
+
+def _resolve_batch_invariant(requested: bool, device: str, dtype: str, quantized: bool, moe: bool,
+                             kv_cache_dtype: str, speculative: bool) -> bool:
+    """batch_invariant, or VLLM_BATCH_INVARIANT=1; an error where the mode cannot hold."""
+    from minivllm.models.batch_invariant import batch_invariant_from_env, unsupported_reason
+    if not (requested or batch_invariant_from_env()):
+        return False
+    why = unsupported_reason("cpu" if device == "cpu" else "cuda", dtype, quantized, moe, kv_cache_dtype, speculative)
+    check(why is None, "batch_invariant", f"cannot be on with {why}")
+    return True
 
 
 def _structured_config(given: StructuredOutputsConfig | dict | None, reasoning_parser: str | None) -> StructuredOutputsConfig:
