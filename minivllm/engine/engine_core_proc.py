@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 
+from minivllm.engine.errors import EngineDeadError
 from minivllm.engine.profiler import apply_profile_command
 from minivllm.outputs import RequestOutput
 
@@ -221,6 +222,8 @@ class EngineCore:
                     self._step()
                 else:
                     self._send_history(force=True)  # the last steps before going idle
+                    if not added:
+                        self._check_health()
         except BaseException as e:  # noqa: BLE001 - report whatever killed the loop
             logger.exception("engine core died")
             self.out.put(("dead", f"{type(e).__name__}: {e}"))
@@ -240,6 +243,8 @@ class EngineCore:
         self._send_history(force=not self.engine.has_unfinished_requests())
         if self.step_log is not None:
             self.step_log.write(t0, time.perf_counter(), {"pack": time.perf_counter() - t1, **self.engine.last_step})
+        if self.engine.dead_error is not None:  # a rank died: its requests' error outputs are sent above
+            raise self.engine.dead_error
 
     def _send_history(self, force: bool = False) -> None:
         """The step records since the last send (with the latest batch and block map), at most
@@ -252,6 +257,13 @@ class EngineCore:
         snap = history.since(next_step)
         self.out.put(("steps", snap.records, snap.last_batch, snap.block_map))
         self._history_sent = (history.next_step, now)
+
+    def _check_health(self) -> None:
+        """Idle: a rank that died meanwhile fails the engine now, not at the next request."""
+        try:
+            self.engine.check_health()
+        except EngineDeadError:
+            self._step()  # sends the error outputs of whatever was left, then raises the engine's error
 
     def _wait_s(self) -> float:
         if self.drain_deadline is None:

@@ -26,7 +26,7 @@ SEEDED = SamplingParams(temperature=0.8, seed=3, max_tokens=24, logprobs=5, igno
 
 def _llm(**kw) -> LLM:
     return LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048,
-               gpu_memory_utilization=0.35, seed=0, **kw)
+               kv_cache_memory_bytes=4 << 30, seed=0, **kw)
 
 
 def _sig(out) -> tuple:
