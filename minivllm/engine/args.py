@@ -52,6 +52,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='structured outputs options as JSON, e.g. \'{"backend": "xgrammar"}\'')
     g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
                    help="block hash of the prefix cache: sha256 (default) or xxhash (faster, not cryptographic)")
+    g.add_argument("--swap-space", type=float, default=None,
+                   help="GiB of host memory per engine for preempted requests' KV (swap preemption; default 0, "
+                        "4 with --preemption-mode swap)")
+    g.add_argument("--preemption-mode", default=None, choices=["swap", "recompute"],
+                   help="how a preempted request gives back its KV blocks (default: per request, by cost, "
+                        "swapping while --swap-space has room)")
+    g.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="GiB of host memory that keeps blocks evicted from the prefix cache (CPU offload tier)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
@@ -62,7 +70,7 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
          "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
          "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config",
-         "prefix_caching_hash_algo"]
+         "prefix_caching_hash_algo", "swap_space", "preemption_mode", "kv_offloading_size"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -101,6 +101,9 @@ def build_engine_config(
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
     calculate_kv_scales: bool = False,
+    swap_space: float | None = None,
+    preemption_mode: str | None = None,
+    kv_offloading_size: float | None = None,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
@@ -146,9 +149,11 @@ def build_engine_config(
         chat_template=chat_template, seed=seed, quantization=quant)
     from minivllm.core.block_hash import block_hash_fn
     block_hash_fn(prefix_caching_hash_algo)  # validates the name (and that xxhash is installed)
+    swap_bytes, offload_bytes = resolve_host_kv(swap_space, preemption_mode, kv_offloading_size, enable_prefix_caching)
     cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks,
                         kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8",
-                        prefix_caching_hash_algo=prefix_caching_hash_algo)
+                        prefix_caching_hash_algo=prefix_caching_hash_algo, swap_space_bytes=swap_bytes,
+                        preemption_mode=preemption_mode, kv_offloading_bytes=offload_bytes)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
     from minivllm.spec_decode.config import parse_speculative_config
@@ -160,6 +165,32 @@ def build_engine_config(
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
                         enforce_eager or not on_gpu, attention_backend, async_scheduling, speculative,
                         _structured_config(structured_outputs_config, reasoning_parser))
+
+
+def resolve_host_kv(swap_space: float | None, preemption_mode: str | None, kv_offloading_size: float | None,
+                    enable_prefix_caching: bool) -> tuple[int, int]:
+    """swap_space and kv_offloading_size (GiB, vLLM's) -> bytes, checked against the host memory
+    now available (both pools are allocated, pinned on a GPU, at startup)."""
+    from minivllm.core.swap_space import PREEMPTION_MODES
+    check(preemption_mode is None or preemption_mode in PREEMPTION_MODES, "preemption_mode",
+          f"must be one of {list(PREEMPTION_MODES)} or unset, got {preemption_mode!r}")
+    for name, gib in (("swap_space", swap_space), ("kv_offloading_size", kv_offloading_size)):
+        check(gib is None or (isinstance(gib, (int, float)) and gib >= 0), name, f"must be >= 0 GiB, got {gib!r}")
+    if swap_space is None:  # vLLM's default swap space, where swapping was asked for
+        swap_space = 4.0 if preemption_mode == "swap" else 0.0
+    check(not (preemption_mode == "swap" and swap_space == 0), "swap_space",
+          "must be > 0 GiB with preemption_mode='swap'")
+    offload = kv_offloading_size or 0.0
+    check(offload == 0 or enable_prefix_caching, "kv_offloading_size",
+          "needs enable_prefix_caching (the offload tier keeps the prefix cache's evicted blocks)")
+    swap_bytes, offload_bytes = int(swap_space * (1 << 30)), int(offload * (1 << 30))
+    if swap_bytes + offload_bytes:
+        import psutil
+        available = psutil.virtual_memory().available
+        check(swap_bytes + offload_bytes <= available, "swap_space + kv_offloading_size",
+              f"({(swap_bytes + offload_bytes) / (1 << 30):.2f} GiB) must fit in the host memory available "
+              f"now ({available / (1 << 30):.2f} GiB)")
+    return swap_bytes, offload_bytes
 
 
 def _structured_config(given: StructuredOutputsConfig | dict | None, reasoning_parser: str | None) -> StructuredOutputsConfig:
