@@ -48,6 +48,9 @@ class CacheConfig:
     swap_space_bytes: int = 0
     preemption_mode: str | None = None
     kv_offloading_bytes: int = 0
+    # several models on one GPU (server/multi_model.py): gpu_memory_utilization is this engine's
+    # share of the GPU, and memory other processes held when it started is not its to count
+    kv_budget_own_process: bool = False
 
 
 @dataclass(frozen=True)

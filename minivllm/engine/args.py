@@ -8,7 +8,9 @@ import json
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--model", action="append", default=None,
+                   help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct); `minivllm serve` "
+                        "takes it several times: several models, each with its own engine and KV pool")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or GGUF file (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -75,6 +77,11 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {k: getattr(args, k) for k in _KEYS if hasattr(args, k)}
+    models = kwargs.get("model")
+    if isinstance(models, list):  # (--model appends)
+        if len(models) > 1:
+            raise ValueError(f"--model was given {len(models)} times: only `minivllm serve` serves several models")
+        kwargs["model"] = models[0]
     if kwargs.get("seed") is None:
         kwargs["seed"] = 0
     return kwargs

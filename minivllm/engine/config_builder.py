@@ -104,6 +104,7 @@ def build_engine_config(
     swap_space: float | None = None,
     preemption_mode: str | None = None,
     kv_offloading_size: float | None = None,
+    memory_share: float | None = None,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
@@ -149,11 +150,14 @@ def build_engine_config(
         chat_template=chat_template, seed=seed, quantization=quant)
     from minivllm.core.block_hash import block_hash_fn
     block_hash_fn(prefix_caching_hash_algo)  # validates the name (and that xxhash is installed)
+    gpu_memory_utilization, kv_cache_memory_bytes, own_process = _apply_memory_share(
+        memory_share, on_gpu, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks)
     swap_bytes, offload_bytes = resolve_host_kv(swap_space, preemption_mode, kv_offloading_size, enable_prefix_caching)
     cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks,
                         kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8",
                         prefix_caching_hash_algo=prefix_caching_hash_algo, swap_space_bytes=swap_bytes,
-                        preemption_mode=preemption_mode, kv_offloading_bytes=offload_bytes)
+                        preemption_mode=preemption_mode, kv_offloading_bytes=offload_bytes,
+                        kv_budget_own_process=own_process)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
     from minivllm.spec_decode.config import parse_speculative_config
@@ -165,6 +169,20 @@ def build_engine_config(
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
                         enforce_eager or not on_gpu, attention_backend, async_scheduling, speculative,
                         _structured_config(structured_outputs_config, reasoning_parser))
+
+
+def _apply_memory_share(share: float | None, on_gpu: bool, utilization: float, kv_bytes: int | None,
+                        num_kv_blocks: int | None) -> tuple[float, int | None, bool]:
+    """One of several models on a device (server/multi_model.py): its KV memory is `share` of
+    the explicit or default budget (CPU, kv_cache_memory_bytes) or of gpu_memory_utilization.
+    Returns (gpu_memory_utilization, kv_cache_memory_bytes, whether the budget is this process's own)."""
+    if share is None or num_kv_blocks is not None:
+        return utilization, kv_bytes, False
+    check(isinstance(share, (int, float)) and 0 < share <= 1, "memory_share", f"must be in (0, 1], got {share!r}")
+    if kv_bytes is not None or not on_gpu:
+        from minivllm.runner.kv_cache import CPU_DEFAULT_KV_BYTES
+        return utilization, int(share * (kv_bytes or CPU_DEFAULT_KV_BYTES)), False
+    return utilization * share, None, True
 
 
 def resolve_host_kv(swap_space: float | None, preemption_mode: str | None, kv_offloading_size: float | None,

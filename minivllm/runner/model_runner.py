@@ -96,6 +96,11 @@ class ModelRunner:
         self.timings: dict[str, float] = {}
         self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
         self.kv_transfer = None  # kv_transfer.BlockTransferEngine: swap space and offload tier
+        # several engines on one GPU: what was in use before this one loaded (memory.py)
+        self.others_bytes_at_start = 0
+        if config.cache.kv_budget_own_process and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.others_bytes_at_start = total - free
 
     # ---- startup --------------------------------------------------------------------------
     def load_model(self, model: CausalLM | None = None) -> None:
