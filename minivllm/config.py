@@ -92,6 +92,8 @@ class EngineConfig:
     async_scheduling: bool = False
     speculative: SpeculativeConfig | None = None  # speculative decoding (spec_decode/config.py)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # every request's result bitwise independent of the batch (models/batch_invariant.py)
+    batch_invariant: bool = False
 
     @staticmethod
     def create(**kwargs) -> EngineConfig:

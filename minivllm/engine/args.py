@@ -62,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "swapping while --swap-space has room)")
     g.add_argument("--kv-offloading-size", type=float, default=None,
                    help="GiB of host memory that keeps blocks evicted from the prefix cache (CPU offload tier)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise the same result for a request whatever else is batched with it (slower; "
+                        "VLLM_BATCH_INVARIANT=1 does the same)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
@@ -72,7 +75,7 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
          "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
          "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config",
-         "prefix_caching_hash_algo", "swap_space", "preemption_mode", "kv_offloading_size"]
+         "prefix_caching_hash_algo", "batch_invariant", "swap_space", "preemption_mode", "kv_offloading_size"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

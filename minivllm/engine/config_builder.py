@@ -105,6 +105,7 @@ def build_engine_config(
     preemption_mode: str | None = None,
     kv_offloading_size: float | None = None,
     memory_share: float | None = None,
+    batch_invariant: bool = False,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
@@ -166,9 +167,22 @@ def build_engine_config(
     check(not (speculative and async_scheduling), "async_scheduling",
           "cannot be on with speculative decoding (a step's drafts depend on the previous step's result)")
     async_scheduling = (on_gpu and speculative is None) if async_scheduling is None else async_scheduling
+    batch_invariant = _resolve_batch_invariant(batch_invariant, device, dtype, quant is not None, arch.moe is not None,
+                                               kv_cache_dtype, speculative is not None)
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
                         enforce_eager or not on_gpu, attention_backend, async_scheduling, speculative,
-                        _structured_config(structured_outputs_config, reasoning_parser))
+                        _structured_config(structured_outputs_config, reasoning_parser), batch_invariant)
+
+
+def _resolve_batch_invariant(requested: bool, device: str, dtype: str, quantized: bool, moe: bool,
+                             kv_cache_dtype: str, speculative: bool) -> bool:
+    """batch_invariant, or VLLM_BATCH_INVARIANT=1; an error where the mode cannot hold."""
+    from minivllm.models.batch_invariant import batch_invariant_from_env, unsupported_reason
+    if not (requested or batch_invariant_from_env()):
+        return False
+    why = unsupported_reason("cpu" if device == "cpu" else "cuda", dtype, quantized, moe, kv_cache_dtype, speculative)
+    check(why is None, "batch_invariant", f"cannot be on with {why}")
+    return True
 
 
 def _apply_memory_share(share: float | None, on_gpu: bool, utilization: float, kv_bytes: int | None,
