@@ -135,18 +135,8 @@ def _served_models(args: argparse.Namespace, settings) -> list[tuple[dict, objec
         if names:
             kwargs["served_model_name"] = names[0]
         return [(kwargs, settings)]
-    if names:
-        if len(names) != len(models) or args.models_config is not None:
-            raise ValueError(f"--served-model-name must give one name per --model ({len(models)}), got {names}; "
-                             "or name them in --models-config")
-        base = dict(base, served_model_name=None)
-    specs = model_specs(models, args.models_config, base)
-    out = []
-    for i, spec in enumerate(specs):
-        kwargs = dict(spec.kwargs, served_model_name=names[i]) if names else spec.kwargs
-        name = kwargs.get("served_model_name")
-        out.append((kwargs, dataclasses.replace(settings, served_model_names=[name] if name else [])))
-    return out
+    return [(spec.kwargs, dataclasses.replace(settings, served_model_names=[spec.name] if spec.name else []))
+            for spec in model_specs(models, args.models_config, base, names)]
 
 
 def _with_token_cap(settings, engine):

@@ -38,10 +38,16 @@ class ModelSpec:
         return self.kwargs.get("served_model_name")
 
 
-def model_specs(models: list[str], config_path: str | None, base: dict) -> list[ModelSpec]:
-    """The served models: `--model` given several times (equal shares) or a YAML file; each spec's
-    kwargs are the command line's engine options overridden by the model's own."""
+def model_specs(models: list[str], config_path: str | None, base: dict,
+                names: list[str] | None = None) -> list[ModelSpec]:
+    """The served models: `--model` given several times (equal shares; `names` one served name
+    each) or a YAML file; each spec's kwargs are the command line's engine options overridden by
+    the model's own."""
     entries = [{"model": m} for m in models]
+    if names:
+        check(len(names) == len(models) and config_path is None, "--served-model-name",
+              f"must give one name per --model ({len(models)}), got {names}; or name them in --models-config")
+        entries = [dict(e, served_model_name=n) for e, n in zip(entries, names)]
     if config_path is not None:
         check(not models, "--models-config", "cannot be combined with several --model flags")
         entries = _read_models_config(config_path)
