@@ -1,8 +1,9 @@
 """The engine's configuration: a tree of dataclasses, validated once at the edge.
 
 Each component receives only its slice (the scheduler never sees the model's HF config).
-`EngineConfig.create(**kwargs)` is the one place that reads the model's config from disk to
-resolve defaults such as max_model_len; constructors do no I/O.
+`engine/config_builder.build_engine_config(**kwargs)` is the one place that reads the model's
+config from disk to resolve defaults such as max_model_len; constructors do no I/O. This module
+imports nothing from engine/ (the builder depends on the config, not the other way round).
 """
 
 from __future__ import annotations
@@ -65,9 +66,25 @@ class SchedulerConfig:
     max_prefill_tokens_with_decodes: int | None = None
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
+    """vLLM's names. One engine core (replica) runs world_size = tp x pp ranks; data_parallel_size
+    replicas run behind one LLM or API server, each with its own scheduler and KV cache."""
+
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # uni: the runner in the engine's own process (world size 1 only); mp: one spawned worker
+    # process per rank; ray: one Ray actor per rank, placed with a placement group (multi-node)
+    distributed_executor_backend: str = "uni"
+    data_parallel_rank: int = 0  # which replica this engine core is (its devices follow it)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -94,11 +111,6 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # every request's result bitwise independent of the batch (models/batch_invariant.py)
     batch_invariant: bool = False
-
-    @staticmethod
-    def create(**kwargs) -> EngineConfig:
-        from minivllm.engine.config_builder import build_engine_config
-        return build_engine_config(**kwargs)
 
 
 def check(ok: bool, field_name: str, msg: str) -> None:

@@ -15,6 +15,10 @@ num_computed_tokens advances when tokens are scheduled, so the next step can be 
 this one runs (async scheduling): a token the running step will sample counts as pending
 (num_pending_tokens) and goes to the runner as PLACEHOLDER_TOKEN; update() later turns it into
 a real token and checks the stop conditions, one step late.
+
+Pipeline parallelism keeps up to max_concurrent_batches whole batches in flight (one per stage)
+instead: a request scheduled in a batch is not scheduled again, nor preempted, until update()
+took in that batch's results (a later stage could not fill in a placeholder).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class SchedulerLimits:
     # requests above which no drafts are scheduled (None: always).
     num_lookahead_tokens: int = 0
     spec_disable_batch_size: int | None = None
+    # batches in flight at once (pipeline stages); above 1 a request sits out while in flight
+    max_concurrent_batches: int = 1
 
 
 LIGHT_LOAD_WAITING = 4  # queue length up to which the prefill cap above applies
@@ -115,6 +121,7 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self._requeued_since_last_step: set[str] = set()  # requeue(): the runner drops their state
         self._sent_to_runner: set[str] = set()
+        self._in_flight: set[str] = set()  # (max_concurrent_batches > 1) in a batch not yet updated
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
         # prompt + max_tokens of every unfinished request: what the engine may still have to hold
@@ -150,6 +157,7 @@ class Scheduler:
             self.swap.discard(req.request_id)
         if req.grammar is not None:
             req.grammar.release()
+        self._in_flight.discard(req.request_id)
         if self.requests.pop(req.request_id, None) is not None:
             self.tokens_in_flight -= req.num_prompt_tokens + req.max_tokens
         if req.group is not None:
@@ -209,6 +217,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.request_id in self._in_flight:
+                i += 1  # its batch is still in the pipeline
+                continue
             remaining = req.num_tokens_with_pending - req.num_computed_tokens
             prefilling = remaining > 1  # an unfinished prompt, or a recompute after preemption
             n = min(remaining, budget, self._prefill_left if prefilling else budget)
@@ -223,8 +234,11 @@ class Scheduler:
                 drafts, lookahead = [], 0
                 new_blocks = self.block_manager.allocate(req, n)
             n += len(drafts)
+            victim = None
             while new_blocks is None:
                 victim = self._pick_victim()
+                if victim is None:
+                    break  # every other request is in flight: this one waits for a batch to finish
                 if self.running.index(victim) < i:
                     i -= 1  # an earlier entry leaves the list
                 budget += self._preempt(victim, out)
@@ -232,7 +246,9 @@ class Scheduler:
                     break
                 new_blocks = self.block_manager.allocate(req, n + lookahead)
             if new_blocks is None:
-                continue  # req itself was preempted; running[i] is now the next request
+                if victim is None:
+                    i += 1
+                continue  # (else req itself was preempted; running[i] is now the next request)
             self._add_scheduled(out, req, n, new_blocks, drafts)
             budget -= n
             if prefilling:
@@ -360,17 +376,23 @@ class Scheduler:
         req.num_computed_tokens += n
         if samples:
             req.num_pending_tokens += 1
+        if self.limits.max_concurrent_batches > 1:
+            self._in_flight.add(req.request_id)
         # findable at once: a request admitted later in this very step may share these blocks,
         # since every layer stores the step's K/V before any of its attention reads them
         self.block_manager.register_computed_blocks(req)
         if req.group is not None and req.num_computed_tokens >= req.num_prompt_tokens:
             req.group.prompt_computed = True
 
-    def _pick_victim(self) -> Request:
-        """FCFS: the most recently admitted request; priority: the least important one."""
+    def _pick_victim(self) -> Request | None:
+        """FCFS: the most recently admitted request; priority: the least important one. Never one
+        in flight (a pipeline stage may still write its blocks); None if there is no other."""
+        candidates = [r for r in self.running if r.request_id not in self._in_flight] if self._in_flight else self.running
+        if not candidates:
+            return None
         if self.limits.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def requeue(self, req_ids: Iterable[str]) -> list[str]:
         """Send running requests back to the waiting queue to be recomputed (as a preemption): the
@@ -433,6 +455,7 @@ class Scheduler:
         drafts = result.draft_token_ids or {}
         updates = []
         for s in sched.scheduled:
+            self._in_flight.discard(s.req_id)
             req = self.requests.get(s.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted while the step ran

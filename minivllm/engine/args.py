@@ -46,6 +46,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="with --kv-cache-dtype fp8: per-layer scales from the first step's K/V (else the "
                         "checkpoint's, or 1.0)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks each layer is split over (heads, MLP features, vocabulary)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages, each a contiguous range of layers")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind one server, requests routed to the least loaded one")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                   help="uni: in process (world size 1); mp: one worker process per rank; ray: Ray actors, "
+                        "also on other nodes of a Ray cluster (default: uni for one rank, else mp)")
     from minivllm.reasoning import REASONING_PARSERS
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split <think>...</think> into reasoning_content; structured output then constrains "
@@ -75,7 +84,9 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
          "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
          "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config",
-         "prefix_caching_hash_algo", "batch_invariant", "swap_space", "preemption_mode", "kv_offloading_size"]
+         "prefix_caching_hash_algo", "batch_invariant", "tensor_parallel_size", "pipeline_parallel_size",
+         "data_parallel_size", "distributed_executor_backend",
+         "swap_space", "preemption_mode", "kv_offloading_size"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from minivllm.config import EngineConfig
@@ -14,6 +15,8 @@ from minivllm.core.offload_cache import OffloadCache
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler, SchedulerLimits
 from minivllm.core.swap_space import SwapSpace
+from minivllm.engine.config_builder import build_engine_config
+from minivllm.engine.errors import EngineDeadError
 from minivllm.engine.gc_heap import freeze_startup_heap
 from minivllm.engine.input_processor import (
     PromptInput,
@@ -22,6 +25,7 @@ from minivllm.engine.input_processor import (
     validate_prompt,
 )
 from minivllm.engine.output_processor import OutputProcessor
+from minivllm.executor.errors import ExecutorDeadError
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured.manager import StructuredOutputManager
@@ -77,23 +81,28 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model)
         from minivllm.executor import make_executor
         self.executor = make_executor(config, model)
+        self.dead_error: BaseException | None = None  # a rank died: every request failed, none is taken
         from minivllm.engine.faults import FaultInjection
         faults = FaultInjection.from_env()  # the soak suite's, off unless MINIVLLM_FAULT_INJECTION is set
         if faults is not None:
             faults.install(self.executor)
         num_blocks = self.executor.num_blocks
-        host = self.executor.host_kv
+        # host KV tiers (kv_transfer/): the in-process executor's; none with several ranks (refused in config)
+        self.host_kv = getattr(self.executor, "host_kv", None)
+        host = self.host_kv
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                           config.cache.prefix_caching_hash_algo,
-                                          OffloadCache(host.num_offload_blocks) if host.num_offload_blocks else None)
+                                          OffloadCache(host.num_offload_blocks) if host and host.num_offload_blocks
+                                          else None)
         swap = SwapSpace(host.num_swap_blocks, config.cache.preemption_mode, host.swap_costs) \
-            if host.num_swap_blocks else None
+            if host and host.num_swap_blocks else None
         s, spec = config.scheduler, config.speculative
         self.scheduler = Scheduler(SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
                                                    s.policy, s.enable_chunked_prefill,
                                                    s.max_prefill_tokens_with_decodes,
                                                    spec.num_lookahead_tokens if spec else 0,
-                                                   spec.disable_by_batch_size if spec else None),
+                                                   spec.disable_by_batch_size if spec else None,
+                                                   config.parallel.pipeline_parallel_size),
                                    self.block_manager, swap)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
@@ -104,6 +113,9 @@ class LLMEngine:
         # async scheduling: the next step is scheduled and launched while this one runs
         self.async_scheduling = config.async_scheduling
         self._inflight = None  # (SchedulerOutput, launched step) still running on the device
+        # pipeline parallelism: up to one whole batch per stage in flight, oldest first
+        self._max_batches = config.parallel.pipeline_parallel_size
+        self._batches: deque = deque()
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -118,7 +130,7 @@ class LLMEngine:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
-        return cls(EngineConfig.create(**kwargs))
+        return cls(build_engine_config(**kwargs))
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.config.model.arch.eos_token_ids)
@@ -137,6 +149,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Validate and queue a request; raises ValueError (naming the field and limit) if it can't run."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
         params = params or SamplingParams()
         params.validate()
         if request_id in self.output_processor.states:
@@ -166,7 +180,8 @@ class LLMEngine:
             self._aborted_outputs += self.output_processor.finish_children(children, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.states) or bool(self._aborted_outputs) or self._inflight is not None
+        return (bool(self.output_processor.states) or bool(self._aborted_outputs) or self._inflight is not None
+                or bool(self._batches))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
@@ -178,12 +193,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step; with async scheduling, while it runs on the device, take
         in the results of the step launched before it (one step in flight at most)."""
+        if self._max_batches > 1:
+            return self._step_pipelined()
         outputs, self._aborted_outputs = self._aborted_outputs, []
         outputs += self._fail_broken_grammars()
-        t = time.perf_counter()
-        sched = self.scheduler.schedule()
-        self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
-                          "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
+        sched = self._schedule()
         if self._inflight is not None and self._needs_sync(sched):
             outputs += self._take_inflight(sched)
         launched = self._launch(sched, outputs)
@@ -196,6 +210,25 @@ class LLMEngine:
         if launched is None and self._inflight is None and self.structured.num_compiling:
             self.structured.wait_for_compiles(0.02)  # only grammars are left to wait for: sleep
         self._log_spec_stats()
+        return outputs
+
+    def _schedule(self):
+        t = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
+                          "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
+        return sched
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline parallelism: launch a new batch of requests not already in flight, and take in
+        the oldest batch's results once every stage has one (or nothing new could be launched)."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs += self._fail_broken_grammars()
+        launched = self._launch(self._schedule(), outputs)
+        if launched is not None:
+            self._batches.append(launched)
+        if self._batches and (launched is None or len(self._batches) >= self._max_batches):
+            outputs += self._complete(self._batches.popleft())[0]
         return outputs
 
     def _take_inflight(self, next_sched) -> list[RequestOutput]:
@@ -232,6 +265,9 @@ class LLMEngine:
                 t = time.perf_counter()
             bitmask = self.structured.bitmask(handles)
             return sched, self.executor.launch_sampling(forward, bitmask)
+        except ExecutorDeadError as e:
+            self._aborted_outputs += self._die(e)
+            return None
         except Exception as e:
             self._aborted_outputs += self._fail_scheduled(sched, e)
             return None
@@ -259,6 +295,8 @@ class LLMEngine:
         t = time.perf_counter()
         try:
             result = self.executor.finish(launched)
+        except ExecutorDeadError as e:
+            return self._die(e), False
         except Exception as e:
             return self._fail_scheduled(sched, e), False
         t = self._add_time("wait", t)
@@ -303,6 +341,29 @@ class LLMEngine:
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
         return self.output_processor.finish_children(children, "error")
 
+    def _die(self, error: BaseException) -> list[RequestOutput]:
+        """A rank is gone: no step can run again. Every request ends now with finish_reason
+        'error'; later add_request calls raise EngineDeadError (the server's /health: 503)."""
+        if self.dead_error is None:
+            logger.error("the engine is dead, failing every request: %s", error)
+            self.dead_error = error
+        self._inflight = None
+        self._batches.clear()
+        children = [c for rid in list(self.output_processor.states) for c in self.output_processor.child_ids(rid)]
+        self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
+        return self.output_processor.finish_children(children, "error")
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError if a rank died (found now, or by an earlier step); then every
+        request still there has been failed, its error outputs left for the next step()."""
+        if self.dead_error is None:
+            try:
+                self.executor.check_health()
+            except ExecutorDeadError as e:
+                self._aborted_outputs += self._die(e)
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
+
     def get_stats(self) -> EngineStats:
         bm, spec = self.block_manager, self.scheduler.spec_stats
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
@@ -319,7 +380,7 @@ class LLMEngine:
         return {"num_blocks_swapped_out": out, "num_blocks_swapped_in": in_,
                 "num_swapped": len(swap.swapped) if swap else 0, "offload_hit_blocks": hits,
                 "offload_stored_blocks": stored,
-                "kv_transfer_bytes": (out + in_ + hits + stored) * self.executor.host_kv.block_bytes}
+                "kv_transfer_bytes": (out + in_ + hits + stored) * (self.host_kv.block_bytes if self.host_kv else 0)}
 
     def _log_spec_stats(self) -> None:
         """Every SPEC_LOG_INTERVAL_S with speculative decoding: the acceptance since the last line."""

@@ -63,7 +63,7 @@ def test_preemption_modes_equal_an_unconstrained_run(base, reference, mode, asyn
         assert stats.num_blocks_swapped_out == 0
     else:  # unset: the cost model swaps (recomputing tens of tokens costs far more than copying blocks)
         assert stats.num_blocks_swapped_out > 0 and stats.num_blocks_swapped_in == stats.num_blocks_swapped_out
-        assert stats.kv_transfer_bytes == 2 * stats.num_blocks_swapped_out * engine.executor.host_kv.block_bytes
+        assert stats.kv_transfer_bytes == 2 * stats.num_blocks_swapped_out * engine.host_kv.block_bytes
     _assert_no_leak(engine)
 
 
@@ -79,7 +79,7 @@ def test_offloaded_prefix_is_loaded_back_and_outputs_match(base, reference):
     stats = engine.get_stats()
     assert stats.offload_hit_blocks > 0, "the prefix was meant to come back from host memory"
     assert stats.kv_transfer_bytes == (stats.offload_hit_blocks + stats.offload_stored_blocks) * \
-        engine.executor.host_kv.block_bytes
+        engine.host_kv.block_bytes
     assert first + again == reference[len(PROMPTS):len(PROMPTS) + 1] + reference[len(PROMPTS):]
     _assert_no_leak(engine)
     from minivllm.server.metrics import _EngineStatsCollector  # /metrics reads the same stats

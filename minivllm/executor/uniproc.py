@@ -1,5 +1,4 @@
-"""Executors run the model runner: in-process now; a tensor-parallel executor would broadcast
-the same plain SchedulerOutput to one runner per GPU and return rank 0's RunnerOutput."""
+"""The in-process executor: one runner in the engine's own process (world size 1)."""
 
 from __future__ import annotations
 
@@ -35,6 +34,9 @@ class UniProcExecutor:
     def finish(self, launched) -> RunnerOutput:
         return self.runner.finish(launched)
 
+    def check_health(self) -> None:
+        pass  # the runner lives and dies with this process
+
     def expert_token_counts(self) -> tuple[int, ...] | None:
         """A MoE model's tokens routed to each expert (summed over its layers), as of up to a
         second ago; None for a dense model."""
@@ -42,8 +44,3 @@ class UniProcExecutor:
 
     def shutdown(self) -> None:
         pass
-
-
-def make_executor(config: EngineConfig, model=None) -> UniProcExecutor:
-    """model: an already loaded CausalLM of the same model config to reuse (see LLMEngine)."""
-    return UniProcExecutor(config, model)
