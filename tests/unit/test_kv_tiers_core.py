@@ -101,7 +101,8 @@ def test_cost_choice():
     assert_nothing_leaks(sched)
 
 
-def test_aborting_a_swapped_request_frees_its_host_blocks():
+def _two_until_one_is_swapped() -> tuple[Scheduler, FakeRunner, str]:
+    """Two requests that do not fit together, stepped until one of them is swapped out."""
     sched = swap_sched("swap", num_blocks=8)
     runner = FakeRunner(sched)
     sched.add_request(make_req("a", list(range(100, 110)), max_tokens=12))
@@ -111,6 +112,11 @@ def test_aborting_a_swapped_request_frees_its_host_blocks():
         if sched.swap.swapped:
             break
     (rid,) = sched.swap.swapped
+    return sched, runner, rid
+
+
+def test_aborting_a_swapped_request_frees_its_host_blocks():
+    sched, runner, rid = _two_until_one_is_swapped()
     sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
     assert sched.swap.pool.num_free == sched.swap.pool.num_blocks
     runner.run_until_done()
@@ -118,15 +124,7 @@ def test_aborting_a_swapped_request_frees_its_host_blocks():
 
 
 def test_requeue_drops_a_swap_copied_after_a_failed_step():
-    sched = swap_sched("swap", num_blocks=8)
-    runner = FakeRunner(sched)
-    sched.add_request(make_req("a", list(range(100, 110)), max_tokens=12))
-    sched.add_request(make_req("b", list(range(200, 210)), max_tokens=12))
-    for _ in range(60):
-        runner.step()
-        if sched.swap.swapped:
-            break
-    (rid,) = sched.swap.swapped
+    sched, runner, rid = _two_until_one_is_swapped()
     sched.requeue([rid])  # the step that wrote its blocks failed: recompute, not swap in
     assert not sched.swap.swapped and sched.requests[rid].num_computed_tokens == 0
     runner.run_until_done()
