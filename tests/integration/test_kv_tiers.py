@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import EngineConfig
+from minivllm.engine.config_builder import build_engine_config
 from minivllm.engine.llm_engine import LLMEngine
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -33,7 +33,7 @@ def reference(base):
 def _engine(base, **kwargs) -> LLM:
     """An LLM on the base's loaded model (which then must not run: its KV cache is replaced)."""
     llm = LLM.__new__(LLM)
-    config = EngineConfig.create(dtype="float32", device="cpu", **kwargs)
+    config = build_engine_config(dtype="float32", device="cpu", **kwargs)
     llm.llm_engine = LLMEngine(config, model=base.llm_engine.executor.runner.model)
     return llm
 
@@ -90,12 +90,12 @@ def test_offloaded_prefix_is_loaded_back_and_outputs_match(base, reference):
 
 def test_host_memory_options_are_checked():
     with pytest.raises(ValueError, match="swap_space \\+ kv_offloading_size"):
-        EngineConfig.create(device="cpu", swap_space=1 << 20)
+        build_engine_config(device="cpu", swap_space=1 << 20)
     with pytest.raises(ValueError, match="preemption_mode"):
-        EngineConfig.create(device="cpu", preemption_mode="drop")
+        build_engine_config(device="cpu", preemption_mode="drop")
     with pytest.raises(ValueError, match="kv_offloading_size"):
-        EngineConfig.create(device="cpu", kv_offloading_size=-1)
+        build_engine_config(device="cpu", kv_offloading_size=-1)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
-        EngineConfig.create(device="cpu", kv_offloading_size=0.01, enable_prefix_caching=False)
+        build_engine_config(device="cpu", kv_offloading_size=0.01, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="swap_space must be > 0"):
-        EngineConfig.create(device="cpu", preemption_mode="swap", swap_space=0)
+        build_engine_config(device="cpu", preemption_mode="swap", swap_space=0)

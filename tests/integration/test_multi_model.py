@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from minivllm.engine.async_engine import AsyncEngine
+from minivllm.engine.mp_async_engine import MPAsyncEngine
 from minivllm.models.source import default_gguf_path
 from minivllm.server.app import create_app
 from minivllm.server.cli import _served_models, register, server_settings
@@ -35,7 +36,8 @@ def _serve_args(*extra: str) -> argparse.Namespace:
 def two_models():
     args = _serve_args()
     served = _served_models(args, server_settings(args))
-    engines = [AsyncEngine.from_kwargs(**kw) for kw, _ in served]
+    # one engine core in its own process (the server's default), one on a thread: both kinds behind the router
+    engines = [cls.from_kwargs(**kw) for cls, (kw, _) in zip((MPAsyncEngine, AsyncEngine), served)]
     import dataclasses
     apps = [create_app(e, dataclasses.replace(s, own_engine=False)) for e, (_, s) in zip(engines, served)]
     server = ServerThread(ModelRouter(apps)).start()
