@@ -44,6 +44,7 @@ def dashboard_event(state, next_step: int, since_s: float) -> tuple[dict, int]:
     snap = state.engine.history.since(next_step, limit=MAX_STEPS_PER_EVENT)
     stats = state.engine.get_stats()
     event = {"models": state.base.model_names, "load": load_report(state),
+             "all_models": getattr(state, "all_model_names", state.base.model_names),  # several: multi-model serve
              "steps": [r.to_dict() for r in snap.records], "batch": snap.last_batch,
              "block_map": snap.block_map.to_dict() if snap.block_map is not None else None,
              "latency": state.metrics.recent.series(since_s),

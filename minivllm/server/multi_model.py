@@ -28,6 +28,8 @@ from starlette.types import Receive, Scope, Send
 from minivllm.config import check
 from minivllm.server.errors import JSONResponse, OpenAIError, error_response
 
+_PER_MODEL_GET = ("/load", "/dashboard")  # per-model views, by ?model=
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -85,6 +87,8 @@ class ModelRouter:
         """apps: FastAPI apps from server/app.py's create_app, one per model (the first: the default)."""
         self.apps = apps
         self.by_name = {name: app for app in apps for name in app.state.minivllm.base.model_names}
+        for app in apps:  # each model's dashboard links to the others'
+            app.state.minivllm.all_model_names = list(self.by_name)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -99,8 +103,22 @@ class ModelRouter:
             await self._health(scope, receive, send)
         elif scope["method"] == "POST":
             await self._route_by_body(scope, receive, send)
+        elif scope["path"].startswith(_PER_MODEL_GET):
+            await self._route_by_query(scope, receive, send)
         else:
             await self.apps[0](scope, receive, send)
+
+    async def _route_by_query(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET /load, /dashboard, /dashboard/events: `?model=NAME` picks the model (default: the first)."""
+        from urllib.parse import parse_qs
+        name = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[0]
+        app = self.apps[0] if name is None else self.by_name.get(name)
+        if app is None:
+            err = OpenAIError(404, f"The model `{name}` does not exist. This server serves: {', '.join(self.by_name)}.",
+                              "model", "model_not_found")
+            await error_response(err)(scope, receive, send)
+            return
+        await app(scope, receive, send)
 
     async def _route_by_body(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Reads the body (the apps' own limit applies: past it, the default app answers 413),
