@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -126,6 +127,8 @@ class LLMEngine:
         self.last_step: dict[str, float] = {}
         # per-step statistics (batch composition, queue, KV use) for the dashboard, /load, timelines
         self.history = StepHistory()
+        # MINIVLLM_STEP_HISTORY=0: record no steps (only to measure what recording costs, e.g. on W1)
+        self._record_steps = os.environ.get("MINIVLLM_STEP_HISTORY", "1") != "0"
         self.profiler = EngineProfiler()  # torch-profiler traces on demand (/start_profile, --profile)
         self._spec_logged = (time.monotonic(), (0, 0, 0))  # when, and the counters then
         freeze_startup_heap()  # later full GC passes skip the model, the KV blocks, the imports
@@ -224,7 +227,7 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
                           "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
-        if not sched.is_empty:
+        if self._record_steps and not sched.is_empty:
             self.history.record(sched, self.scheduler, self.block_manager, self.generation_tokens_total)
         return sched
 
