@@ -43,6 +43,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="with --kv-cache-dtype fp8: per-layer scales from the first step's K/V (else the "
                         "checkpoint's, or 1.0)")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters one step may mix (device slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded on the host (default: --max-loras)")
+    g.add_argument("--pooler-config", default=None,
+                   help='embeddings: JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+                        '(default: LAST token, normalized)')
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
@@ -52,7 +60,8 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
          "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
-         "calculate_kv_scales", "speculative_config"]
+         "calculate_kv_scales", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
+         "max_cpu_loras", "pooler_config"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -11,7 +11,9 @@ from minivllm.config import (
     SchedulerConfig,
     check,
 )
+from minivllm.lora.config import LoRAConfig
 from minivllm.models.arch import ArchConfig
+from minivllm.pooling_params import PoolerConfig
 from minivllm.models.source import ModelSource, read_hf_config, resolve_model_source
 from minivllm.quant.config import QuantConfig, resolve_quant_config
 
@@ -97,6 +99,11 @@ def build_engine_config(
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
     calculate_kv_scales: bool = False,
+    enable_lora: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
+    pooler_config=None,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
@@ -150,5 +157,15 @@ def build_engine_config(
     check(not (speculative and async_scheduling), "async_scheduling",
           "cannot be on with speculative decoding (a step's drafts depend on the previous step's result)")
     async_scheduling = (on_gpu and speculative is None) if async_scheduling is None else async_scheduling
+    lora = _lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, speculative)
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
-                        enforce_eager or not on_gpu, attention_backend, async_scheduling, speculative)
+                        enforce_eager or not on_gpu, attention_backend, async_scheduling, speculative,
+                        lora, PoolerConfig.parse(pooler_config))
+
+
+def _lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu: int | None,
+                 speculative) -> LoRAConfig | None:
+    if not enable:
+        return None
+    check(speculative is None, "enable_lora", "cannot be combined with speculative decoding (not supported yet)")
+    return LoRAConfig(max_loras, max_rank, max_cpu)

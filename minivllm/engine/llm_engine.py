@@ -12,15 +12,21 @@ from minivllm.core.block_manager import BlockManager
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler, SchedulerLimits
 from minivllm.engine.gc_heap import freeze_startup_heap
+from minivllm.sample.batch import validate_for_vocab
 from minivllm.engine.input_processor import (
     PromptInput,
+    make_beam_request,
+    make_pooling_request,
     make_sample_requests,
     parse_prompt,
+    validate_pooling_prompt,
     validate_prompt,
 )
 from minivllm.engine.output_processor import OutputProcessor
+from minivllm.lora.checker import AdapterChecker, cache_salt
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.pooling_params import PoolingParams
+from minivllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +77,7 @@ class LLMEngine:
                                    self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
+        self.adapters = AdapterChecker(config.lora, config.model.arch, config.model.served_name)
         self._aborted_outputs: list[RequestOutput] = []
         # async scheduling: the next step is scheduled and launched while this one runs
         self.async_scheduling = config.async_scheduling
@@ -105,22 +112,65 @@ class LLMEngine:
         return str(next(self._ids))
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
-        """Validate and queue a request; raises ValueError (naming the field and limit) if it can't run."""
+    def add_request(self, request_id: str, prompt: PromptInput,
+                    params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
+        """Validate and queue a request; raises ValueError (naming the field and limit) if it can't run.
+        params: sampling (generate), BeamSearchParams (beam search) or PoolingParams (an embedding);
+        lora_request: the LoRARequest the request runs with (enable_lora)."""
         params = params or SamplingParams()
         params.validate()
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         parsed = parse_prompt(prompt, self.tokenizer)
-        max_tokens = validate_prompt(parsed.token_ids, params, self.config.model.arch.vocab_size,
-                                     self.max_model_len, self.block_manager.num_blocks * self.config.cache.block_size)
-        reqs = make_sample_requests(request_id, parsed.token_ids, params, max_tokens, self.eos_token_ids,
-                                    priority, arrival_time)
+        self.adapters.check(lora_request)
+        lora = dict(lora_request=lora_request, cache_salt=cache_salt(lora_request))
+        if isinstance(params, PoolingParams):
+            reqs = [self._pooling_request(request_id, parsed.token_ids, params, priority, arrival_time, lora)]
+        elif isinstance(params, BeamSearchParams):
+            reqs = [self._beam_request(request_id, parsed.token_ids, params, priority, arrival_time, lora)]
+        else:
+            validate_for_vocab(params, self.config.model.arch.vocab_size)
+            max_tokens = validate_prompt(parsed.token_ids, params, self.config.model.arch.vocab_size,
+                                         self.max_model_len, self._cache_tokens)
+            reqs = make_sample_requests(request_id, parsed.token_ids, params, max_tokens, self.eos_token_ids,
+                                        priority, arrival_time, **lora)
         self.output_processor.add_request(request_id, parsed.text, parsed.token_ids, params,
                                           [r.request_id for r in reqs], reqs[0].arrival_time)
         for r in reqs:
             self.scheduler.add_request(r)
+
+    @property
+    def _cache_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.config.cache.block_size
+
+    def _pooling_request(self, request_id, tokens, params: PoolingParams, priority, arrival_time, lora):
+        arch = self.config.model.arch
+        validate_pooling_prompt(tokens, arch.vocab_size, self.max_model_len, self._cache_tokens)
+        return make_pooling_request(request_id, tokens, params.resolved(self.config.pooler, arch.hidden_size),
+                                    self.eos_token_ids, priority, arrival_time, **lora)
+
+    def _beam_request(self, request_id, tokens, params: BeamSearchParams, priority, arrival_time, lora):
+        """Beam search: checks the beam width against the engine (every beam is a sequence, and may
+        hold its own copy of the tail of the prompt and its output)."""
+        if self.config.speculative is not None:
+            raise ValueError("beam search cannot run with speculative decoding: start an engine without "
+                             "speculative_config")
+        s, bs = self.config.scheduler, self.config.cache.block_size
+        if params.beam_width > s.max_num_seqs:
+            raise ValueError(f"BeamSearchParams.beam_width must be <= max_num_seqs={s.max_num_seqs} (every beam is "
+                             f"a sequence), got {params.beam_width}")
+        if 2 * params.beam_width > self.config.model.arch.vocab_size:
+            raise ValueError(f"BeamSearchParams.beam_width must be <= half the vocabulary, got {params.beam_width}")
+        max_tokens = validate_prompt(tokens, SamplingParams(max_tokens=params.max_tokens),
+                                     self.config.model.arch.vocab_size, self.max_model_len, self._cache_tokens)
+        need = len(tokens) // bs + params.beam_width * self.block_manager.blocks_needed(len(tokens) % bs + max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"BeamSearchParams.beam_width={params.beam_width} with a {len(tokens)}-token prompt and "
+                             f"max_tokens={max_tokens} may need {need} KV blocks; the cache has "
+                             f"{self.block_manager.num_blocks}: lower beam_width or max_tokens")
+        return make_beam_request(request_id, tokens, params, max_tokens, self.eos_token_ids, priority, arrival_time,
+                                 **lora)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Finish requests now with finish_reason 'abort'; their KV blocks are freed at once."""
@@ -144,6 +194,11 @@ class LLMEngine:
         """Schedule and launch a step; with async scheduling, while it runs on the device, take
         in the results of the step launched before it (one step in flight at most)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        if self._inflight is not None and self.scheduler.beam_groups:
+            # a beam's next token is chosen on the host from its whole group's results: no step
+            # is scheduled before those are in
+            outputs += self._complete(self._inflight)[0]
+            self._inflight = None
         t = time.perf_counter()
         sched = self.scheduler.schedule()
         self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
@@ -215,7 +270,8 @@ class LLMEngine:
     def _count_tokens(self, updates) -> None:
         for u in updates:
             self.generation_tokens_total += len(u.new_token_ids)
-            if u.request.num_output_tokens == len(u.new_token_ids):  # its first token: prompt done
+            first = u.new_token_ids and u.request.num_output_tokens == len(u.new_token_ids)
+            if first or u.pooled is not None:  # its first token (or its embedding): prompt done
                 self.prompt_tokens_total += u.request.num_prompt_tokens
 
     def _fail_scheduled(self, sched) -> list[RequestOutput]:
@@ -224,8 +280,10 @@ class LLMEngine:
             if s.req_id in reqs:
                 self.block_manager.forget_unwritten(reqs[s.req_id], s.num_computed_tokens)
         children = [s.req_id for s in sched.scheduled]
+        # a beam's output belongs to its beam-search request (the whole group fails)
+        outputs_of = [reqs[c].beam.request_id if c in reqs and reqs[c].beam is not None else c for c in children]
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
-        return self.output_processor.finish_children(children, "error")
+        return self.output_processor.finish_children(list(dict.fromkeys(outputs_of)), "error")
 
     def get_stats(self) -> EngineStats:
         bm, spec = self.block_manager, self.scheduler.spec_stats

@@ -18,6 +18,7 @@ from minivllm.config import EngineConfig
 from minivllm.core.interfaces import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
 from minivllm.models.llama import CausalLM
 from minivllm.models.loader import build_model
+from minivllm.runner.extra_outputs import ExtraRows, plan_extra_rows, pool, prompt_logprobs
 from minivllm.runner.input_batch import StepInputs, build_step_inputs
 from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, format_bytes
 from minivllm.runner.memory import plan_num_blocks
@@ -39,12 +40,20 @@ class LaunchedStep:
     host_buf: torch.Tensor | None = None  # pinned [B] int64, filled by an async copy
     event: torch.cuda.Event | None = None  # recorded after that copy
     spec: RunnerOutput | None = None  # speculative decoding: the finished step's output
+    # prompt logprobs and pooled vectors of the step (already on the host)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
+    pooled: dict[str, list[float]] | None = None
 
 
 @dataclass
 class RunnerRequest:
     block_ids: list[int]
     sampling: SamplingRequestState
+    lora_request: object | None = None  # LoRARequest
+    pooling: object | None = None  # PoolingParams (resolved: pooling_type set)
+    beam_temperature: float | None = None
+    pool_sum: torch.Tensor | None = None  # mean pooling: float32 sum of the rows so far
+    pool_count: int = 0
 
 
 class ModelRunner:
@@ -214,9 +223,26 @@ class ModelRunner:
         if self.speculator is not None and gone:
             self.speculator.drop(gone)
         for new in sched.new_requests:
-            self.requests[new.req_id] = RunnerRequest([], _sampling_state(new))
+            self.requests[new.req_id] = RunnerRequest([], _sampling_state(new), new.lora_request, new.pooling,
+                                                      new.beam_temperature)
+        copies = []
         for s in sched.scheduled:
-            self.requests[s.req_id].block_ids.extend(s.new_block_ids)
+            table = self.requests[s.req_id].block_ids
+            table.extend(s.new_block_ids)
+            if s.cow is not None:  # a shared, partly filled block: this request writes into a copy
+                index, src, dst = s.cow
+                table[index] = dst
+                copies.append((src, dst))
+        if copies:
+            self._copy_blocks(copies)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: every layer's K/V of block src into block dst (before the forward)."""
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        for k, v in self.kv_caches:  # [num_blocks, block_size, Hk, D]
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -234,18 +260,38 @@ class ModelRunner:
         inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
                                    pin=self.device.type == "cuda")
         self._fill_placeholders(inputs)
+        extra = plan_extra_rows(sched.scheduled, inputs.meta.query_start_loc_cpu, self.requests)
         if self._calibrate_kv_pending:  # calculate_kv_scales: this first real step sets the FP8 scales
             self._calibrate_kv_pending = False
             for layer in self.model.layers:
                 layer.self_attn.calibrate_kv = True
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, output_rows=inputs.logits_indices)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta,
+                                output_rows=self._output_rows(inputs, extra))
         else:
-            hidden = self._forward_sampling_rows(inputs)
+            hidden = self._forward_sampling_rows(inputs, extra)
+        num_sampling = inputs.logits_indices.shape[0]
+        extras = self._extra_outputs(hidden[num_sampling:], extra)
         if not inputs.sampling_req_ids:
-            return LaunchedStep([], [])
+            return LaunchedStep([], [], prompt_logprobs=extras[0], pooled=extras[1])
+        hidden = hidden[:num_sampling]
         if self.speculator is not None:
-            return self._run_speculative(hidden, inputs)
-        return self._launch_sampling(hidden, inputs.sampling_req_ids)
+            step = self._run_speculative(hidden, inputs)
+        else:
+            step = self._launch_sampling(hidden, inputs.sampling_req_ids)
+        step.prompt_logprobs, step.pooled = extras
+        return step
+
+    def _output_rows(self, inputs: StepInputs, extra: ExtraRows | None) -> torch.Tensor:
+        """The rows the forward returns: the sampling rows, then the extra rows."""
+        if extra is None:
+            return inputs.logits_indices
+        return torch.cat([inputs.logits_indices, self._to_device(extra.rows)])
+
+    def _extra_outputs(self, hidden: torch.Tensor, extra: ExtraRows | None):
+        """(prompt logprobs, pooled vectors) of the step, on the host; (None, None) without any."""
+        if extra is None:
+            return None, None
+        return prompt_logprobs(self.model, hidden, extra) or None, pool(hidden, extra, self.requests) or None
 
     def _run_speculative(self, hidden: torch.Tensor, inputs: StepInputs) -> LaunchedStep:
         """Verify the step's drafts (every request's tokens on the host at once), then propose the
@@ -276,16 +322,17 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _forward_sampling_rows(self, inputs: StepInputs) -> torch.Tensor:
-        """The final hidden states of the tokens that sample: [len(sampling_req_ids), H]."""
+    def _forward_sampling_rows(self, inputs: StepInputs, extra: ExtraRows | None = None) -> torch.Tensor:
+        """The final hidden states of the tokens that sample, then of the extra rows (prompt
+        logprobs, pooling): [len(logits_indices) + len(extra.rows), H]."""
         hidden = self.graphs.try_run(inputs) if self.graphs is not None else None
         # as many logits rows as tokens: every token, in order (decode, or verify steps of drafts)
-        every_token = inputs.logits_indices.shape[0] == inputs.input_ids.shape[0]
+        every_token = extra is None and inputs.logits_indices.shape[0] == inputs.input_ids.shape[0]
+        rows = None if every_token else self._output_rows(inputs, extra)
         if hidden is not None:
-            return hidden if every_token else hidden[inputs.logits_indices]
+            return hidden if rows is None else hidden[rows]
         # only the sampling rows (the CPU forward then skips the last layer's work for the others)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta,
-                          output_rows=None if every_token else inputs.logits_indices)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, output_rows=rows)
 
     def _launch_sampling(self, hidden: torch.Tensor, req_ids: list[str]) -> LaunchedStep:
         states = [self.requests[r].sampling for r in req_ids]
@@ -301,7 +348,7 @@ class ModelRunner:
         else:
             if logits is None:
                 logits = self.model.compute_logits(hidden)
-            out = self.sampler(logits, batch)
+            out = self.sampler(self._beam_scaled(logits, req_ids), batch)
         for state in states:
             state.num_pending += 1
         self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(req_ids)})
@@ -313,8 +360,22 @@ class ModelRunner:
         event.record()
         return LaunchedStep(req_ids, states, host_buf=host_buf, event=event)
 
+    def _beam_scaled(self, logits: torch.Tensor, req_ids: list[str]) -> torch.Tensor:
+        """Beam search with temperature T ranks by log_softmax(logits / T): those rows are divided
+        (a beam's token is the argmax, which division by T > 0 keeps)."""
+        temps = [self.requests[r].beam_temperature or 1.0 for r in req_ids]
+        if all(t == 1.0 for t in temps):
+            return logits
+        scale = torch.tensor([1.0 / t for t in temps], dtype=torch.float32, device=logits.device)
+        return logits.float() * scale.unsqueeze(1)
+
     def finish(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and return its sampled tokens (and logprobs) as plain data."""
+        out = self._finish_sampling(step)
+        out.prompt_logprobs, out.pooled = step.prompt_logprobs, step.pooled
+        return out
+
+    def _finish_sampling(self, step: LaunchedStep) -> RunnerOutput:
         if not step.req_ids:
             return RunnerOutput([], [])
         if step.spec is not None:

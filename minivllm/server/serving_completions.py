@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
+from minivllm.engine.token_bytes import CharOffsets
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.server import logprobs as lp_fmt
 from minivllm.server.errors import JSONResponse, bad_request
@@ -43,7 +44,7 @@ def engine_prompts(prompt) -> list:
 class _ChoiceState:
     text_len: int = 0  # characters of the choice's text already sent
     num_tokens: int = 0  # tokens already sent
-    offset: int = 0  # text_offset of the next token (legacy logprobs)
+    offsets: CharOffsets | None = None  # text_offset of the next generated token (legacy logprobs)
     started: bool = False
     finished: bool = False
 
@@ -72,14 +73,20 @@ class ServingCompletion(ServingBase):
         tok = self.engine.tokenizer
         return tok.decode(out.prompt_token_ids) if tok is not None else ""
 
+    def _prompt_logprobs(self, out: RequestOutput) -> lp_fmt.CompletionLogprobs:
+        """The echoed prompt's part of the legacy logprobs: the engine's prompt logprobs (the first
+        token has none: None, as in OpenAI and vLLM)."""
+        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return lp_fmt.completion_logprobs(out.prompt_token_ids, entries, CharOffsets(), self.engine.tokenizer)
+
     def _choice(self, req: CompletionRequest, out: RequestOutput, o: CompletionOutput, index: int) -> dict:
         prefix = self._prompt_text(out) if req.echo else ""
         logprobs = None
         if req.logprobs is not None:
-            tok = self.engine.tokenizer
-            gen = lp_fmt.completion_logprobs(o.token_ids, o.logprobs or [], len(prefix), tok)
+            gen = lp_fmt.completion_logprobs(o.token_ids, o.logprobs or [], CharOffsets(len(prefix)),
+                                             self.engine.tokenizer)
             if req.echo:
-                gen = lp_fmt.concat(lp_fmt.prompt_logprobs_placeholder(out.prompt_token_ids, tok), gen)
+                gen = lp_fmt.concat(self._prompt_logprobs(out), gen)
             logprobs = gen.model_dump()
         return {"index": index, "text": prefix + o.text, "logprobs": logprobs, "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason}
@@ -104,12 +111,12 @@ class ServingCompletion(ServingBase):
             return None
         logprobs = None
         if req.logprobs is not None:
-            tok = self.engine.tokenizer
-            gen = lp_fmt.completion_logprobs(new_ids, (o.logprobs or [])[st.num_tokens:],
-                                             st.offset + len(prefix), tok)
+            if st.offsets is None:
+                st.offsets = CharOffsets(len(prefix))
+            gen = lp_fmt.completion_logprobs(new_ids, (o.logprobs or [])[st.num_tokens:], st.offsets,
+                                             self.engine.tokenizer)
             if prefix:
-                gen = lp_fmt.concat(lp_fmt.prompt_logprobs_placeholder(out.prompt_token_ids, tok), gen)
-            st.offset = gen.text_offset[-1] + len(gen.tokens[-1]) if gen.tokens else st.offset + len(prefix)
+                gen = lp_fmt.concat(self._prompt_logprobs(out), gen)
             logprobs = gen.model_dump()
         st.started, st.text_len, st.num_tokens = True, len(o.text), len(o.token_ids)
         st.finished = o.finish_reason is not None
