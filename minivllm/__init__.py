@@ -10,11 +10,11 @@ from minivllm.outputs import (
     RequestOutput,
 )
 from minivllm.pooling_params import PoolerConfig, PoolingParams
-from minivllm.sampling_params import BeamSearchParams, SamplingParams
+from minivllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "PoolerConfig", "LoRARequest",
-           "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchOutput", "BeamSearchSequence",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "PoolingParams", "PoolerConfig",
+           "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchOutput", "BeamSearchSequence",
            "EmbeddingRequestOutput", "__version__"]
 
 

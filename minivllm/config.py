@@ -44,6 +44,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # explicit override of the block count (tests)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, per-tensor scales)
     calculate_kv_scales: bool = False  # fp8: scales from the first step's K/V (else checkpoint or 1.0)
+    prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (core/block_hash.py)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,15 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs (vLLM's structured_outputs_config): the grammar backend, and the
+    reasoning parser whose end marker starts the constraint (None: constrain from the first token)."""
+
+    backend: str = "xgrammar"
+    reasoning_parser: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -77,6 +87,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding (spec_decode/config.py)
     lora: LoRAConfig | None = None  # multi-LoRA (enable_lora); None: no adapters
     pooler: PoolerConfig = field(default_factory=PoolerConfig)  # embeddings: pooling type, normalize
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @staticmethod
     def create(**kwargs) -> EngineConfig:

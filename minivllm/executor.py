@@ -15,6 +15,7 @@ class UniProcExecutor:
         self.num_blocks = self.runner.init_kv_cache()
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_kernels()
+        self.runner.expert_counts.reset()  # count requests' tokens only, not the startup passes
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(sched)
@@ -23,8 +24,20 @@ class UniProcExecutor:
         """Queue a step without waiting (async scheduling); pass the result to finish()."""
         return self.runner.launch(sched)
 
+    def launch_forward(self, sched: SchedulerOutput):
+        """Queue a step's forward only; launch_sampling() then samples it (with a grammar bitmask)."""
+        return self.runner.launch_forward(sched)
+
+    def launch_sampling(self, forward, grammar=None):
+        return self.runner.launch_sampling(forward, grammar)
+
     def finish(self, launched) -> RunnerOutput:
         return self.runner.finish(launched)
+
+    def expert_token_counts(self) -> tuple[int, ...] | None:
+        """A MoE model's tokens routed to each expert (summed over its layers), as of up to a
+        second ago; None for a dense model."""
+        return self.runner.expert_counts.latest
 
     def shutdown(self) -> None:
         pass

@@ -22,7 +22,10 @@ class LLM:
     max_model_len, block_size (16), max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching (True), gpu_memory_utilization (0.9), kv_cache_memory_bytes,
     num_kv_blocks, scheduling_policy ("fcfs" or "priority"), enable_chunked_prefill,
-    enforce_eager, attention_backend ("torch" or "triton"), skip_tokenizer_init, chat_template;
+    enforce_eager, attention_backend ("torch" or "triton"), skip_tokenizer_init, chat_template,
+    structured_outputs_config ({"backend": "xgrammar"}), reasoning_parser ("qwen3" or
+    "deepseek_r1": structured output then constrains only what follows the reasoning section).
+    A request's output constraint is SamplingParams(structured_outputs=StructuredOutputsParams(...)).
     enable_lora, max_loras (1), max_lora_rank (16), max_cpu_loras (max_loras); pooler_config
     ({"pooling_type": "LAST" or "MEAN", "normalize": True}).
     """

@@ -1,12 +1,80 @@
-"""SamplingParams: how one request is sampled and when it stops (mirrors vLLM's)."""
+"""SamplingParams: how one request is sampled and when it stops (mirrors vLLM's), and
+StructuredOutputsParams: the constraint a request's output must follow (vLLM's field names)."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: top logprobs per token, generated or prompt
+
+# the constraint kinds of StructuredOutputsParams, exactly one of which is set
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's StructuredOutputsParams): exactly one of
+    json (a JSON Schema, as a dict or its text), json_object=True (any JSON object), regex,
+    choice (one of these strings), grammar (EBNF/GBNF, or Lark text) or structural_tag (xgrammar's
+    structural tag, JSON text). The engine checks that the constraint compiles when the request
+    is added (a ValueError naming the field, with the position where the text is wrong)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False  # JSON without free whitespace: one space after "," and ":" (as vLLM)
+    disable_additional_properties: bool = False  # objects with `properties` take no other keys
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Exactly one constraint kind, of the right type; the compile check is the backend's."""
+        given = self._given()
+        if len(given) != 1:
+            named = ", ".join(given) if given else "none"
+            _check_so(False, given[1] if given else "json",
+                      f"conflicts: give exactly one constraint kind of {', '.join(STRUCTURED_KINDS)}; got {named}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            _check_so(isinstance(value, (str, dict)), kind, f"must be a JSON Schema (dict or str), got {type(value).__name__}")
+        elif kind == "json_object":
+            _check_so(value is True, kind, f"must be True when given, got {value!r}")
+        elif kind == "choice":
+            _check_so(isinstance(value, (list, tuple)) and len(value) > 0, kind, "must be a non-empty list of strings")
+            bad = next((c for c in value if not isinstance(c, str)), None)
+            _check_so(bad is None, kind, f"must hold strings only, got {bad!r}")
+        else:
+            _check_so(isinstance(value, str) and value.strip() != "", kind, f"must be a non-empty string, got {value!r}")
+
+    def _given(self) -> list[str]:
+        return [k for k in STRUCTURED_KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set (one of STRUCTURED_KINDS)."""
+        return self._given()[0]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
+        """From a request's `structured_outputs` object; unknown keys are a ValueError."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        _check_so(not unknown, unknown[0] if unknown else "", f"is not a field of structured_outputs "
+                  f"(fields: {', '.join(sorted(names))})")
+        return cls(**d)
+
+
+def _check_so(ok: bool, name: str, msg: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.structured_outputs.{name} {msg}")
 
 
 class RequestOutputKind(enum.Enum):
@@ -40,6 +108,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +158,10 @@ class SamplingParams:
             _check(isinstance(s, str) and len(s) > 0, "stop", f"must hold non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and t >= 0, "stop_token_ids", f"must hold token ids >= 0, got {t!r}")
+        if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                   f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
 
     @property
     def uses_penalties(self) -> bool:

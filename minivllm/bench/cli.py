@@ -6,6 +6,7 @@
     minivllm bench cpu
     minivllm bench config-grid [--device cuda] [--quick]   (a differential test, not a timing)
     minivllm bench spec --model HF_DIR [--methods ...]      (W8, speculative decoding)
+    minivllm bench soak [--requests 10000]                  (soak and fault suite: nothing lost)
 
 Every sub-command prints one JSON object (see minivllm.bench.common). The peers run through
 their own modules (python -m minivllm.bench.peers.vllm_runner / hf_runner) and the GPU driver
@@ -18,7 +19,7 @@ import argparse
 
 
 def register(subparsers) -> None:
-    from minivllm.bench import config_grid, cpu_bench, run_minivllm, spec_bench, startup
+    from minivllm.bench import config_grid, cpu_bench, run_minivllm, soak, spec_bench, startup
     from minivllm.server.bench_serve import register_bench_serve
     b = subparsers.add_parser("bench", help="benchmarks: throughput, latency, startup, cpu, serve",
                               description="The standard workloads of BENCHMARKS.md on minivllm.")
@@ -30,6 +31,7 @@ def register(subparsers) -> None:
     cpu_bench.add_parser(sub)
     config_grid.add_parser(sub)
     spec_bench.add_parser(sub)  # W8
+    soak.add_parser(sub)  # the soak and fault suite (issue 22)
     register_bench_serve(sub)  # W3, against any OpenAI-compatible server
     b.set_defaults(func=_dispatch)
 

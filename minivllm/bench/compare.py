@@ -55,6 +55,9 @@ _TINY_W4 = ["--model-config", "tiny-llama", "--num-requests", "4", "--max-output
 _TINY = _TINY_W4 + ["--max-prompt", "64"]
 _CPU = ["--device", "cpu", "--kv-cache-memory-bytes", "8000000"]
 _LAT_TINY = ["--model-config", "tiny-llama", "--max-output", "8"]
+_TINY_MOE = ["--model-config", "tiny-qwen3-moe", "--num-requests", "4", "--max-output", "8", "--max-prompt", "64"]
+# W10: vLLM 0.20.0 needs its Triton MoE kernel on the GPU machine's image (BENCHMARKS.md)
+_VLLM_MOE = ["--moe-backend", "triton"]
 
 
 def _pair(name: str, ours_args: list[str], vllm_args: list[str], exp_ours: int, exp_vllm: int, smoke: list[str],
@@ -80,6 +83,12 @@ def _jobs() -> list[Job]:
                120, 170, _LAT_TINY)
     j += _pair("W2-0.6b", ["latency", "--model-config", "qwen3-0.6b"], ["latency", "--model-config", "qwen3-0.6b"],
                60, 110, _LAT_TINY)
+    # W10: Qwen3-30B-A3B (~61 GB of bf16 weights); one timed run each, so that both engines fit
+    # one 10-minute device call (vLLM's start-up alone is minutes)
+    w10 = ["throughput", "--workload", "W10"]
+    j += _pair("W10", w10, w10 + _VLLM_MOE, 220, 330, _TINY_MOE)
+    lat10 = ["latency", "--workload", "W10-decode"]
+    j += _pair("W10-decode", lat10, lat10 + _VLLM_MOE, 180, 330, ["--model-config", "tiny-qwen3-moe", "--max-output", "8"])
     # W11: Llama-3.1-8B shapes, AWQ int4 dummy packed weights (group 128), batch-1 decode; W1-8B's request
     # set with FP8 weights (quantized while loading) and an FP8 KV cache. Each engine picks its own
     # kernels (vLLM: AWQ Marlin, CUTLASS FP8)
@@ -216,6 +225,12 @@ ROWS = [
     ("W4 prefix hit rate (cached / prompt tokens)", ["W4"], "prefix_hit_rate_cached_tokens", False),
     ("W4 output tok/s, prefix caching off", ["W4-nopc"], "output_tok_per_s", False),
     ("W4 mean TTFT s, prefix caching off", ["W4-nopc"], "mean_ttft_s", True),
+    ("W10 output tok/s (Qwen3-30B-A3B)", ["W10"], "output_tok_per_s", False),
+    ("W10 output tok/s, best of the repeats", ["W10"], "best_output_tok_per_s", False),
+    ("W10 LLM() startup s", ["W10"], "startup_s", True),
+    ("W10 batch-1 decode tok/s", ["W10-decode"], "decode_tok_per_s", False),
+    ("W10 batch-1 ms per token", ["W10-decode"], "ms_per_token", True),
+    ("W10 batch-1 roofline share (active weights)", ["W10-decode"], "roofline_share", False),
     ("W11 AWQ int4 batch-1 decode tok/s, Llama-3.1-8B", ["W11-awq"], "decode_tok_per_s", False),
     ("W11 AWQ int4 roofline share (int4 weight bytes)", ["W11-awq"], "roofline_share", False),
     ("W11 W1-8B output tok/s, FP8 weights + FP8 KV", ["W11-fp8"], "output_tok_per_s", False),

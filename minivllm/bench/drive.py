@@ -67,7 +67,7 @@ def latency(args: argparse.Namespace, engine: str, make_adapter: AdapterFactory,
     neither delays the first token, which is W6, nor competes for memory)."""
     wls, cfg = load_workloads(args)
     if len(wls) != 1:
-        raise ValueError("latency runs one workload (W2)")
+        raise ValueError("latency runs one workload (W2 or W10-decode)")
     (wl,) = wls
     settings = _with_quant(dict(settings, max_model_len=settings.get("max_model_len") or wl.max_model_len), args)
     model_dir = model_dirs.write_model_dir(wl.model_config, quantization_config=quant_dir_config(args))
@@ -88,7 +88,7 @@ def latency(args: argparse.Namespace, engine: str, make_adapter: AdapterFactory,
     if bandwidth is not None:
         res = add_roofline(res, cfg, wl, bandwidth, dtype_bytes, args)
     figures = dict(res["figures"], startup_s=adapter.startup_s, launch_to_first_token_s=probe["launch_to_first_token_s"])
-    result = envelope("W2", engine, adapter.version, model_dirs.config_name(wl.model_config), device_name(device),
+    result = envelope(wl.name, engine, adapter.version, model_dirs.config_name(wl.model_config), device_name(device),
                       dict(settings, reps=args.reps), wl.summary(), figures,
                       dict(res["details"], first_token_probe=probe, engine=info, **extra))
     emit_all([result], args.output)
@@ -109,10 +109,13 @@ def add_roofline(res: dict, cfg: dict, wl: workloads.Workload, bandwidth: dict, 
                                       kv_bytes)
     figures.update(copy_bandwidth_TBps=bandwidth["bandwidth_Bps"] / 1e12, roofline_ms=roof["roofline_ms"],
                    roofline_share=roof["roofline_ms"] / figures["ms_per_token"],
-                   roofline_share_all_weights=roof["roofline_ms_all_weights"] / figures["ms_per_token"])
+                   roofline_share_all_weights=roof["roofline_ms_all_weights"] / figures["ms_per_token"],
+                   weight_bytes_read_per_token=roof["weight_bytes_read_per_step"])
     details.update(roofline=roof, copy_bandwidth=bandwidth,
                    roofline_note="roofline_share counts the weights one decode step reads (all but the embedding "
-                                 "table); roofline_share_all_weights counts every parameter, as BENCHMARKS.md's vLLM "
+                                 "table; for a MoE model each layer's attention, norms and router, its top-k "
+                                 "experts, the final norm and the LM head: model_dirs.weight_bytes); "
+                                 "roofline_share_all_weights counts every parameter, as BENCHMARKS.md's vLLM "
                                  "reference (5.32 ms for Llama-3.1-8B) did; KV bytes = the mean decode context")
-    log(f"W2 roofline share {figures['roofline_share']:.1%} ({figures['roofline_share_all_weights']:.1%} all weights)")
+    log(f"{wl.name} roofline share {figures['roofline_share']:.1%} ({figures['roofline_share_all_weights']:.1%} all weights)")
     return {"figures": figures, "details": details}

@@ -76,27 +76,54 @@ def _dims(cfg: dict) -> tuple[int, int, int, int, int, int, int]:
     return h, inter, layers, heads, kv, hd, cfg["vocab_size"]
 
 
+def _moe_layers(cfg: dict, layers: int) -> list[bool]:
+    """Which layers are sparse MoE (models/arch.py's MoEConfig.is_sparse_layer, in plain Python
+    so the vLLM process can import this module)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        return [False] * layers
+    step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+    return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+
+
+def _moe_mlp(cfg: dict, h: int) -> tuple[int, int]:
+    """(parameters of one sparse MLP block, of them read per token): router E x H, experts
+    E x 3 H I (k of them per token), a shared expert 3 H I_s + its gate H."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    common = experts * h + (3 * h * shared + h if shared else 0)
+    return common + experts * 3 * h * inter, common + cfg["num_experts_per_tok"] * 3 * h * inter
+
+
 def param_counts(cfg: dict) -> dict[str, int]:
-    """Parameters of a Llama/Qwen2/Qwen3 decoder by part (biases and q/k norms included)."""
+    """Parameters of a Llama/Qwen2/Qwen3 decoder (and their MoE variants) by part (biases and
+    q/k norms included). layers_active: the layers' parameters one token reads (MoE: the
+    router and top-k experts of each sparse layer, not every expert)."""
     h, inter, layers, heads, kv, hd, vocab = _dims(cfg)
-    qwen3 = cfg.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in (cfg.get("architectures") or [])
-    bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")
+    archs = cfg.get("architectures") or []
+    qwen3 = cfg.get("model_type") in ("qwen3", "qwen3_moe") or any(a.startswith("Qwen3") for a in archs)
+    bias = cfg.get("attention_bias", cfg.get("qkv_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe")))
     attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
     if bias:
         attn += heads * hd + 2 * kv * hd
     if qwen3:
         attn += 2 * hd  # q_norm, k_norm
-    mlp = 3 * h * inter
-    per_layer = attn + mlp + 2 * h  # + input and post-attention RMSNorm
+    dense = 3 * h * inter
+    sparse = _moe_layers(cfg, layers)
+    moe_all, moe_active = _moe_mlp(cfg, h) if any(sparse) else (0, 0)
+    base = layers * (attn + 2 * h)  # + input and post-attention RMSNorm
+    all_layers = base + sum(moe_all if s else dense for s in sparse)
+    active = base + sum(moe_active if s else dense for s in sparse)
     embed = vocab * h
     lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
-    return {"embedding": embed, "layers": layers * per_layer, "final_norm": h, "lm_head": lm_head,
-            "total": embed + layers * per_layer + h + lm_head}
+    return {"embedding": embed, "layers": all_layers, "layers_active": active, "final_norm": h, "lm_head": lm_head,
+            "total": embed + all_layers + h + lm_head}
 
 
 def linear_params(cfg: dict) -> int:
     """Parameters of the decoder's linear layers (q, k, v, o, gate, up, down), every layer: the
-    ones a quantized checkpoint stores quantized."""
+    ones a quantized checkpoint stores quantized (dense decoders)."""
     h, inter, layers, heads, kv, hd, vocab = _dims(cfg)
     return layers * (h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * inter)
 
@@ -110,12 +137,14 @@ def quantized_linear_bytes(scheme: str | None, group_size: int = 128, dtype_byte
 
 
 def weight_bytes(cfg: dict, dtype_bytes: int = 2, linear_bytes: float | None = None) -> dict[str, int]:
-    """total: every parameter; read_per_decode_step: what one decode step streams from memory
-    (all but the embedding table, of which it reads one row a token; a tied table is read whole
-    by the LM head). linear_bytes: bytes per weight of the decoder's linear layers when they are
-    quantized (quantized_linear_bytes); the rest stays in the model dtype."""
+    """total: every parameter; read_per_decode_step: what one batch-1 decode step streams from
+    memory: every layer's attention and norms, dense MLPs, for each sparse MoE layer the router,
+    the top-k experts (and a shared expert), the final norm and the LM head (the embedding
+    table is read one row a token; a tied table is read whole by the LM head). linear_bytes:
+    bytes per weight of the decoder's linear layers when they are quantized
+    (quantized_linear_bytes); the rest stays in the model dtype."""
     c = param_counts(cfg)
-    read = c["layers"] + c["final_norm"] + (c["lm_head"] if c["lm_head"] else c["embedding"])
+    read = c["layers_active"] + c["final_norm"] + (c["lm_head"] if c["lm_head"] else c["embedding"])
     saved = 0 if linear_bytes is None else linear_params(cfg) * (dtype_bytes - linear_bytes)
     return {"total": int(c["total"] * dtype_bytes - saved), "read_per_decode_step": int(read * dtype_bytes - saved)}
 
@@ -127,8 +156,9 @@ def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
 
 def decode_roofline(cfg: dict, prompt_len: int, output_len: int, bandwidth_bytes_per_s: float,
                     dtype_bytes: int = 2, linear_bytes: float | None = None, kv_dtype_bytes: int | None = None) -> dict:
-    """The memory roofline of one batch-1 decode step of W2: (weight bytes read + the KV bytes of
-    the mean context over the decode steps) / measured copy bandwidth (read + write bytes / s).
+    """The memory roofline of one batch-1 decode step of W2 (and W10-decode): (weight bytes read +
+    the KV bytes of the mean context over the decode steps) / measured copy bandwidth (read +
+    write bytes / s). For a MoE model the weights read are the active ones (weight_bytes).
     linear_bytes / kv_dtype_bytes: quantized linears (W11) and KV cache."""
     wb = weight_bytes(cfg, dtype_bytes, linear_bytes)
     # decode steps produce tokens 2..output_len; the step producing token j attends to prompt + j - 1

@@ -1,4 +1,4 @@
-"""minivllm's own benchmark runners: throughput (W1, W1-8B, W4), latency (W2) and CPU (W5).
+"""minivllm's own benchmark runners: throughput (W1, W1-8B, W4, W10), latency (W2, W10-decode) and CPU (W5).
 
     python -m minivllm bench throughput --workload W1
     python -m minivllm bench throughput --workload W4 --no-prefix-caching
@@ -100,7 +100,23 @@ class MinivllmAdapter:
             graphs = getattr(runner, "graphs", None)
             if graphs is not None:
                 out["cuda_graph_batch_sizes"] = len(getattr(graphs, "batch_sizes", []))
+            moe = expert_load(runner)
+            if moe is not None:
+                out["moe_expert_load"] = moe
         return out
+
+
+def expert_load(runner) -> dict | None:
+    """A MoE model's per-expert token counts since startup (every run on this engine), per layer,
+    and how uneven they are: max / mean over a layer's experts (1.0 = perfectly even)."""
+    reader = getattr(runner, "expert_counts", None)
+    per_layer = reader.per_layer() if reader is not None else None
+    if not per_layer:
+        return None
+    ratios = [max(c) / (sum(c) / len(c)) for c in per_layer if sum(c)]
+    return {"tokens_per_expert_per_layer": per_layer,
+            "max_over_mean_per_layer": [round(r, 3) for r in ratios],
+            "max_over_mean_worst_layer": max(ratios, default=None)}
 
 
 # ---- engine options ----------------------------------------------------------------------------------
@@ -159,13 +175,13 @@ def _on_gpu(device: str) -> bool:
 def add_parsers(sub) -> None:
     from minivllm.bench.common import add_common_engine_args, add_workload_args
     t = sub.add_parser("throughput", help="W1 / W1-8B / W4 offline throughput on dummy weights")
-    add_workload_args(t, ["W1", "W1-8B", "W4"], "W1")
+    add_workload_args(t, ["W1", "W1-8B", "W4", "W10"], "W1")
     add_common_engine_args(t)
     add_minivllm_engine_args(t)
     t.set_defaults(bench_func=cmd_throughput)
 
     lat = sub.add_parser("latency", help="W2 batch-1 latency: TTFT, decode tok/s, roofline share")
-    add_workload_args(lat, ["W2"], "W2")
+    add_workload_args(lat, ["W2", "W10-decode"], "W2")
     add_common_engine_args(lat)
     add_minivllm_engine_args(lat)
     lat.add_argument("--reps", type=int, default=5, help="timed repetitions of each of T_1 and T_n")

@@ -44,7 +44,7 @@ WARMUP_PARAMS = {"max_tokens": 16}
 
 # workload name -> bundled model config (minivllm/bench/configs/<name>/config.json)
 DEFAULT_MODEL = {"W1": "qwen3-0.6b", "W1-8B": "qwen3-8b", "W2": "llama-3.1-8b", "W4": "qwen3-8b",
-                 "W6": "qwen3-0.6b"}
+                 "W6": "qwen3-0.6b", "W10": "qwen3-30b-a3b", "W10-decode": "qwen3-30b-a3b"}
 
 
 @dataclass
@@ -136,11 +136,12 @@ def w1(model_config: str | None = None, name: str = "W1") -> Workload:
 
 
 # ---- W2: batch-1 latency ----------------------------------------------------------------------------
-def w2(model_config: str | None = None) -> Workload:
+def w2(model_config: str | None = None, name: str = "W2") -> Workload:
+    """W2 (and W10-decode: the same request on Qwen3-30B-A3B's shapes)."""
     rng = random.Random(W2_SEED)
     prompt = [rng.randint(*W1_TOKEN_RANGE) for _ in range(W2_PROMPT_LEN)]
     params = [{"temperature": 0.0, "ignore_eos": True, "max_tokens": W2_OUTPUT_LEN}]
-    return Workload("W2", model_config or DEFAULT_MODEL["W2"], [prompt], params, W1_MAX_MODEL_LEN,
+    return Workload(name, model_config or DEFAULT_MODEL[name], [prompt], params, W1_MAX_MODEL_LEN,
                     "one 128-token random prompt (Random(1234), ids U[0,10000]), 256 output tokens, greedy, ignore_eos",
                     W2_OUTPUT_LEN)
 
@@ -226,16 +227,17 @@ def w5(encode) -> Workload:
 
 
 def get(name: str, model_config: str | None = None) -> Workload:
-    """W1, W1-8B, W2 or W4 (W5 needs a tokenizer: call w5(encode))."""
+    """W1, W1-8B, W2, W4, W10 (W1's request set on Qwen3-30B-A3B) or W10-decode (W2's request
+    on Qwen3-30B-A3B); W5 needs a tokenizer: call w5(encode)."""
     if name == "W1":
         return w1(model_config, "W1")
-    if name == "W1-8B":
-        return w1(model_config or DEFAULT_MODEL["W1-8B"], "W1-8B")
-    if name == "W2":
-        return w2(model_config)
+    if name in ("W1-8B", "W10"):
+        return w1(model_config or DEFAULT_MODEL[name], name)
+    if name in ("W2", "W10-decode"):
+        return w2(model_config, name)
     if name == "W4":
         return w4(model_config)
-    raise ValueError(f"workload must be one of W1, W1-8B, W2, W4, got {name!r}")
+    raise ValueError(f"workload must be one of W1, W1-8B, W2, W4, W10, W10-decode, got {name!r}")
 
 
 def warmup_workload(vocab_size: int | None = None) -> tuple[list[dict], list[dict]]:

@@ -3,8 +3,9 @@
 A request owns a block table (list of block ids). Token i of a request lives in slot
 block_table[i // block_size] * block_size + i % block_size.
 
-Prefix caching: every *full* block gets a hash chained with its parent's
-(hash(parent_hash, token ids of the block)), registered once its tokens are computed.
+Prefix caching: every *full* block gets a hash chained with its parent's (a digest of the
+parent's hash, the block's token ids and, in the first block, the request's cache salt:
+core/block_hash.py), registered once its tokens are computed.
 A freed block keeps its hash and stays findable until it is reused: the free queue is LRU by
 release time, and a request releases its tail blocks first so they are evicted first.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minivllm.core.block_hash import BlockHash, block_hash_fn, extra_key, sha256_block
 from minivllm.core.request import Request
 
 
@@ -31,7 +33,7 @@ from minivllm.core.request import Request
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set while the block holds a registered full block
+    block_hash: BlockHash | None = None  # set while the block holds a registered full block
     prev: KVBlock | None = None  # free-queue links (None when not queued)
     next: KVBlock | None = None
 
@@ -77,18 +79,20 @@ class FreeBlockQueue:
             b = b.next
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...], extra: bytes = b"") -> BlockHash:
+    """The default (sha256) block hash; see core/block_hash.py."""
+    return sha256_block(parent_hash, token_ids, extra)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, hash_algo: str = "sha256") -> None:
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self._hash = block_hash_fn(hash_algo)
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, KVBlock] = {}  # block hash -> block holding it
+        self.cached: dict[BlockHash, KVBlock] = {}  # block hash -> block holding it
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_registered: dict[str, int] = {}  # full blocks of a request registered so far
         # copy-on-write done by allocate and not yet sent to the runner: req id -> (table index,
@@ -125,8 +129,10 @@ class BlockManager:
         hashes = req.block_hashes
         while (len(hashes) + 1) * bs <= req.num_tokens:
             i = len(hashes)
-            parent = hashes[-1] if hashes else req.cache_salt  # the adapter's salt starts the chain
-            hashes.append(hash_block(parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs])))
+            parent = hashes[-1] if hashes else None
+            # the request's extra keys (its cache salt) go into the first block; the chain carries them
+            extra = extra_key(req.cache_salt, req.lora_int_id) if i == 0 else b""
+            hashes.append(self._hash(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
 
     def find_cached_prefix(self, req: Request) -> list[KVBlock]:
         """Longest run of the request's leading full blocks found in the cache. At least one

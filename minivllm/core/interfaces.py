@@ -78,6 +78,16 @@ class TokenLogprobs:
     sampled_rank: int  # 1 = most likely
 
 
+class RequestFault(Exception):
+    """A step failed because of these requests alone (their own input or state, e.g. a grammar
+    that breaks at run time): they end with finish_reason "error", the step's other requests
+    are recomputed, and the engine goes on serving."""
+
+    def __init__(self, req_ids: list[str], message: str) -> None:
+        super().__init__(message)
+        self.req_ids = list(req_ids)
+
+
 @dataclass
 class RunnerOutput:
     req_ids: list[str]  # requests that sampled this step, in order

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from minivllm.sampling_params import SamplingParams
 
@@ -30,6 +30,27 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.finished else None
+
+
+class GrammarState(Protocol):
+    """A structured request's grammar as the scheduler sees it (the engine's
+    structured.request.GrammarHandle): whether it has compiled, and its verdict on each token."""
+
+    def is_ready(self) -> bool:
+        """False while the grammar compiles: the request waits, the batch goes on without it."""
+        ...
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar refuses it (the request fails)."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar has ended: the request finishes with finish_reason "stop"."""
+        ...
+
+    def release(self) -> None:
+        """The request is done (finished, aborted, failed)."""
+        ...
 
 
 @dataclass(slots=True, eq=False)
@@ -61,19 +82,18 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of all_token_ids
+    cache_salt: str | None = None  # tenant key: only requests with the same salt share cached blocks
     first_scheduled_time: float | None = None
     # speculative decoding: tokens proposed for the next step (never part of all_token_ids, never
     # hashed); dropped on preemption
     spec_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarState | None = None  # structured outputs only; kept across preemption
     # prompt logprobs: prompt positions whose logits were delivered (positions 0 .. n-1 give the
     # logprobs of prompt tokens 1 .. n); only sample 0 of a request computes them
     num_prompt_logprobs: int = 0
     pooling: PoolingParams | None = None  # an embedding request: pooled hidden states, no tokens
     lora_request: LoRARequest | None = None
-    # first parent hash of the block-hash chain: the adapter's (None: the base model), so the
-    # prefix cache never serves one adapter's K/V to another
-    cache_salt: int | None = None
     beam: BeamGroup | None = None  # the beam-search group this sequence is a beam of
     # a beam that reported its candidates and then gave its KV blocks back (preempted while it
     # waited for its siblings): it is in neither queue until the group selects the next beams
@@ -101,6 +121,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -113,11 +113,14 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._prefill_left = limits.max_num_batched_tokens  # prompt tokens the step being scheduled may still take
         self._finished_since_last_step: set[str] = set()
+        self._requeued_since_last_step: set[str] = set()  # requeue(): the runner drops their state
         self._sent_to_runner: set[str] = set()
         self.beam_groups: dict[str, BeamGroup] = {}  # beam-search requests by their request id
         self._unsent_forks: set[str] = set()  # running forked beams the runner has not seen yet
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        # prompt + max_tokens of every unfinished request: what the engine may still have to hold
+        self.tokens_in_flight = 0
 
     # ---- requests in and out --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -127,6 +130,7 @@ class Scheduler:
             self.beam_groups[req.beam.request_id] = req.beam
             req.beam.add_root(req)
         self.requests[req.request_id] = req
+        self.tokens_in_flight += req.num_prompt_tokens + req.max_tokens
         self.waiting.push(req)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -169,8 +173,11 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.block_manager.free(req)
-        self.requests.pop(req.request_id, None)
         self._unsent_forks.discard(req.request_id)
+        if req.grammar is not None:
+            req.grammar.release()
+        if self.requests.pop(req.request_id, None) is not None:
+            self.tokens_in_flight -= req.num_prompt_tokens + req.max_tokens
         if req.group is not None:
             req.group.prompt_computed = True  # never leave siblings waiting on a finished leader
         if req.request_id in self._sent_to_runner:
@@ -200,6 +207,8 @@ class Scheduler:
         if not out.scheduled and self.waiting and self._park_reported_beams(out):
             self._schedule_waiting(out, budget)
         out.num_scheduled_tokens = sum(len(s.token_ids) for s in out.scheduled)
+        out.preempted_req_ids |= self._requeued_since_last_step
+        self._requeued_since_last_step = set()
         return out
 
     def _prefill_cap(self) -> int:
@@ -281,8 +290,8 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting.peek()
-            if req.group is not None and req.sample_index > 0 and not req.group.prompt_computed:
-                skipped.append(self.waiting.pop())  # wait for the first sibling's prompt
+            if self._must_wait(req):
+                skipped.append(self.waiting.pop())
                 continue
             cached = self.block_manager.find_cached_prefix(req)
             num_cached = len(cached) * self.block_manager.block_size
@@ -307,6 +316,13 @@ class Scheduler:
         # (push() would append it behind requests that arrived later)
         for req in reversed(skipped):
             self.waiting.push_front(req)
+
+    @staticmethod
+    def _must_wait(req: Request) -> bool:
+        """A later sibling waits for the first one's prompt; a structured request for its grammar."""
+        if req.group is not None and req.sample_index > 0 and not req.group.prompt_computed:
+            return True
+        return req.grammar is not None and not req.grammar.is_ready()
 
     def _admit(self, req: Request, num_cached: int, out: SchedulerOutput) -> None:
         req.status = RequestStatus.RUNNING
@@ -374,10 +390,22 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+    def requeue(self, req_ids: Iterable[str]) -> list[str]:
+        """Send running requests back to the waiting queue to be recomputed (as a preemption): the
+        requests of a failed step that were not at fault. Returns the ids requeued."""
+        done = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                self._preempt(req, None)
+                done.append(req_id)
+        return done
+
+    def _preempt(self, req: Request, out: SchedulerOutput | None) -> int:
         """Free the request's blocks and queue it for recompute (a beam that already reported is
         parked instead: it has nothing to compute until its group selects). Returns the tokens it
-        had been given earlier in this step (back to the budget)."""
+        had been given earlier in this step (back to the budget); out None: outside scheduling
+        (requeue), the next step's output tells the runner."""
         self.running.remove(req)
         self.block_manager.free(req)
         self._unsent_forks.discard(req.request_id)
@@ -389,15 +417,17 @@ class Scheduler:
         self.num_preemptions += 1
         if req.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(req.request_id)
-            out.preempted_req_ids.add(req.request_id)
-        # a request preempted in the step it was scheduled in must not stay in the output
-        given = sum(len(s.token_ids) for s in out.scheduled if s.req_id == req.request_id)
-        out.scheduled = [s for s in out.scheduled if s.req_id != req.request_id]
-        out.new_requests = [n for n in out.new_requests if n.req_id != req.request_id]
+            (out.preempted_req_ids if out is not None else self._requeued_since_last_step).add(req.request_id)
         if req.beam is not None and req.beam.has_reported(req):
             req.parked = True
         else:
             self.waiting.push_front(req)
+        if out is None:
+            return 0
+        # a request preempted in the step it was scheduled in must not stay in the output
+        given = sum(len(s.token_ids) for s in out.scheduled if s.req_id == req.request_id)
+        out.scheduled = [s for s in out.scheduled if s.req_id != req.request_id]
+        out.new_requests = [n for n in out.new_requests if n.req_id != req.request_id]
         return given
 
     def _park_reported_beams(self, out: SchedulerOutput) -> bool:
@@ -442,7 +472,8 @@ class Scheduler:
             self.block_manager.register_computed_blocks(req)
             lp = logprobs.get(s.req_id)
             updates.append(RequestUpdate(req, new, lp[:len(new)] if lp else None, finished, plp))
-            req.spec_token_ids = [] if finished else drafts.get(s.req_id, [])
+            # a constrained request takes no drafts: they were proposed without its grammar
+            req.spec_token_ids = [] if finished or req.grammar is not None else drafts.get(s.req_id, [])
         for u in updates:
             if u.finished:
                 self.running.remove(u.request)
@@ -516,6 +547,7 @@ class Scheduler:
         child.first_scheduled_time = parent.first_scheduled_time
         child.num_cached_tokens = parent.num_cached_tokens
         self.requests[child.request_id] = child
+        self.tokens_in_flight += child.num_prompt_tokens + child.max_tokens  # _release takes it back
         if parent.status == RequestStatus.RUNNING and len(self.running) < self.limits.max_num_seqs:
             child.num_computed_tokens = parent.num_computed_tokens
             self.block_manager.fork(parent, child)
@@ -534,6 +566,19 @@ class Scheduler:
             beam.status = RequestStatus.PREEMPTED
             self.waiting.push_front(beam)
 
+    @staticmethod
+    def _check_grammar(req: Request, token: int) -> bool:
+        """Feeds the token to the request's grammar: refused -> error, ended -> stop."""
+        if req.grammar is None:
+            return False
+        if not req.grammar.accept_token(token):
+            req.status = RequestStatus.FINISHED_ERROR
+            return True
+        if req.grammar.is_terminated():
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
+
     def _take_verified(self, req: Request, num_draft: int, num_accepted: int) -> None:
         """A verify step computed K/V for every draft; those after the first rejected one are not
         the request's tokens: num_computed_tokens steps back over them (their slots are
@@ -546,7 +591,7 @@ class Scheduler:
         """Append the step's tokens one by one; a stop condition drops the ones after it."""
         for i, token in enumerate(tokens):
             req.append_output_token(token)
-            if self._check_stop(req, token):
+            if self._check_grammar(req, token) or self._check_stop(req, token):
                 return tokens[:i + 1], True
         return tokens, False
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -51,6 +52,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pooler-config", default=None,
                    help='embeddings: JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
                         '(default: LAST token, normalized)')
+    from minivllm.reasoning import REASONING_PARSERS
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split <think>...</think> into reasoning_content; structured output then constrains "
+                        "only what follows the reasoning section")
+    g.add_argument("--structured-outputs-config", type=json.loads, default=None,
+                   help='structured outputs options as JSON, e.g. \'{"backend": "xgrammar"}\'')
+    g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
+                   help="block hash of the prefix cache: sha256 (default) or xxhash (faster, not cryptographic)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
@@ -60,8 +69,8 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "gpu_memory_utilization", "kv_cache_memory_bytes", "num_kv_blocks", "scheduling_policy",
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
          "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
-         "calculate_kv_scales", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
-         "max_cpu_loras", "pooler_config"]
+         "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config",
+         "prefix_caching_hash_algo", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "pooler_config"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

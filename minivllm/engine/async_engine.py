@@ -122,6 +122,21 @@ class EngineClient:
         self._observers_lock = threading.Lock()
         self._accepting = True
         self.dead_error: BaseException | None = None
+        self._death_callbacks: list = []
+
+    def add_death_callback(self, fn) -> None:
+        """fn(error) runs once, on the engine's own thread, when the engine dies (not on a clean
+        shutdown): `minivllm serve` then stops and exits non-zero, so a supervisor restarts it."""
+        self._death_callbacks.append(fn)
+
+    def _declare_dead(self, error: BaseException) -> None:
+        if self.dead_error is None:
+            self.dead_error = error
+        for fn in self._death_callbacks:
+            try:
+                fn(error)
+            except Exception:  # noqa: BLE001 - a callback bug must not hide the death
+                logger.exception("engine death callback failed")
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           arrival_time: float | None = None, priority: int = 0) -> RequestStream:
@@ -300,8 +315,8 @@ class AsyncEngine(EngineClient):
                     self._publish(outputs)
         except BaseException as e:  # noqa: BLE001 - the thread must report, whatever happened
             logger.exception("engine thread died")
-            self.dead_error = e
             self._fail_all(EngineDeadError(f"the engine thread died: {e!r}"))
+            self._declare_dead(e)
             return
         self._fail_all(EngineDeadError("the engine shut down"))
 

@@ -9,6 +9,7 @@ from minivllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     check,
 )
 from minivllm.lora.config import LoRAConfig
@@ -82,6 +83,7 @@ def build_engine_config(
     gpu_memory_utilization: float = 0.9,
     kv_cache_memory_bytes: int | None = None,
     num_kv_blocks: int | None = None,
+    prefix_caching_hash_algo: str = "sha256",
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
     scheduling_policy: str = "fcfs",
@@ -95,6 +97,8 @@ def build_engine_config(
     async_scheduling: bool | None = None,
     max_prefill_tokens_with_decodes: int | None = None,
     speculative_config: dict | str | None = None,
+    structured_outputs_config: StructuredOutputsConfig | dict | None = None,
+    reasoning_parser: str | None = None,
     serving: bool = False,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
@@ -147,8 +151,11 @@ def build_engine_config(
         served_name=served_model_name or source.name, arch=arch, dtype=dtype, load_format=load_format,
         max_model_len=max_model_len, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init,
         chat_template=chat_template, seed=seed, quantization=quant)
+    from minivllm.core.block_hash import block_hash_fn
+    block_hash_fn(prefix_caching_hash_algo)  # validates the name (and that xxhash is installed)
     cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks,
-                        kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8")
+                        kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8",
+                        prefix_caching_hash_algo=prefix_caching_hash_algo)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
     from minivllm.spec_decode.config import parse_speculative_config
@@ -157,10 +164,11 @@ def build_engine_config(
     check(not (speculative and async_scheduling), "async_scheduling",
           "cannot be on with speculative decoding (a step's drafts depend on the previous step's result)")
     async_scheduling = (on_gpu and speculative is None) if async_scheduling is None else async_scheduling
-    lora = _lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, speculative)
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
                         enforce_eager or not on_gpu, attention_backend, async_scheduling, speculative,
-                        lora, PoolerConfig.parse(pooler_config))
+                        lora=_lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, speculative),
+                        pooler=PoolerConfig.parse(pooler_config),
+                        structured_outputs=_structured_config(structured_outputs_config, reasoning_parser))
 
 
 def _lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu: int | None,
@@ -169,3 +177,25 @@ def _lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu: int | Non
         return None
     check(speculative is None, "enable_lora", "cannot be combined with speculative decoding (not supported yet)")
     return LoRAConfig(max_loras, max_rank, max_cpu)
+
+
+def _structured_config(given: StructuredOutputsConfig | dict | None, reasoning_parser: str | None) -> StructuredOutputsConfig:
+    """structured_outputs_config (a dict of its fields, as vLLM takes it) with --reasoning-parser."""
+    from dataclasses import fields, replace
+
+    from minivllm.reasoning import REASONING_PARSERS
+    from minivllm.structured.backend import available_backends
+    if isinstance(given, dict):
+        names = {f.name for f in fields(StructuredOutputsConfig)}
+        unknown = sorted(set(given) - names)
+        check(not unknown, "structured_outputs_config", f"has unknown fields {unknown} (fields: {sorted(names)})")
+        given = StructuredOutputsConfig(**given)
+    cfg = given or StructuredOutputsConfig()
+    if reasoning_parser:
+        cfg = replace(cfg, reasoning_parser=reasoning_parser)
+    check(cfg.backend in available_backends(), "structured_outputs_config.backend",
+          f"must be one of {available_backends()}, got {cfg.backend!r}")
+    check(cfg.reasoning_parser is None or cfg.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
+          f"must be one of {sorted(REASONING_PARSERS)}, got {cfg.reasoning_parser!r}")
+    return cfg
+

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -61,6 +62,7 @@ def engine_core_main(config, cmd_conn, out_conn, log_level: int) -> None:
     """Process entry point: build the engine, report ready (or the error), serve commands."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
     from minivllm.engine.llm_engine import LLMEngine
     try:
@@ -70,6 +72,20 @@ def engine_core_main(config, cmd_conn, out_conn, log_level: int) -> None:
         out_conn.send(("failed", portable_error(e)))
         return
     EngineCore(engine, cmd_conn, out_conn).run()
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies, whatever killed the parent (the
+    command pipe's end-of-file does the same more gently, but only once the step in hand is over);
+    no engine core outlives its server holding the GPU."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        logger.warning("could not ask to be killed with the parent (prctl)")
 
 
 class _Inbox:
@@ -248,10 +264,10 @@ class EngineCore:
                 self.stopping = True
         return added
 
-    def _add(self, request_id, prompt_text, prompt_ids, params, arrival_time, priority) -> BaseException | None:
+    def _add(self, request_id, prompt, params, arrival_time, priority) -> BaseException | None:
+        """prompt: {"prompt": text, "prompt_token_ids": [...], "cache_salt"?}, tokenized by the client."""
         try:
-            self.engine.add_request(request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params,
-                                    arrival_time, priority)
+            self.engine.add_request(request_id, prompt, params, arrival_time, priority)
         except Exception as e:  # noqa: BLE001 - bad input goes back to the caller
             return portable_error(e)
         return None

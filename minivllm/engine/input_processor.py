@@ -15,17 +15,23 @@ PromptInput = str | list[int] | dict
 class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
+    cache_salt: str | None = None  # {"cache_salt": ...}: shares cached prefix blocks only with the same salt
 
 
 def parse_prompt(prompt: PromptInput, tokenizer) -> ProcessedPrompt:
-    """Accepts text, a list of token ids, {"prompt": text} or {"prompt_token_ids": [...]}."""
+    """Accepts text, a list of token ids, {"prompt": text} or {"prompt_token_ids": [...]}; a dict may
+    carry a "cache_salt" (a non-empty string, vLLM's field)."""
     if isinstance(prompt, dict):
+        salt = prompt.get("cache_salt")
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
         if "prompt_token_ids" in prompt:
-            return ProcessedPrompt(prompt.get("prompt"), list(prompt["prompt_token_ids"]))
-        if "prompt" in prompt:
-            prompt = prompt["prompt"]
-        else:
+            return ProcessedPrompt(prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt)
+        if "prompt" not in prompt:
             raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        parsed = parse_prompt(prompt["prompt"], tokenizer)
+        parsed.cache_salt = salt
+        return parsed
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer (the engine was started with skip_tokenizer_init)")
@@ -60,7 +66,7 @@ def validate_prompt(tokens: list[int], params: SamplingParams, vocab_size: int, 
 
 def make_sample_requests(request_id: str, tokens: list[int], params: SamplingParams, max_tokens: int,
                          eos_token_ids: frozenset[int], priority: int, arrival_time: float | None,
-                         lora_request=None, cache_salt: int | None = None) -> list[Request]:
+                         lora_request=None, cache_salt: str | None = None) -> list[Request]:
     """One scheduler Request per sample; seeded samples get seed + index (as vLLM does)."""
     arrival = arrival_time if arrival_time is not None else time.time()
     group = PromptGroup(params.n) if params.n > 1 else None

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from minivllm.config import EngineConfig
 from minivllm.core.block_manager import BlockManager
+from minivllm.core.interfaces import RequestFault
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler, SchedulerLimits
 from minivllm.engine.gc_heap import freeze_startup_heap
@@ -23,10 +24,11 @@ from minivllm.engine.input_processor import (
     validate_prompt,
 )
 from minivllm.engine.output_processor import OutputProcessor
-from minivllm.lora.checker import AdapterChecker, cache_salt
+from minivllm.lora.checker import AdapterChecker
 from minivllm.outputs import RequestOutput
 from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import BeamSearchParams, SamplingParams
+from minivllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    tokens_in_flight: int = 0  # prompt + max_tokens of every unfinished request (admission control)
+    # MoE models: tokens routed to each expert, summed over the layers (refreshed about once a
+    # second, runner/expert_counts.py); None for dense models
+    expert_token_counts: tuple[int, ...] | None = None
 
 
 class LLMEngine:
@@ -66,8 +72,13 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model)
         from minivllm.executor import make_executor
         self.executor = make_executor(config, model)
+        from minivllm.engine.faults import FaultInjection
+        faults = FaultInjection.from_env()  # the soak suite's, off unless MINIVLLM_FAULT_INJECTION is set
+        if faults is not None:
+            faults.install(self.executor)
         num_blocks = self.executor.num_blocks
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                          config.cache.prefix_caching_hash_algo)
         s, spec = config.scheduler, config.speculative
         self.scheduler = Scheduler(SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
                                                    s.policy, s.enable_chunked_prefill,
@@ -78,6 +89,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.adapters = AdapterChecker(config.lora, config.model.arch, config.model.served_name)
+        self.structured = StructuredOutputManager(config.structured_outputs, self.tokenizer, config.model.arch.vocab_size,
+                                                  self.eos_token_ids, s.max_num_seqs,
+                                                  pin_memory=config.device.startswith("cuda"))
         self._aborted_outputs: list[RequestOutput] = []
         # async scheduling: the next step is scheduled and launched while this one runs
         self.async_scheduling = config.async_scheduling
@@ -124,21 +138,31 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         parsed = parse_prompt(prompt, self.tokenizer)
         self.adapters.check(lora_request)
-        lora = dict(lora_request=lora_request, cache_salt=cache_salt(lora_request))
+        keys = dict(lora_request=lora_request, cache_salt=parsed.cache_salt)
         if isinstance(params, PoolingParams):
-            reqs = [self._pooling_request(request_id, parsed.token_ids, params, priority, arrival_time, lora)]
+            reqs = [self._pooling_request(request_id, parsed.token_ids, params, priority, arrival_time, keys)]
         elif isinstance(params, BeamSearchParams):
-            reqs = [self._beam_request(request_id, parsed.token_ids, params, priority, arrival_time, lora)]
+            reqs = [self._beam_request(request_id, parsed.token_ids, params, priority, arrival_time, keys)]
         else:
-            validate_for_vocab(params, self.config.model.arch.vocab_size)
-            max_tokens = validate_prompt(parsed.token_ids, params, self.config.model.arch.vocab_size,
-                                         self.max_model_len, self._cache_tokens)
-            reqs = make_sample_requests(request_id, parsed.token_ids, params, max_tokens, self.eos_token_ids,
-                                        priority, arrival_time, **lora)
+            reqs = self._sample_requests(request_id, parsed, params, priority, arrival_time, keys)
         self.output_processor.add_request(request_id, parsed.text, parsed.token_ids, params,
                                           [r.request_id for r in reqs], reqs[0].arrival_time)
         for r in reqs:
             self.scheduler.add_request(r)
+
+    def _sample_requests(self, request_id, parsed, params: SamplingParams, priority, arrival_time, keys):
+        validate_for_vocab(params, self.config.model.arch.vocab_size)
+        max_tokens = validate_prompt(parsed.token_ids, params, self.config.model.arch.vocab_size,
+                                     self.max_model_len, self._cache_tokens)
+        so = params.structured_outputs
+        if so is not None:
+            self.structured.validate(params)
+        reqs = make_sample_requests(request_id, parsed.token_ids, params, max_tokens, self.eos_token_ids,
+                                    priority, arrival_time, **keys)
+        if so is not None:  # one matcher per sample; the compile starts now, off the step loop
+            for r in reqs:
+                r.grammar = self.structured.new_handle(r.request_id, so, parsed.token_ids)
+        return reqs
 
     @property
     def _cache_tokens(self) -> int:
@@ -199,30 +223,34 @@ class LLMEngine:
             # is scheduled before those are in
             outputs += self._complete(self._inflight)[0]
             self._inflight = None
+        outputs += self._fail_broken_grammars()
         t = time.perf_counter()
         sched = self.scheduler.schedule()
         self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
                           "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
         if self._inflight is not None and self._needs_sync(sched):
-            done, ok = self._complete(self._inflight)
-            outputs += done
-            self._inflight = None
-            if not ok:  # as below; launched all the same, so the runner's request state stays in step
-                outputs += self._fail_scheduled(sched)
-        launched = self._launch(sched)
+            outputs += self._take_inflight(sched)
+        launched = self._launch(sched, outputs)
         if self._inflight is not None:
-            done, ok = self._complete(self._inflight)
-            outputs += done
-            if not ok and launched is not None:
-                # the step just launched may read what the failed one never wrote (its inputs
-                # and prefix hits): its requests fail too; its device work still finishes first
-                outputs += self._fail_scheduled(launched[0])
+            outputs += self._take_inflight(launched[0] if launched is not None else None)
         self._inflight = launched
         if launched is not None and not self.async_scheduling:
             outputs += self._complete(launched)[0]
             self._inflight = None
+        if launched is None and self._inflight is None and self.structured.num_compiling:
+            self.structured.wait_for_compiles(0.02)  # only grammars are left to wait for: sleep
         self._log_spec_stats()
         return outputs
+
+    def _take_inflight(self, next_sched) -> list[RequestOutput]:
+        """Completes the step in flight. If it failed, the step scheduled after it (launched, or
+        to be launched all the same, so the runner's request state stays in step) may read what
+        the failed one never wrote: its requests fail too; its device work still finishes first."""
+        done, ok = self._complete(self._inflight)
+        self._inflight = None
+        if not ok and next_sched is not None:
+            done += self._fail_scheduled(next_sched)
+        return done
 
     def _needs_sync(self, sched) -> bool:
         """Penalties need the previous step's token values on the host before sampling."""
@@ -230,18 +258,44 @@ class LLMEngine:
         return not self.async_scheduling or any(
             s.req_id in reqs and reqs[s.req_id].sampling_params.uses_penalties for s in sched.scheduled)
 
-    def _launch(self, sched):
+    def _launch(self, sched, outputs: list[RequestOutput]):
+        """Launches the step: (sched, launched step), or None if there is nothing to run. A step
+        with constrained rows launches its forward, takes in the step in flight (the grammars
+        need its tokens), fills the bitmask while the forward runs, then launches the sampling."""
         if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
             return None
         t = time.perf_counter()
         try:
-            return sched, self.executor.launch(sched)
-        except Exception:
-            logger.exception("model step failed; failing the step's requests")
-            self._aborted_outputs += self._fail_scheduled(sched)
+            handles = self._grammar_handles(sched)
+            if not handles:
+                return sched, self.executor.launch(sched)
+            forward = self.executor.launch_forward(sched)
+            if self._inflight is not None:
+                t = self._add_time("launch", t)  # the wait and update below are timed on their own
+                outputs += self._take_inflight(sched)
+                t = time.perf_counter()
+            bitmask = self.structured.bitmask(handles)
+            return sched, self.executor.launch_sampling(forward, bitmask)
+        except Exception as e:
+            self._aborted_outputs += self._fail_scheduled(sched, e)
             return None
         finally:
             self._add_time("launch", t)
+
+    def _grammar_handles(self, sched) -> list:
+        """The grammars of the step's sampling rows, in row order."""
+        reqs = self.scheduler.requests
+        return [reqs[s.req_id].grammar for s in sched.scheduled
+                if s.samples and s.req_id in reqs and reqs[s.req_id].grammar is not None]
+
+    def _fail_broken_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile end with finish_reason "error"; the rest run on."""
+        failed = self.structured.take_failed()
+        for rid, err in failed:
+            logger.warning("request %s: its grammar failed to compile: %s", rid, err)
+        ids = [rid for rid, _ in failed]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        return self.output_processor.finish_children(ids, "error")
 
     def _complete(self, inflight) -> tuple[list[RequestOutput], bool]:
         """Waits for a launched step and takes in its results: (outputs, whether it succeeded)."""
@@ -249,9 +303,8 @@ class LLMEngine:
         t = time.perf_counter()
         try:
             result = self.executor.finish(launched)
-        except Exception:
-            logger.exception("model step failed; failing the step's requests")
-            return self._fail_scheduled(sched), False
+        except Exception as e:
+            return self._fail_scheduled(sched, e), False
         t = self._add_time("wait", t)
         updates = self.scheduler.update(sched, result)
         self._count_tokens(updates)
@@ -274,12 +327,24 @@ class LLMEngine:
             if first or u.pooled is not None:  # its first token (or its embedding): prompt done
                 self.prompt_tokens_total += u.request.num_prompt_tokens
 
-    def _fail_scheduled(self, sched) -> list[RequestOutput]:
+    def _fail_scheduled(self, sched, error: BaseException | None = None) -> list[RequestOutput]:
+        """A step raised: its requests end with "error", or, when the fault was some requests'
+        own (RequestFault), those alone do and the others are recomputed. Either way the blocks
+        the step was to write are unpublished first (their hashes were registered when it was
+        scheduled) and freed with their requests."""
         reqs = self.scheduler.requests
         for s in sched.scheduled:  # their new K/V was never written: unpublish those blocks
             if s.req_id in reqs:
                 self.block_manager.forget_unwritten(reqs[s.req_id], s.num_computed_tokens)
         children = [s.req_id for s in sched.scheduled]
+        if isinstance(error, RequestFault):
+            culprits = set(error.req_ids)
+            logger.warning("a step failed for requests %s (%s); the step's %d others are recomputed",
+                           sorted(culprits), error, len(children) - len(culprits & set(children)))
+            self.scheduler.requeue([c for c in children if c not in culprits])
+            children = [c for c in children if c in culprits]
+        elif error is not None:
+            logger.error("model step failed; failing the step's %d requests", len(children), exc_info=error)
         # a beam's output belongs to its beam-search request (the whole group fails)
         outputs_of = [reqs[c].beam.request_id if c in reqs and reqs[c].beam is not None else c for c in children]
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
@@ -290,7 +355,8 @@ class LLMEngine:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
                            self.prompt_tokens_total, self.generation_tokens_total, spec.num_drafts,
-                           spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_pos))
+                           spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_pos),
+                           self.scheduler.tokens_in_flight, self.executor.expert_token_counts())
 
     def _log_spec_stats(self) -> None:
         """Every SPEC_LOG_INTERVAL_S with speculative decoding: the acceptance since the last line."""
@@ -312,4 +378,5 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

@@ -121,7 +121,10 @@ class MPAsyncEngine(EngineClient):
             self._requests[request_id] = _Tracked(stream, output, future)
         arrival = arrival_time if arrival_time is not None else time.time()
         try:
-            self._send(("add", request_id, parsed.text, parsed.token_ids, wire_params, arrival, priority))
+            engine_prompt = {"prompt": parsed.text, "prompt_token_ids": parsed.token_ids}
+            if parsed.cache_salt is not None:
+                engine_prompt["cache_salt"] = parsed.cache_salt
+            self._send(("add", request_id, engine_prompt, wire_params, arrival, priority))
             await future
         except asyncio.CancelledError:
             self.abort(request_id)
@@ -201,6 +204,7 @@ class MPAsyncEngine(EngineClient):
                 msg = self._out.recv()
             except (EOFError, OSError):
                 if not self._stopped:
+                    self._proc.join(0.5)  # (for its exit code)
                     reason = f"the engine core exited unexpectedly (exit code {self._proc.exitcode})"
                     self.dead_error = EngineDeadError(reason)
                 break
@@ -215,7 +219,10 @@ class MPAsyncEngine(EngineClient):
                 reason = f"the engine core died: {msg[1]}"
                 self.dead_error = EngineDeadError(reason)
         self._accepting = False
-        self._fail_all(EngineDeadError(reason))
+        self._fail_all(EngineDeadError(reason))  # every in-flight request ends with an error now
+        if self.dead_error is not None:
+            logger.error("%s", reason)
+            self._declare_dead(self.dead_error)
 
     def _acknowledge(self, results: list[tuple[str, BaseException | None]]) -> None:
         for rid, error in results:

@@ -1,16 +1,79 @@
-"""The architecture facts the model needs, read once from an HF config or GGUF metadata."""
+"""The architecture facts the model needs, read once from an HF config or GGUF metadata.
+
+Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) are the same decoder with some
+MLPs replaced by a sparse MoE block: `ArchConfig.moe` holds that block's facts (None: dense)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# HF `architectures` name -> flags that distinguish the family on shared layers
+# HF `architectures` name -> flags that distinguish the family on shared layers. MoE families:
+# "moe" names the HF config key holding the expert count; "always_norm_topk": the top-k
+# weights are always renormalised (Mixtral), else the config's norm_topk_prob decides;
+# "shared_expert": a Qwen2-MoE shared expert beside the routed ones (sigmoid-gated).
 _ARCH_FLAGS: dict[str, dict] = {
     "LlamaForCausalLM": {"qk_norm": False},
     "MistralForCausalLM": {"qk_norm": False},
     "Qwen2ForCausalLM": {"qk_norm": False, "default_attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": "num_experts"},
+    "Qwen2MoeForCausalLM": {"qk_norm": False, "default_attention_bias": True, "moe": "num_experts",
+                            "shared_expert": True},
+    "MixtralForCausalLM": {"qk_norm": False, "moe": "num_local_experts", "always_norm_topk": True},
 }
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MoE block of a mixture-of-experts decoder.
+
+    Router: softmax over `num_experts` logits (fp32), the `top_k` largest, renormalised to sum
+    to 1 when `norm_topk_prob`. Each expert is a SwiGLU MLP of width `intermediate_size`.
+    A layer i is sparse unless i is in `mlp_only_layers` or (i + 1) % `sparse_step` != 0 (then it
+    is a dense MLP of the model's intermediate_size), as in Hugging Face's Qwen2/3-MoE."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be >= 1, got {self.intermediate_size}")
+        if self.sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.sparse_step}")
+
+    def is_sparse_layer(self, i: int) -> bool:
+        return i not in self.mlp_only_layers and (i + 1) % self.sparse_step == 0
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict, flags: dict) -> MoEConfig:
+        def need(key: str):
+            if cfg.get(key) is None:
+                raise ValueError(f"MoE config lacks {key!r}")
+            return cfg[key]
+        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts: accept either
+        num_experts = cfg.get(flags["moe"]) or cfg.get("num_local_experts") or cfg.get("num_experts")
+        if num_experts is None:
+            raise ValueError(f"MoE config lacks {flags['moe']!r}")
+        return cls(
+            num_experts=int(num_experts),
+            top_k=int(need("num_experts_per_tok")),
+            # Mixtral's experts are as wide as its intermediate_size
+            intermediate_size=int(cfg.get("moe_intermediate_size") or need("intermediate_size")),
+            norm_topk_prob=bool(flags.get("always_norm_topk") or cfg.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+            if flags.get("shared_expert") else 0,
+            sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        )
 
 
 def supported_architectures() -> list[str]:
@@ -37,7 +100,11 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    moe: MoEConfig | None = None  # None: every layer is a dense MLP
     extra: dict = field(default_factory=dict, compare=False)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and self.moe.is_sparse_layer(i)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> ArchConfig:
@@ -67,10 +134,11 @@ class ArchConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", flags.get("default_attention_bias", False)),
+            attention_bias=cfg.get("attention_bias", cfg.get("qkv_bias", flags.get("default_attention_bias", False))),
             qk_norm=flags["qk_norm"],
             rope_scaling=rope_scaling,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            moe=MoEConfig.from_hf_dict(cfg, flags) if "moe" in flags else None,
         )

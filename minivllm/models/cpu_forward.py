@@ -47,9 +47,10 @@ def cpu_forward_enabled() -> bool:
 
 
 def supports_cpu_forward(model) -> bool:
-    """The fast path covers the Llama-family decoder without q/k-norm, in float32 on the CPU."""
+    """The fast path covers the Llama-family decoder without q/k-norm or MoE layers, in float32
+    on the CPU."""
     p = model.lm_head.weight
-    return not model.cfg.qk_norm and p.device.type == "cpu" and p.dtype == torch.float32
+    return not model.cfg.qk_norm and model.cfg.moe is None and p.device.type == "cpu" and p.dtype == torch.float32
 
 
 def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

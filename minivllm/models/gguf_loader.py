@@ -10,8 +10,12 @@ import torch
 
 from minivllm.models.arch import ArchConfig
 
-# GGUF architecture name -> HF architectures entry
-_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF architecture name -> HF architectures entry (a "llama" file with experts is Mixtral)
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# whether llama.cpp renormalises the top-k weights, where the file does not say
+# ({arch}.expert_weights_norm): Qwen3-MoE and Mixtral do, Qwen2-MoE does not
+_GGUF_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 # GGUF tensor name (per block) -> HF parameter name
 _BLOCK_NAMES = {
@@ -19,7 +23,13 @@ _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # MoE: router, shared expert and its gate
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# stacked expert tensors [E, rows, cols] -> one HF tensor per expert: mlp.experts.<e>.<name>
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 
 @functools.lru_cache(maxsize=2)
@@ -70,7 +80,29 @@ def gguf_arch_config(reader) -> ArchConfig:
         "eos_token_id": eos,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
     }
+    if _field(reader, p + "expert_count"):
+        cfg.update(_gguf_moe_fields(reader, arch))
+        # which layers are sparse is not in the metadata: those with a router tensor are
+        cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+        cfg["intermediate_size"] = cfg["intermediate_size"] or cfg["moe_intermediate_size"]
     return ArchConfig.from_hf_dict(cfg)
+
+
+def _gguf_moe_fields(reader, arch: str) -> dict:
+    """The HF config keys of a MoE file's metadata ({arch}.expert_*)."""
+    p = f"{arch}."
+    num_experts = _field(reader, p + "expert_count")
+    inter = _field(reader, p + "expert_feed_forward_length") or _field(reader, p + "feed_forward_length")
+    out = {"num_experts": num_experts, "num_local_experts": num_experts,
+           "num_experts_per_tok": _field(reader, p + "expert_used_count"),
+           "moe_intermediate_size": inter,
+           "norm_topk_prob": bool(_field(reader, p + "expert_weights_norm", _GGUF_NORM_TOPK.get(arch, True))),
+           "shared_expert_intermediate_size": _field(reader, p + "expert_shared_feed_forward_length")}
+    if arch == "llama":
+        out["architectures"] = ["MixtralForCausalLM"]
+    if out["num_experts_per_tok"] is None:
+        raise ValueError(f"GGUF MoE file lacks {p}expert_used_count")
+    return out
 
 
 def _reverse_llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -86,12 +118,27 @@ def iter_gguf_weights(reader, cfg: ArchConfig) -> Iterator[tuple[str, torch.Tens
     for t in reader.tensors:
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
+        stacked = _stacked_expert_name(t.name)
+        if stacked is not None:  # [E, rows, cols]: one tensor per expert
+            for e in range(w.shape[0]):
+                yield stacked.format(e=e), torch.from_numpy(np.array(w[e], dtype=np.float32, copy=True))
+            continue
         name = _hf_name(t.name)
         if is_llama and name.endswith("q_proj.weight"):
             w = _reverse_llama_permute(w, cfg.num_heads)
         elif is_llama and name.endswith("k_proj.weight"):
             w = _reverse_llama_permute(w, cfg.num_kv_heads)
+        elif name.endswith("shared_expert_gate.weight") and w.ndim == 1:
+            w = w[None, :]  # llama.cpp stores the [1, H] gate as [H]
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+
+def _stacked_expert_name(gguf_name: str) -> str | None:
+    """blk.N.ffn_gate_exps.weight -> 'model.layers.N.mlp.experts.{e}.gate_proj.weight' (None: not one)."""
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERT_NAMES:
+        return f"model.layers.{parts[1]}.mlp.experts.{{e}}.{_EXPERT_NAMES[parts[2]]}.{parts[3]}"
+    return None
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -1,5 +1,7 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral) and Qwen2/Qwen3 as one decoder:
-they differ only by config flags (qk-norm, attention bias, tied embeddings, rope scaling)."""
+"""The Llama family (Llama 2/3, SmolLM2, Mistral), Qwen2/Qwen3 and their mixture-of-experts
+variants (Qwen2-MoE, Qwen3-MoE, Mixtral) as one decoder: they differ only by config flags
+(qk-norm, attention bias, tied embeddings, rope scaling, and `cfg.moe`: which layers' MLP is a
+sparse MoE block, models/moe.py)."""
 
 from __future__ import annotations
 
@@ -9,22 +11,29 @@ from torch import nn
 from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.models.arch import ArchConfig
+from minivllm.models.expert_parallel import ExpertComm, ExpertPlacement
 from minivllm.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from minivllm.models.moe import SparseMoeBlock
 from minivllm.quant.config import QuantConfig
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 quant: QuantConfig | None = None, prefix: str = "") -> None:
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int,
+                 quant: QuantConfig | None = None, placement: ExpertPlacement | None = None,
+                 comm: ExpertComm | None = None) -> None:
         super().__init__()
+        prefix = f"model.layers.{index}"
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps, rotary, backend,
                                    quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, quant, f"{prefix}.mlp")
+        self.is_moe = cfg.is_moe_layer(index)
+        # a sparse layer's routed experts stay unquantized (only its shared expert follows `quant`)
+        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, placement, comm, quant, f"{prefix}.mlp") if self.is_moe
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, quant, f"{prefix}.mlp"))
 
-    def forward(self, positions, hidden, residual, meta):
+    def forward(self, positions, hidden, residual, meta, token_valid: torch.Tensor | None = None):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -32,19 +41,23 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return (self.mlp(hidden, token_valid) if self.is_moe else self.mlp(hidden)), residual
 
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, max_positions: int,
-                 quant: QuantConfig | None = None) -> None:
-        """quant: the model's quantization (its decoder linears become QuantLinear); None: unquantized."""
+                 quant: QuantConfig | None = None, placement: ExpertPlacement | None = None,
+                 comm: ExpertComm | None = None) -> None:
+        """quant: the model's quantization (its decoder linears become QuantLinear); None:
+        unquantized. placement / comm: this rank's experts and the expert-parallel communicator
+        (MoE models under expert parallelism; None: every expert here)."""
         super().__init__()
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, quant, f"model.layers.{i}")
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, i, quant, placement, comm)
                                     for i in range(cfg.num_layers))
+        self.moe_blocks: list[SparseMoeBlock] = [layer.mlp for layer in self.layers if layer.is_moe]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -63,10 +76,24 @@ class CausalLM(nn.Module):
             return self.cpu_forward.forward(input_ids, positions, meta, output_rows, num_layers)
         hidden = self.embed_tokens(input_ids)
         residual = None
+        # MoE token counters skip CUDA-graph padding tokens (slot -1)
+        token_valid = meta.slot_mapping >= 0 if self.moe_blocks else None
         for layer in self.layers[:num_layers]:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(positions, hidden, residual, meta, token_valid)
         hidden, _ = self.norm(hidden, residual)
         return hidden if output_rows is None else hidden[output_rows]
+
+    def expert_token_counts(self) -> torch.Tensor | None:
+        """Tokens routed to each expert since the last reset: int64 [MoE layers, E] on the
+        model's device (a new tensor; reading it on the host waits for queued work), or None
+        for a dense model."""
+        if not self.moe_blocks:
+            return None
+        return torch.stack([b.token_counts for b in self.moe_blocks])
+
+    def reset_expert_token_counts(self) -> None:
+        for b in self.moe_blocks:
+            b.token_counts.zero_()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from minivllm.models.llama import CausalLM
+from minivllm.models.moe_weights import expected_keys, is_expert_tensor, load_expert_tensor
 
 # HF sub-module name -> (our fused parameter, shard index)
 _FUSED = {
@@ -36,12 +37,15 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _shard_bounds(model: CausalLM, fused: str, shard: int) -> tuple[int, int]:
+def _shard_bounds(model: CausalLM, fused: str, shard: int, target: str) -> tuple[int, int]:
+    """Output features of shard `shard` of the fused parameter `target` (gate_up: two halves as
+    wide as that MLP: a dense layer's intermediate_size, or a MoE shared expert's)."""
     cfg = model.cfg
     if fused == "qkv_proj":
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
-    inter = cfg.intermediate_size
+    shared = ".shared_expert." in target and cfg.moe is not None
+    inter = cfg.moe.shared_expert_intermediate_size if shared else cfg.intermediate_size
     return [(0, inter), (inter, 2 * inter)][shard]
 
 
@@ -57,12 +61,16 @@ _KV_SCALES = {"self_attn.k_scale": ("k_scale",), "self_attn.v_scale": ("v_scale"
 def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy every weight into place; raise if a parameter of the model was never written."""
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     written: set[str] = set()
     for hf_name, tensor in weights:
-        name = hf_name.removeprefix("model.")
+        name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
         if "rotary_emb" in name or name.endswith(_SKIP_SUFFIXES):
             continue
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            continue
+        if is_expert_tensor(name):
+            written.update(load_expert_tensor(modules, name, tensor, hf_name))
             continue
         if _load_kv_scale(model, name, tensor):
             continue
@@ -70,7 +78,7 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
         if len(parts) >= 2 and parts[-2] in _FUSED:
             fused, shard = _FUSED[parts[-2]]
             target = ".".join(parts[:-2] + [fused, parts[-1]])
-            _copy(params, target, tensor, hf_name, rows=_shard_bounds(model, fused, shard))
+            _copy(params, target, tensor, hf_name, rows=_shard_bounds(model, fused, shard, target))
             shared = target in params and getattr(params[target], "shared", False)
             written.add(target if shared else f"{target}#{shard}")
         else:
@@ -116,6 +124,10 @@ def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, hf_n
 def _check_all_written(model: CausalLM, params: dict, written: set[str]) -> None:
     missing = []
     for name, p in params.items():
+        experts = expected_keys(name, p)
+        if experts is not None:
+            missing += [k for k in experts if k not in written]
+            continue
         if getattr(p, "optional", False):
             continue
         if getattr(p, "shared", False):

@@ -7,6 +7,8 @@ graph), samples on the device and returns plain Python data (one device-to-host 
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -19,11 +21,13 @@ from minivllm.core.interfaces import NewRequestData, RunnerOutput, SchedulerOutp
 from minivllm.models.llama import CausalLM
 from minivllm.models.loader import build_model
 from minivllm.runner.extra_outputs import ExtraRows, plan_extra_rows, pool, prompt_logprobs
+from minivllm.runner.expert_counts import ExpertCountsReader
 from minivllm.runner.input_batch import StepInputs, build_step_inputs
 from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, format_bytes
 from minivllm.runner.memory import plan_num_blocks
 from minivllm.sample.batch import SamplingBatch, SamplingRequestState
 from minivllm.sample.sampler import HostSamplerOutput, Sampler, SamplerOutput
+from minivllm.structured.bitmask import GrammarBitmask, apply_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,17 @@ class LaunchedStep:
     # prompt logprobs and pooled vectors of the step (already on the host)
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
     pooled: dict[str, list[float]] | None = None
+
+
+@dataclass
+class ForwardStep:
+    """A step whose forward is queued and whose sampling is not (launch_sampling does it)."""
+
+    hidden: torch.Tensor | None  # [rows, H]: the final hidden states of the sampling rows (and drafts)
+    req_ids: list[str]  # requests that sample, in row order
+    inputs: StepInputs | None = None
+    # (prompt logprobs, pooled vectors) of the step, already on the host (runner/extra_outputs.py)
+    extras: tuple[dict | None, dict | None] = (None, None)
 
 
 @dataclass
@@ -79,6 +94,7 @@ class ModelRunner:
         # the first real step runs eagerly and calibrates the FP8 KV scales (calculate_kv_scales)
         self._calibrate_kv_pending = config.cache.calculate_kv_scales
         self.timings: dict[str, float] = {}
+        self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
 
     # ---- startup --------------------------------------------------------------------------
     def load_model(self, model: CausalLM | None = None) -> None:
@@ -92,6 +108,7 @@ class ModelRunner:
             backend = get_attention_backend(self.config.attention_backend)
             self.model = build_model(self.config.model, backend, self.device, self.dtype)
             self.setup_cpu_model(self.model)
+        self.expert_counts = ExpertCountsReader(self.model, self.device)
         if self.config.speculative is not None:
             from minivllm.spec_decode import make_speculator
             self.speculator = make_speculator(self.config.speculative, self)
@@ -253,9 +270,15 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the step's device work (forward, sampling, copy of the sampled ids to the host)
         and return without waiting for it."""
+        return self.launch_sampling(self.launch_forward(sched))
+
+    @torch.inference_mode()
+    def launch_forward(self, sched: SchedulerOutput) -> ForwardStep:
+        """Queue the step's forward only: the host can work out the step's grammar bitmask (it
+        needs the previous step's tokens) while the device runs it."""
         self._update_states(sched)
         if sched.is_empty:
-            return LaunchedStep([], [])
+            return ForwardStep(None, [])
         block_ids = {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled}
         inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
                                    pin=self.device.type == "cuda")
@@ -271,15 +294,7 @@ class ModelRunner:
             hidden = self._forward_sampling_rows(inputs, extra)
         num_sampling = inputs.logits_indices.shape[0]
         extras = self._extra_outputs(hidden[num_sampling:], extra)
-        if not inputs.sampling_req_ids:
-            return LaunchedStep([], [], prompt_logprobs=extras[0], pooled=extras[1])
-        hidden = hidden[:num_sampling]
-        if self.speculator is not None:
-            step = self._run_speculative(hidden, inputs)
-        else:
-            step = self._launch_sampling(hidden, inputs.sampling_req_ids)
-        step.prompt_logprobs, step.pooled = extras
-        return step
+        return ForwardStep(hidden[:num_sampling], inputs.sampling_req_ids, inputs, extras)
 
     def _output_rows(self, inputs: StepInputs, extra: ExtraRows | None) -> torch.Tensor:
         """The rows the forward returns: the sampling rows, then the extra rows."""
@@ -293,13 +308,33 @@ class ModelRunner:
             return None, None
         return prompt_logprobs(self.model, hidden, extra) or None, pool(hidden, extra, self.requests) or None
 
-    def _run_speculative(self, hidden: torch.Tensor, inputs: StepInputs) -> LaunchedStep:
+    @torch.inference_mode()
+    def launch_sampling(self, fwd: ForwardStep, grammar: GrammarBitmask | None = None) -> LaunchedStep:
+        """Queue the sampling of a forward, with the grammar's bitmask on its constrained rows."""
+        if not fwd.req_ids:
+            step = LaunchedStep([], [])
+        elif self.speculator is not None:
+            step = self._run_speculative(fwd.hidden, fwd.inputs, grammar)
+        else:
+            step = self._launch_sampling(fwd.hidden, fwd.req_ids, grammar)
+        step.prompt_logprobs, step.pooled = fwd.extras
+        return step
+
+    def _run_speculative(self, hidden: torch.Tensor, inputs: StepInputs,
+                         grammar: GrammarBitmask | None = None) -> LaunchedStep:
         """Verify the step's drafts (every request's tokens on the host at once), then propose the
-        next ones (spec_decode/speculator.py). Synchronous: the next step needs these results."""
+        next ones (spec_decode/speculator.py). Synchronous: the next step needs these results.
+        A constrained request has no drafts (the scheduler gives it none): its one verify row
+        gets its bitmask."""
         req_ids = inputs.sampling_req_ids
         states = [self.requests[r].sampling for r in req_ids]
         drafts = inputs.draft_token_ids or [[] for _ in req_ids]
-        step = self.speculator.verify(self.model, hidden, states, drafts, self.generator)
+        hook = None
+        if grammar is not None:
+            starts = itertools.accumulate((1 + len(d) for d in drafts[:-1]), initial=0)  # each request's first row
+            rows = dict(zip(req_ids, starts))
+            hook = functools.partial(self._apply_grammar_rows, rows=rows, grammar=grammar)
+        step = self.speculator.verify(self.model, hidden, states, drafts, self.generator, logits_hook=hook)
         for state, tokens in zip(states, step.tokens):
             state.output_token_ids.extend(tokens)
         proposals = self.speculator.propose(req_ids, states, [self.requests[r].block_ids for r in req_ids],
@@ -334,7 +369,8 @@ class ModelRunner:
         # only the sampling rows (the CPU forward then skips the last layer's work for the others)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, output_rows=rows)
 
-    def _launch_sampling(self, hidden: torch.Tensor, req_ids: list[str]) -> LaunchedStep:
+    def _launch_sampling(self, hidden: torch.Tensor, req_ids: list[str],
+                         grammar: GrammarBitmask | None = None) -> LaunchedStep:
         states = [self.requests[r].sampling for r in req_ids]
         # On the CPU a batch that only takes the argmax of the raw logits skips them: the LM head
         # folds the argmax into its kernel (models/cpu_linear.py; W5 decode: 0.9 ms a step of
@@ -343,12 +379,15 @@ class ModelRunner:
         logits = None if self.device.type == "cpu" else self.model.compute_logits(hidden)
         vocab_size = logits.shape[-1] if logits is not None else self.model.lm_head.out_features
         batch = SamplingBatch.build(states, vocab_size, self.device, self.generator)
-        if logits is None and batch.argmax_of_raw_logits:
+        if logits is None and batch.argmax_of_raw_logits and grammar is None:
             out = SamplerOutput(self.model.compute_greedy_tokens(hidden))
         else:
             if logits is None:
                 logits = self.model.compute_logits(hidden)
-            out = self.sampler(self._beam_scaled(logits, req_ids), batch)
+            logits = self._beam_scaled(logits, req_ids)
+            if grammar is not None:  # before sampling and logprobs: masked tokens get -inf
+                self._apply_grammar(logits, req_ids, grammar)
+            out = self.sampler(logits, batch)
         for state in states:
             state.num_pending += 1
         self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(req_ids)})
@@ -369,8 +408,21 @@ class ModelRunner:
         scale = torch.tensor([1.0 / t for t in temps], dtype=torch.float32, device=logits.device)
         return logits.float() * scale.unsqueeze(1)
 
+    def _apply_grammar(self, logits: torch.Tensor, req_ids: list[str], grammar: GrammarBitmask) -> None:
+        """logits [B, V] (fresh from the LM head, so changed in place): each constrained row
+        keeps only the tokens its grammar allows."""
+        self._apply_grammar_rows(logits, {r: i for i, r in enumerate(req_ids)}, grammar)
+
+    def _apply_grammar_rows(self, logits: torch.Tensor, rows: dict[str, int], grammar: GrammarBitmask) -> None:
+        """As _apply_grammar, with each constrained request's logits row given."""
+        bitmask = grammar.bitmask
+        if self.device.type == "cuda":
+            bitmask = bitmask.to(self.device, non_blocking=True)  # pinned by the manager
+        apply_token_bitmask(logits, bitmask, self._to_device([rows[r] for r in grammar.req_ids]))
+
     def finish(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and return its sampled tokens (and logprobs) as plain data."""
+        self.expert_counts.poll()
         out = self._finish_sampling(step)
         out.prompt_logprobs, out.pooled = step.prompt_logprobs, step.pooled
         return out

@@ -36,7 +36,57 @@ from minivllm.server.serving_completions import ServingCompletion
 logger = logging.getLogger(__name__)
 
 _OPEN_PATHS = ("/health", "/metrics", "/version", "/ping", "/openapi.json", "/docs", "/redoc")
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 500, 503)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over max_bytes, whether announced (Content-Length) or streamed
+    (chunked): the body is counted as it arrives and never buffered past the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes "
+                           "(--max-request-body-bytes)", code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await error_response(self._too_large())(scope, receive, send)
+            return
+        seen, over = 0, False
+
+        async def counted() -> dict:
+            # past the limit the app is told the client left (it stops reading, answers nothing)
+            nonlocal seen, over
+            if over:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: dict) -> None:
+            if not over:
+                await send(message)
+
+        try:
+            await self.app(scope, counted, guarded_send)
+        except Exception:
+            if not over:
+                raise
+        if over:
+            await error_response(self._too_large())(scope, receive, send)
+
+
+
 
 
 class ApiKeyMiddleware:
@@ -89,6 +139,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # outermost: before any parsing
     app.include_router(_openai_router())
     app.include_router(_utility_router())
     return app
@@ -158,7 +209,8 @@ def _tokenize(s: ServerState, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt (text) or messages (a conversation)", "prompt")
     if body.messages is not None:
-        return chat_prompt_ids(tok, body.messages, body.add_generation_prompt, body.continue_final_message)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        return chat_prompt_ids(tok, body.messages, body.add_generation_prompt, body.continue_final_message, tools)
     try:
         return list(tok(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
     except Exception as e:  # noqa: BLE001 - e.g. text the tokenizer cannot encode

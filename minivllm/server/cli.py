@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -38,12 +39,25 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the API accepts as `model`; the first is reported (default: the model's)")
     g.add_argument("--max-queue", type=int, default=None,
-                   help="refuse new requests with 503 + Retry-After while N requests are already waiting")
+                   help="refuse new requests with 429 + Retry-After while N requests are already waiting")
+    g.add_argument("--max-tokens-in-flight", type=int, default=None,
+                   help="refuse new requests with 429 + Retry-After while the prompt + max_tokens of unfinished "
+                        "requests would pass N (default: 8x the KV cache's tokens)")
+    g.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="413 above this body size")
+    g.add_argument("--max-prompts-per-request", type=int, default=256, help="prompts in one completions request")
+    g.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt)")
+    g.add_argument("--max-stop-sequences", type=int, default=16, help="stop strings per request")
+    g.add_argument("--max-logit-bias", type=int, default=1024, help="logit_bias entries per request")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in its own process (default), so the HTTP process's GIL "
                         "serves clients only; --no-engine-process runs it on a thread of this process")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": the model decides whether to call tools (needs --tool-call-parser)')
+    from minivllm.server.tool_parsers import TOOL_PARSERS
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are written in the model's output")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -51,7 +65,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def server_settings(args: argparse.Namespace):
     from minivllm.server.serving_common import ServerSettings
     return ServerSettings(served_model_names=list(args.served_model_name or []), api_key=args.api_key or None,
-                          max_queue=args.max_queue, shutdown_grace_s=args.shutdown_timeout)
+                          max_queue=args.max_queue, shutdown_grace_s=args.shutdown_timeout,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                          max_body_bytes=args.max_request_body_bytes, max_prompts_per_request=args.max_prompts_per_request,
+                          max_n=args.max_n, max_stop_sequences=args.max_stop_sequences,
+                          max_logit_bias=args.max_logit_bias, max_tokens_in_flight=args.max_tokens_in_flight)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -68,10 +86,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.served_model_names:
         kwargs["served_model_name"] = settings.served_model_names[0]
     engine = (MPAsyncEngine if args.engine_process else AsyncEngine).from_kwargs(**kwargs)
+    if settings.max_tokens_in_flight is None:  # default: 8x what the KV cache holds
+        stats = engine.get_stats()
+        settings = dataclasses.replace(settings, max_tokens_in_flight=8 * stats.num_kv_blocks * engine.config.cache.block_size)
     app = create_app(engine, settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10, lifespan="on")
     server = DrainingServer(config, on_exit=lambda: engine.begin_drain(settings.shutdown_grace_s))
+    engine.add_death_callback(server.stop_for_engine_death)
     freeze_startup_heap()  # the HTTP process's own heap (tokenizer, FastAPI, pydantic models)
     # uvicorn re-raises a caught SIGTERM once it has shut down; a no-op handler makes that a
     # clean exit (status 0) instead of death by signal
@@ -85,6 +107,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if profile is not None:
             profile.disable()
             profile.dump_stats(os.environ["MINIVLLM_PROFILE_HTTP"])
+    if server.engine_died is not None:
+        logger.error("exiting with status 1: %s", server.engine_died)
+        return 1  # a supervisor (systemd, Kubernetes) restarts the server
     return 0
 
 
@@ -106,6 +131,13 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._on_exit = on_exit
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.engine_died: BaseException | None = None
+
+    def stop_for_engine_death(self, error: BaseException) -> None:
+        """The engine died (any thread): every request already got its error; stop serving
+        (/health answers 503 until the listener closes) and let cmd_serve exit with status 1."""
+        self.engine_died = error
+        self.should_exit = True  # uvicorn's main loop polls it
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()

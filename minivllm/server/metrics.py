@@ -5,7 +5,9 @@ process). Two sources:
 - per-request histograms and the request_success counter, fed by an observer that runs on the
   engine thread after every step (so requests whose clients left are counted too);
 - engine totals and gauges (running, waiting, KV usage, prefix cache, preemptions, tokens),
-  read from the engine's stats snapshot when /metrics is scraped.
+  read from the engine's stats snapshot when /metrics is scraped; for MoE models also
+  `minivllm:moe_expert_tokens_total{expert}` (vLLM has no such family): tokens routed to each
+  expert, summed over the layers, so load imbalance shows (refreshed about once a second).
 """
 
 from __future__ import annotations
@@ -187,3 +189,11 @@ class _EngineStatsCollector:
         for pos, n in enumerate(stats.spec_accepted_per_pos):
             per_pos.add_metric([self.model_name, str(pos)], float(n))
         yield per_pos
+        counts = getattr(stats, "expert_token_counts", None)
+        if counts is not None:
+            c = CounterMetricFamily("minivllm:moe_expert_tokens", "Tokens routed to each expert, summed over "
+                                    "the MoE layers (one per token, layer and selected expert).",
+                                    labels=["model_name", "expert"])
+            for expert, n in enumerate(counts):
+                c.add_metric([self.model_name, str(expert)], float(n))
+            yield c

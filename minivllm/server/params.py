@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 from minivllm.server.errors import OpenAIError, bad_request, from_value_error
 from minivllm.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -55,28 +55,25 @@ def _build(kwargs: dict) -> SamplingParams:
         raise from_value_error(e) from None
 
 
-def completion_params(req: CompletionRequest, vocab_size: int) -> SamplingParams:
+def completion_params(req: CompletionRequest, vocab_size: int,
+                      structured: StructuredOutputsParams | None = None) -> SamplingParams:
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request(f"best_of must equal n ({req.n}) when given: ranking samples is not supported, "
                           f"got best_of={req.best_of}", "best_of")
     kwargs = _common(req, vocab_size)
-    return _build({**kwargs, "max_tokens": req.max_tokens, "logprobs": req.logprobs})
+    return _build({**kwargs, "max_tokens": req.max_tokens, "logprobs": req.logprobs, "structured_outputs": structured})
 
 
-def chat_params(req: ChatCompletionRequest, vocab_size: int) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, vocab_size: int,
+                structured: StructuredOutputsParams | None = None) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(f"response_format type {req.response_format.type!r} is not supported "
-                          f"(only 'text')", "response_format")
-    if req.tools and req.tool_choice != "none":
-        raise bad_request("tool calling is not supported: leave tools out or set tool_choice to 'none'", "tools")
     kwargs = _common(req, vocab_size)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _build({**kwargs, "max_tokens": max_tokens, "logprobs": logprobs})
+    return _build({**kwargs, "max_tokens": max_tokens, "logprobs": logprobs, "structured_outputs": structured})
 
 
 __all__ = ["OpenAIError", "chat_params", "completion_params"]

@@ -30,6 +30,20 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str = "response"
+    description: str | None = None
+    # `schema` as in OpenAI's API (the attribute name would shadow BaseModel.schema)
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Sampling fields shared by completions and chat (OpenAI's and vLLM's extra ones)."""
 
@@ -56,6 +70,16 @@ class SamplingFields(OpenAIModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
+    # legacy guided_* fields (at most one of them; see server/structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's tenant key for the prefix cache: only requests with the same salt share cached blocks
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
 
 class CompletionRequest(SamplingFields):
@@ -80,9 +104,25 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
 
 
-class ResponseFormat(OpenAIModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -91,9 +131,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -143,9 +183,23 @@ class ChatLogprobs(OpenAIModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None  # JSON text
+
+
+class ToolCall(OpenAIModel):
+    index: int | None = None  # stream deltas only
+    id: str | None = None
+    type: Literal["function"] | None = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIModel):
@@ -168,6 +222,8 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):
@@ -208,6 +264,7 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # for the chat template, with messages
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

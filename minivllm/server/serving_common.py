@@ -28,10 +28,31 @@ class ServerSettings:
     retry_after_s: int = 1
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long, then are aborted
     own_engine: bool = True  # the app's lifespan shuts the engine down
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, the parser finds calls
+    tool_call_parser: str | None = None  # hermes | llama3_json
+    # what one client may ask for (400 above), so that nothing a client sends makes the server
+    # allocate without bound; and the load the server accepts (429 + Retry-After above)
+    max_body_bytes: int = 8 << 20
+    max_prompts_per_request: int = 256
+    max_n: int = 16
+    max_stop_sequences: int = 16
+    max_logit_bias: int = 1024
+    max_tokens_in_flight: int | None = None  # prompt + max_tokens of all unfinished requests; None: no cap
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1 (or None for no limit), got {self.max_queue}")
+        if self.tool_call_parser is not None:
+            from minivllm.server.tool_parsers import TOOL_PARSERS
+            if self.tool_call_parser not in TOOL_PARSERS:
+                raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        for name in ("max_body_bytes", "max_prompts_per_request", "max_n", "max_stop_sequences", "max_logit_bias"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens_in_flight is not None and self.max_tokens_in_flight < 1:
+            raise ValueError(f"max_tokens_in_flight must be >= 1 (or None), got {self.max_tokens_in_flight}")
 
 
 class ServingBase:
@@ -51,20 +72,41 @@ class ServingBase:
         raise OpenAIError(404, f"The model `{name}` does not exist. This server serves: "
                           f"{', '.join(self.model_names)}.", "model", "model_not_found")
 
-    def check_admission(self, num_new: int = 1) -> None:
-        limit = self.settings.max_queue
-        if limit is None:
-            return
-        waiting = self.engine.get_stats().num_waiting + self.engine.num_pending_adds
-        if waiting >= limit:
-            raise OpenAIError(503, f"the server is overloaded: {waiting} requests are waiting "
-                              f"(--max-queue {limit}); retry later", code="server_overloaded",
-                              headers={"Retry-After": str(self.settings.retry_after_s)})
+    def check_admission(self, new_tokens: int = 0) -> None:
+        """429 + Retry-After while the queue is full or the tokens in flight would pass the cap."""
+        s, stats = self.settings, self.engine.get_stats()
+        waiting = stats.num_waiting + self.engine.num_pending_adds
+        if s.max_queue is not None and waiting >= s.max_queue:
+            raise self._overloaded(f"{waiting} requests are waiting (--max-queue {s.max_queue})")
+        cap = s.max_tokens_in_flight
+        if cap is not None and stats.tokens_in_flight + new_tokens > cap:
+            raise self._overloaded(f"{stats.tokens_in_flight} tokens are in flight and this request adds "
+                                   f"{new_tokens} (--max-tokens-in-flight {cap})")
+
+    def _overloaded(self, why: str) -> OpenAIError:
+        return OpenAIError(429, f"the server is overloaded: {why}; retry later", code="server_overloaded",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def check_request_limits(self, num_prompts: int, params: SamplingParams) -> None:
+        """The per-request caps of ServerSettings (400 naming the field and the limit)."""
+        s = self.settings
+        for value, limit, field_name in ((num_prompts, s.max_prompts_per_request, "prompt"),
+                                         (params.n, s.max_n, "n"),
+                                         (len(params.stop_strings), s.max_stop_sequences, "stop"),
+                                         (len(params.logit_bias or {}), s.max_logit_bias, "logit_bias")):
+            if value > limit:
+                raise OpenAIError(400, f"{field_name} has {value} entries; this server allows at most {limit}",
+                                  field_name, "limit_exceeded")
 
     async def submit(self, base_id: str, prompts: list, params: SamplingParams, priority: int,
-                     param_name: str) -> list[RequestStream]:
+                     param_name: str, cache_salt: str | None = None) -> list[RequestStream]:
         """Adds one engine request per prompt; all or nothing (a refused prompt aborts the rest)."""
-        self.check_admission()
+        self.check_request_limits(len(prompts), params)
+        # (a text prompt's length is not known yet: its max_tokens and n count now, its tokens in
+        # the engine's figure once added)
+        self.check_admission(sum(_known_len(p) for p in prompts) + len(prompts) * params.n * (params.max_tokens or 0))
+        if cache_salt is not None:
+            prompts = [with_cache_salt(p, cache_salt) for p in prompts]
         arrival = time.time()
         streams: list[RequestStream] = []
         try:
@@ -82,6 +124,15 @@ class ServingBase:
             logger.info("prompt refused: %r", e)
             raise OpenAIError(400, f"could not process the prompt: {type(e).__name__}: {e}", param_name) from None
         return streams
+
+
+def _known_len(prompt) -> int:
+    return len(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else 0
+
+
+def with_cache_salt(prompt, salt: str) -> dict:
+    """An engine prompt (text or dict) as a dict carrying the request's cache_salt."""
+    return dict(prompt, cache_salt=salt) if isinstance(prompt, dict) else {"prompt": prompt, "cache_salt": salt}
 
 
 def new_id(prefix: str) -> str:

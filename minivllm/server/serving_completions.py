@@ -15,6 +15,7 @@ from minivllm.server import logprobs as lp_fmt
 from minivllm.server.errors import JSONResponse, bad_request
 from minivllm.server.params import completion_params
 from minivllm.server.protocol import CompletionRequest
+from minivllm.server.structured import resolve_constraint
 from minivllm.server.serving_common import (
     ServingBase,
     check_no_internal_error,
@@ -52,10 +53,11 @@ class _ChoiceState:
 class ServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
-        params = completion_params(req, self.engine.config.model.arch.vocab_size)
+        structured = resolve_constraint(req, self.engine.config.structured_outputs.backend)
+        params = completion_params(req, self.engine.config.model.arch.vocab_size, structured)
         prompts = engine_prompts(req.prompt)
         rid = new_id("cmpl")
-        streams = await self.submit(rid, prompts, params, req.priority, "prompt")
+        streams = await self.submit(rid, prompts, params, req.priority, "prompt", req.cache_salt)
         created = int(time.time())
         if req.stream:
             body = sse_body(self._stream(req, streams, rid, model, created), streams)

@@ -55,18 +55,22 @@ class Speculator:
         self.proposer.drop(req_ids)
 
     def verify(self, model, hidden: torch.Tensor, states: list[SamplingRequestState], drafts: list[list[int]],
-               generator: torch.Generator) -> VerifiedStep:
-        """hidden: [R, H] the final hidden states of every request's verify rows (1 + its drafts)."""
+               generator: torch.Generator, logits_hook=None) -> VerifiedStep:
+        """hidden: [R, H] the final hidden states of every request's verify rows (1 + its drafts).
+        logits_hook(logits [R, V]) changes the logits in place before anything reads them (the
+        grammar bitmask of structured outputs)."""
         device = hidden.device
         rows = [r for s, d in zip(states, drafts) for r in row_states(s, d)]
         vocab = model.lm_head.out_features
         batch = SamplingBatch.build(rows, vocab, device, generator)
         layout = VerifyLayout.build(drafts, device)
         raw_logprobs = probs = argmax = None
-        if device.type == "cpu" and batch.argmax_of_raw_logits:
+        if device.type == "cpu" and batch.argmax_of_raw_logits and logits_hook is None:
             argmax = model.compute_greedy_tokens(hidden)  # the LM head's fused argmax, no logits
         else:
             logits = model.compute_logits(hidden)
+            if logits_hook is not None:
+                logits_hook(logits)
             if batch.max_num_logprobs is not None:
                 raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
             processed = process_logits(logits, batch)

@@ -120,7 +120,7 @@ def test_workload_list_argument():
 
 
 # ---- bundled model configs -----------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "qwen3-32b", "llama-3.1-8b"])
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "qwen3-32b", "llama-3.1-8b", "qwen3-30b-a3b"])
 def test_bundled_configs_equal_the_shared_ones(name):
     shared = os.path.join(SHARED_CONFIGS, name, "config.json")
     if not os.path.isfile(shared):
@@ -143,6 +143,27 @@ def test_write_model_dir_and_param_counts(tmp_path):
     assert roof["roofline_ms"] < roof["roofline_ms_all_weights"]
     with pytest.raises(ValueError):
         model_dirs.config_path("no-such-model")
+
+
+def test_w10_workloads_and_active_weight_roofline():
+    """W10: W1's requests and W2's request on Qwen3-30B-A3B; its batch-1 roofline counts the
+    weights a token reads (BENCHMARKS.md: ~6.1 GB, ~2.0 ms on an H100), not all 30.5 B."""
+    w10, dec = workloads.get("W10"), workloads.get("W10-decode")
+    assert w10.prompts == workloads.w1().prompts and w10.expected_output_tokens == 133_966
+    assert dec.prompts == workloads.w2().prompts and dec.params == workloads.w2().params
+    assert w10.model_config == dec.model_config == "qwen3-30b-a3b"
+    cfg = model_dirs.load_config("qwen3-30b-a3b")
+    counts = model_dirs.param_counts(cfg)
+    assert counts["total"] / 1e9 == pytest.approx(30.53, abs=0.01)
+    # per layer: attention 18.87 M + q/k norms + 2 norms, router 128 x 2048, 8 experts x 3 x 2048 x 768
+    per_layer = 2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 128 + 2 * 2048 + 128 * 2048 + 8 * 3 * 2048 * 768
+    assert counts["layers_active"] == 48 * per_layer
+    wb = model_dirs.weight_bytes(cfg)
+    assert wb["read_per_decode_step"] == 2 * (48 * per_layer + 2048 + 151936 * 2048)
+    roof = model_dirs.decode_roofline(cfg, 128, 256, 3.02e12)
+    assert roof["roofline_ms"] == pytest.approx(2.02, abs=0.01)
+    dense = model_dirs.load_config("qwen3-8b")  # dense models read every layer weight
+    assert model_dirs.param_counts(dense)["layers_active"] == model_dirs.param_counts(dense)["layers"]
 
 
 # ---- the driver -----------------------------------------------------------------------------------------

@@ -94,3 +94,38 @@ def test_async_failure_also_fails_the_step_in_flight(model_dir):
 def _add(eng: LLMEngine, rid: str, prompt: list[int]) -> LLMEngine:
     eng.add_request(rid, {"prompt_token_ids": prompt}, GREEDY)
     return eng
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_fault_of_one_request_fails_it_alone(model_dir, async_scheduling):
+    """A step raising RequestFault for one request: that request ends with "error", the step's
+    other requests are recomputed and finish with exactly the tokens they get without the fault;
+    nothing leaks and no unwritten block stays findable."""
+    from minivllm.core.interfaces import RequestFault
+    rng = random.Random(2)
+    prompts = {f"r{i}": [rng.randrange(1000) for _ in range(30 + 7 * i)] for i in range(4)}
+    ref_engine = _engine(model_dir, async_scheduling=async_scheduling)
+    for rid, p in prompts.items():
+        _add(ref_engine, rid, p)
+    want = {rid: o.token_ids for rid, o in _run(ref_engine).items()}
+
+    eng = _engine(model_dir, async_scheduling=async_scheduling)
+    for rid, p in prompts.items():
+        _add(eng, rid, p)
+    real, count = eng.executor.launch, [0]
+
+    def launch(sched):  # the third step blames r2 (scheduled in it, mid-decode)
+        count[0] += 1
+        if count[0] == 3:
+            assert "r2" in {s.req_id for s in sched.scheduled}
+            raise RequestFault(["r2"], "injected: r2's grammar broke")
+        return real(sched)
+    eng.executor.launch = launch
+    finals = _run(eng)
+    assert finals["r2"].finish_reason == "error"
+    for rid in ("r0", "r1", "r3"):
+        assert finals[rid].finish_reason == "length" and finals[rid].token_ids == want[rid], rid
+    assert eng.scheduler.num_preemptions >= 3  # the innocent ones were recomputed
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    eng.step()
+    assert eng.executor.runner.requests == {}

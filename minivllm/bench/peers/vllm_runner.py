@@ -7,6 +7,7 @@ plus the repository root for minivllm.bench), never in one process with minivllm
     python3 -m minivllm.bench.peers.vllm_runner throughput --workload W1-8B
     python3 -m minivllm.bench.peers.vllm_runner throughput --workload W4 [--no-prefix-caching]
     python3 -m minivllm.bench.peers.vllm_runner latency --workload W2
+    python3 -m minivllm.bench.peers.vllm_runner throughput --workload W10 --moe-backend triton
     python3 -m minivllm.bench.peers.vllm_runner startup --model-config qwen3-0.6b
     python3 -m minivllm.bench.peers.vllm_runner throughput --workload W1 --dry-run   # no vLLM needed
 
@@ -181,7 +182,8 @@ def llm_kwargs(model_dir: str, max_model_len: int, gpu_memory_utilization: float
           "gpu_memory_utilization": gpu_memory_utilization, "seed": seed, "enforce_eager": enforce_eager,
           "enable_prefix_caching": enable_prefix_caching}
     for k, v in (extra or {}).items():
-        if k in ("max_num_seqs", "max_num_batched_tokens", "dtype", "quantization", "kv_cache_dtype") and v is not None:
+        if k in ("max_num_seqs", "max_num_batched_tokens", "dtype", "quantization", "kv_cache_dtype",
+                 "moe_backend") and v is not None:
             kw[k] = v
     return kw
 
@@ -199,7 +201,7 @@ def _factory(args):
                         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        **quant_engine_kwargs(args))
+                        moe_backend=args.moe_backend, **quant_engine_kwargs(args))
         _LIVE.append(a)
         return a
     return make
@@ -209,7 +211,7 @@ def _settings(args) -> dict:
     return llm_kwargs("<temp dir holding the bundled config.json>", args.max_model_len, args.gpu_memory_utilization,
                       args.enforce_eager, args.enable_prefix_caching, args.seed,
                       {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                       **quant_engine_kwargs(args)})
+                       "moe_backend": args.moe_backend, **quant_engine_kwargs(args)})
 
 
 def _dry_run(args, kind: str) -> int:
@@ -240,13 +242,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minivllm.bench.peers.vllm_runner",
                                 description="BENCHMARKS.md workloads on vLLM (peer).")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, choices, default, func in (("throughput", ["W1", "W1-8B", "W4"], "W1", cmd_throughput),
-                                         ("latency", ["W2"], "W2", cmd_latency)):
+    for name, choices, default, func in (("throughput", ["W1", "W1-8B", "W4", "W10"], "W1", cmd_throughput),
+                                         ("latency", ["W2", "W10-decode"], "W2", cmd_latency)):
         s = sub.add_parser(name)
         add_workload_args(s, choices, default)
         add_common_engine_args(s)
         s.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's")
         s.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
+        s.add_argument("--moe-backend", default=None,
+                       help="vLLM's MoE kernel (W10: 'triton'; its default FlashInfer CUTLASS choice did not "
+                            "finish starting in 9 minutes on the GPU machine's image)")
         s.add_argument("--dry-run", action="store_true", help="print the plan; needs no vLLM")
         if name == "latency":
             s.add_argument("--reps", type=int, default=5)

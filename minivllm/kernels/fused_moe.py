@@ -1,0 +1,268 @@
+"""Fused mixture-of-experts: routing (softmax, top-k) and the experts' SwiGLU MLPs as grouped GEMMs.
+
+Weights, stacked per layer at load time (models/moe.py):
+    w13: [E, 2 I, H]  rows 0 .. I the gate projection, I .. 2I the up projection
+    w2:  [E, H, I]    the down projection
+Routing of T tokens: topk_weights [T, k] fp32, topk_ids [T, k] int32. Entry e = t * k + j is
+token t's j-th expert.
+
+    y[t] = sum_j  topk_weights[t, j] * (w2[id] @ (silu(w13[id, :I] @ x[t]) * (w13[id, I:] @ x[t])))
+
+GPU path (Triton), for one layer:
+1. `moe_align` (kernels/moe_align.py): entries sorted by expert, each expert's run padded to
+   BLOCK_M rows; block b of the sorted rows belongs to one expert.
+2. up GEMM: program (b, n) multiplies block b's BLOCK_M token rows by BLOCK_N columns of
+   its expert's gate AND the same columns of its up projection, applies silu(gate) * up in fp32
+   and stores [BLOCK_M, BLOCK_N] of the intermediate, rows indexed by entry.
+3. down GEMM: the same grouping over the intermediate, each row scaled by its routing weight
+   (fp32), stored by entry: [T * k, H].
+4. the k rows of each token summed: [T, k, H] -> [T, H].
+Each selected expert's weights are read once per step whatever the token count (a decode step
+of one token reads 8 of 128 experts of Qwen3-30B-A3B, once each). Every shape depends on T
+only (the grid is sized for the worst routing; blocks past the padded count exit at once), so
+a step can be captured in a CUDA graph.
+
+CPU, and the oracle of every test: `fused_moe_reference`, plain PyTorch grouped by expert.
+Tile sizes come from kernels/fused_moe_config.py (the sweep's JSON per GPU, or a default).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.kernels.fused_moe_config import pick_config
+from minivllm.kernels.fused_ops import _jit, triton
+from minivllm.kernels.moe_align import moe_align
+
+if triton is not None:
+    import triton.language as tl
+else:
+    tl = None
+
+
+# ------------------------------------------------------------------ the reference (CPU path)
+
+
+def topk_softmax_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]): softmax in fp32, the k
+    largest (descending), renormalised to sum 1 when asked (Hugging Face's order of ops)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] -> [T, H].
+
+    Grouped by expert like the kernel (each expert's weights used once, on all its rows); the
+    expert outputs in x's dtype, their weighted sum over k in fp32, then x's dtype."""
+    t, k = topk_ids.shape
+    inter = w2.shape[2]
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    rows = x.new_empty(t * k, x.shape[1])
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        entries = order[start:start + c]
+        gate_up = F.linear(x[entries // k], w13[e])  # [c, 2I]
+        rows[entries] = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[e])
+        start += c
+    weighted = rows.view(t, k, x.shape[1]).float() * topk_weights.float().unsqueeze(-1)
+    return weighted.sum(dim=1).to(x.dtype)
+
+
+# ------------------------------------------------------------------ public entry points
+
+
+def _on_triton(*tensors: torch.Tensor) -> bool:
+    return triton is not None and all(t.is_cuda for t in tensors)
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router on the logits [T, E]: one Triton launch on the GPU, the reference elsewhere."""
+    if _on_triton(logits) and logits.stride(-1) == 1:
+        return topk_softmax_triton(logits, top_k, renormalize)
+    return topk_softmax_reference(logits, top_k, renormalize)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, stats: torch.Tensor | None = None,
+              token_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts' output [T, H] (see the module docstring). stats: int64 [E] counters that get
+    each expert's number of (valid) tokens this call; token_valid: bool [T] (None: all)."""
+    if _on_triton(x, w13, w2, topk_ids):
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, stats=stats, token_valid=token_valid)
+    if stats is not None:
+        count_expert_tokens(stats, topk_ids, token_valid)
+    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+
+
+def count_expert_tokens(stats: torch.Tensor, topk_ids: torch.Tensor, token_valid: torch.Tensor | None) -> None:
+    """stats[e] += the number of (valid) tokens routed to expert e (torch ops; the Triton path
+    counts inside moe_align)."""
+    ids = topk_ids.reshape(-1).long()
+    ones = torch.ones_like(ids) if token_valid is None else token_valid.long().repeat_interleave(topk_ids.shape[1])
+    stats.index_add_(0, ids, ones)
+
+
+# ------------------------------------------------------------------ Triton launchers
+
+
+def topk_softmax_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    t, e = logits.shape
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    if t:
+        # one warp a token: the reductions over E stay within the warp (shuffles, no barriers)
+        _topk_softmax_kernel[(t,)](logits, weights, ids, logits.stride(0), E=e, E_PAD=triton.next_power_of_2(e),
+                                   TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), RENORM=renormalize,
+                                   num_warps=1)
+    return weights, ids
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, config: dict | None = None, stats: torch.Tensor | None = None,
+                     token_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton path (any device: the interpreter tests call it on CPU tensors). config: the
+    tile configuration (default: fused_moe_config.pick_config for this GPU and step size)."""
+    t, k = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    assert x.shape == (t, hidden) and w2.shape == (num_experts, hidden, inter), "fused_moe: shapes disagree"
+    if config is None:
+        config = pick_config(_device_name(x.device), t, num_experts, inter, hidden, k,
+                             str(x.dtype).removeprefix("torch."))
+    if t == 0:
+        return x.new_empty(0, hidden)
+    x = x.contiguous()
+    block_m = config["BLOCK_M"]
+    sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m, stats, token_valid)
+    num_blocks = block_expert.shape[0]
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    hmid = x.new_empty(t * k, inter)
+    _grouped_gemm(x, w13, hmid, weights, sorted_ids, block_expert, num_padded, num_blocks, t * k, inter, hidden,
+                  a_row_div=k, silu_mul=True, mul_weight=False, block_m=block_m, tile=config["up"])
+    out = x.new_empty(t * k, hidden)
+    _grouped_gemm(hmid, w2, out, weights, sorted_ids, block_expert, num_padded, num_blocks, t * k, hidden, inter,
+                  a_row_div=1, silu_mul=False, mul_weight=True, block_m=block_m, tile=config["down"])
+    return out.view(t, k, hidden).sum(dim=1) if k > 1 else out
+
+
+def _grouped_gemm(a, w, out, weights, sorted_ids, block_expert, num_padded, num_blocks: int, num_entries: int,
+                  n: int, kdim: int, *, a_row_div: int, silu_mul: bool, mul_weight: bool, block_m: int,
+                  tile: dict) -> None:
+    """out[entry] = act(a[entry // a_row_div] @ w[expert].T) for the sorted entries (see kernel)."""
+    bn = tile["BLOCK_N"]
+    grid = (num_blocks * triton.cdiv(n, bn),)
+    _moe_gemm_kernel[grid](
+        a, w, out, weights, sorted_ids, block_expert, num_padded, n, kdim, num_entries, num_blocks,
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), n if silu_mul else 0,
+        A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=mul_weight, BLOCK_M=block_m, BLOCK_N=bn,
+        BLOCK_K=tile["BLOCK_K"], GROUP_M=tile["GROUP_M"], IEEE=a.dtype == torch.float32, num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"])
+
+
+# ------------------------------------------------------------------ kernels
+
+
+@_jit
+def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E: tl.constexpr, E_PAD: tl.constexpr,
+                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr):
+    """One program (one warp) per token: softmax over E logits in fp32, the TOP_K largest by
+    repeated argmax (ties: the lowest expert id), kept in registers, optionally renormalised,
+    then stored with one vector store each."""
+    t = tl.program_id(0)
+    cols = tl.arange(0, E_PAD)
+    ks = tl.arange(0, K_PAD)
+    x = tl.load(logits_ptr + t * stride_t + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(cols < E, p, -1.0)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    w = tl.zeros([K_PAD], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, cols, E_PAD), axis=0)
+        ids = tl.where(ks == j, idx, ids)
+        w = tl.where(ks == j, best, w)
+        p = tl.where(cols == idx, -1.0, p)
+    if RENORM:
+        w = w / tl.sum(w, axis=0)
+    tl.store(ids_ptr + t * TOP_K + ks, ids, mask=ks < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + ks, w, mask=ks < TOP_K)
+
+
+@_jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b; IEEE: full fp32 products (fp32 inputs), else the default (tf32 for fp32)."""
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@_jit
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                     N, K, num_entries, num_blocks, stride_am, stride_we, stride_wn, stride_wk, stride_om, up_offset,
+                     A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     IEEE: tl.constexpr):
+    """Program (block b, column tile n) of a grouped GEMM over the expert-sorted entries.
+
+    Rows: sorted_ids[b * BLOCK_M ..] (entries; >= num_entries marks padding), A row =
+    entry // A_ROW_DIV; expert = block_expert[b]. SILU_MUL: acc_gate over w rows n.., acc_up
+    over rows up_offset + n.., stored silu(acc_gate) * acc_up. MUL_WEIGHT: rows scaled by
+    weights[entry]. out[entry, n..] in out's dtype."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    # grouped order: GROUP_M row blocks share each column tile of weights while in cache
+    width = GROUP_M * tiles_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_entries
+    a_rows = (rows // A_ROW_DIV).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = _dot(a, w, acc, IEEE)
+        if SILU_MUL:
+            w_up = tl.load(w_ptrs + up_offset * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_up = _dot(a, w_up, acc_up, IEEE)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if SILU_MUL:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

@@ -1,0 +1,194 @@
+"""W7 (structured output) on the GPU: minivllm and vLLM 0.20.0 (xgrammar backend), one process
+each, the same requests (minivllm/bench/w7.py), then one comparison.
+
+    bash scripts/gpu_w7.sh                               # both engines (stages xgrammar, vLLM)
+    python3 scripts/gpu_w7.py --engine minivllm          # one engine, prints RESULT {json}
+    python3 scripts/gpu_w7.py --engine minivllm --num-requests 16 --max-tokens 64   # quick check
+
+Per engine, after one unconstrained warm-up and one constrained priming request (it builds the
+grammar backend's tokenizer tables, a one-off):
+1. TTFT probe: W1's first prompt with max_tokens=1, unconstrained, then each of the 8 schemas
+   first seen (cold grammar cache) and repeated (warm); means reported.
+2. Constrained run: the 256 W1 requests, request i under schema i mod 8, max_tokens 512,
+   temperature 0.6 (seed i): output tok/s, wall s, outputs that finish with "stop" and validate.
+3. Unconstrained twin run: the same requests, no constraint, ignore_eos, each with exactly the
+   token count its constrained run produced: the same schedule, so
+   overhead = constrained wall / unconstrained wall - 1 is the grammar's cost per token
+   (target <= 3 % at batch 256; constrained throughput >= 1.0x vLLM's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from minivllm.bench import w7  # noqa: E402
+
+
+class MinivllmEngine:
+    name = "minivllm"
+
+    def __init__(self, model_dir: str, max_model_len: int, device: str = "auto") -> None:
+        import minivllm
+        from minivllm import LLM
+        self.version = minivllm.__version__
+        t = time.perf_counter()
+        dtype = "float32" if device == "cpu" else "bfloat16"
+        self.llm = LLM(model=model_dir, load_format="dummy", dtype=dtype, max_model_len=max_model_len, seed=0,
+                       device=device)
+        self.startup_s = time.perf_counter() - t
+
+    @staticmethod
+    def param_classes() -> tuple[type, type]:
+        from minivllm import SamplingParams, StructuredOutputsParams
+        return SamplingParams, StructuredOutputsParams
+
+    def params(self, p: dict):
+        """A W7 param dict (its "json_schema" as the engine's structured-output params)."""
+        sampling, structured = self.param_classes()
+        p = dict(p)
+        schema = p.pop("json_schema", None)
+        return sampling(**p, structured_outputs=structured(json=schema) if schema is not None else None)
+
+    def generate(self, prompts: list[list[int]], params: list[dict]) -> list:
+        sps = [self.params(p) for p in params]
+        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+
+
+class VllmEngine(MinivllmEngine):
+    name = "vllm"
+
+    def __init__(self, model_dir: str, max_model_len: int, device: str = "auto") -> None:
+        import vllm
+        from vllm import LLM
+        self.version = vllm.__version__
+        t = time.perf_counter()
+        self.llm = LLM(model=model_dir, tokenizer=model_dir, load_format="dummy", dtype="bfloat16",
+                       max_model_len=max_model_len, seed=0, structured_outputs_config={"backend": "xgrammar"})
+        self.startup_s = time.perf_counter() - t
+
+    @staticmethod
+    def param_classes() -> tuple[type, type]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+        return SamplingParams, StructuredOutputsParams
+
+
+def _timed(engine, prompts, params) -> tuple[float, list]:
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return time.perf_counter() - t, outs
+
+
+def ttft_probe(engine, prompt: list[int]) -> dict:
+    one = {"temperature": 0.0, "max_tokens": 1}
+    plain = [_timed(engine, [prompt], [one])[0] for _ in range(3)]
+    cold, warm = {}, {}
+    for name, schema in w7.ttft_schemas():
+        cold[name] = _timed(engine, [prompt], [dict(one, json_schema=schema)])[0]
+        warm[name] = min(_timed(engine, [prompt], [dict(one, json_schema=schema)])[0] for _ in range(2))
+    mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
+    return {"ttft_unconstrained_s": min(plain), "ttft_cold_mean_s": mean(cold), "ttft_warm_mean_s": mean(warm),
+            "ttft_cold_s": cold, "ttft_warm_s": warm}
+
+
+def throughput(engine, n: int, max_tokens: int) -> dict:
+    prompts, params, names = w7.w7_requests()
+    prompts, params, names = prompts[:n], params[:n], names[:n]
+    for p in params:
+        p["max_tokens"] = min(p["max_tokens"], max_tokens)
+    wall_c, outs = _timed(engine, prompts, params)
+    counts = [len(o.outputs[0].token_ids) for o in outs]
+    wall_u, outs_u = _timed(engine, prompts, w7.unconstrained_twins(params, counts))
+    assert [len(o.outputs[0].token_ids) for o in outs_u] == counts, "the twin run must produce the same tokens"
+    stopped = [(o.outputs[0].text, p["json_schema"]) for o, p in zip(outs, params) if o.outputs[0].finish_reason == "stop"]
+    valid = sum(w7.validates(text, schema) for text, schema in stopped)
+    total = sum(counts)
+    return {"requests": n, "output_tokens": total, "constrained_wall_s": wall_c, "unconstrained_wall_s": wall_u,
+            "constrained_tok_s": total / wall_c, "unconstrained_tok_s": total / wall_u,
+            "constrained_ms_per_token": 1e3 * wall_c / total, "unconstrained_ms_per_token": 1e3 * wall_u / total,
+            "overhead": wall_c / wall_u - 1.0, "finished_stop": len(stopped), "valid": valid,
+            "valid_share_of_stop": valid / len(stopped) if stopped else None}
+
+
+def run_engine(kind: str, args) -> dict:
+    model_dir = w7.write_model_dir(base=args.model_config)
+    engine = (MinivllmEngine if kind == "minivllm" else VllmEngine)(model_dir, 4096, args.device)
+    prompt = w7.w7_requests()[0][0]
+    engine.generate([prompt], [{"temperature": 0.6, "max_tokens": 16}])  # warm-up
+    t = time.perf_counter()  # the grammar backend's one-off setup (tokenizer tables)
+    engine.generate([prompt], [{"temperature": 0.0, "max_tokens": 1,
+                                "json_schema": {"type": "object", "properties": {"primer": {"type": "integer"}}}}])
+    first_constrained_s = time.perf_counter() - t
+    res = {"engine": kind, "version": engine.version, "startup_s": engine.startup_s,
+           "first_constrained_request_s": first_constrained_s}
+    res.update(ttft_probe(engine, prompt))
+    res.update(throughput(engine, args.num_requests, args.max_tokens))
+    return res
+
+
+def run_both(args) -> int:
+    """Each engine in its own process; vLLM from --vllm-site, minivllm with --xgrammar-site."""
+    results = {}
+    for kind, extra in (("minivllm", args.xgrammar_site), ("vllm", args.vllm_site)):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (extra, ROOT, os.environ.get("PYTHONPATH")) if p))
+        cmd = [sys.executable, __file__, "--engine", kind, "--num-requests", str(args.num_requests),
+               "--max-tokens", str(args.max_tokens), "--model-config", args.model_config]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"{kind}: timed out after {args.timeout_s} s", flush=True)
+            continue
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{kind} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}", flush=True)
+            continue
+        results[kind] = json.loads(line[len("RESULT "):])
+        print(line, flush=True)
+    print(summary(results), flush=True)
+    return 0 if "minivllm" in results else 1
+
+
+def summary(results: dict) -> str:
+    keys = ["startup_s", "first_constrained_request_s", "ttft_unconstrained_s", "ttft_cold_mean_s", "ttft_warm_mean_s",
+            "output_tokens", "constrained_tok_s", "unconstrained_tok_s", "constrained_ms_per_token",
+            "unconstrained_ms_per_token", "overhead", "finished_stop", "valid_share_of_stop"]
+    lines = ["W7 " + " | ".join(f"{k}: {v['version']}" for k, v in results.items())]
+    for k in keys:
+        lines.append(f"  {k:32s}" + "".join(f"{_fmt(r.get(k)):>14s}" for r in results.values()))
+    if "minivllm" in results and "vllm" in results:
+        ratio = results["minivllm"]["constrained_tok_s"] / results["vllm"]["constrained_tok_s"]
+        lines.append(f"  constrained throughput minivllm / vllm: {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=["minivllm", "vllm", "both"], default="both")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=w7.W7_MAX_TOKENS)
+    ap.add_argument("--model-config", default="qwen3-8b", help="shapes (tiny-llama: a CPU smoke test)")
+    ap.add_argument("--device", default="auto", help="minivllm only (cpu: a smoke test)")
+    ap.add_argument("--vllm-site", default="/tmp/vllm-site")
+    ap.add_argument("--xgrammar-site", default="/tmp/xgr-site")
+    ap.add_argument("--timeout-s", type=int, default=270, help="per engine, with --engine both")
+    args = ap.parse_args()
+    if args.engine == "both":
+        return run_both(args)
+    print("RESULT " + json.dumps(run_engine(args.engine, args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

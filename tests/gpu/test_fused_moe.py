@@ -1,0 +1,175 @@
+"""The fused MoE Triton kernels against the plain-PyTorch reference, on random routings.
+
+The `check_*` helpers are device-agnostic: tests/unit/test_fused_moe_interpret.py runs them on
+the CPU under TRITON_INTERPRET=1 with small shapes (fp32, fp16); the tests here run them on a
+CUDA GPU in bf16 with many shapes, Qwen3-30B-A3B's and Mixtral's included, plus a CUDA-graph
+replay and a tiny MoE model against Hugging Face in bf16.
+
+Routings are drawn as a real router's are (k distinct experts a token), and skewed on purpose:
+some experts get no token, one gets most of them; top_k == num_experts is covered.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.kernels.fused_moe import (
+    fused_moe_reference,
+    fused_moe_triton,
+    topk_softmax_reference,
+    topk_softmax_triton,
+)
+from minivllm.kernels.moe_align import moe_align, moe_align_reference
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.6e-2}  # relative Frobenius error
+
+
+def make_case(t: int, e: int, k: int, hidden: int, inter: int, dtype: torch.dtype, device: str, seed: int,
+              skew: bool = False):
+    """x [t, H], w13 [e, 2I, H], w2 [e, H, I], routing (weights fp32, ids int32) [t, k]."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(t, hidden, generator=g)
+    w13 = torch.randn(e, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(e, hidden, inter, generator=g) / inter ** 0.5
+    logits = torch.randn(t, e, generator=g)
+    if skew:  # expert 0 wins most tokens, the last quarter of the experts never win
+        logits[:, 0] += 3.0
+        logits[:, e - e // 4:] -= 100.0
+    weights, ids = topk_softmax_reference(logits, k, renormalize=True)
+    cast = dict(device=device, dtype=dtype)
+    return x.to(**cast), w13.to(**cast), w2.to(**cast), weights.to(device), ids.to(device)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def check_fused_moe(case, config: dict | None = None) -> float:
+    """Relative error of the Triton path against the reference computed in fp32."""
+    x, w13, w2, weights, ids = case
+    out = fused_moe_triton(x, w13, w2, weights, ids, config=config)
+    ref = fused_moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    return rel_err(out, ref)
+
+
+def check_align(t: int, e: int, k: int, block_m: int, device: str, seed: int) -> bool:
+    """The kernels' layout equals the reference's (rows past num_padded are never read), and
+    the valid-token counters equal a bincount."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32).to(device)
+    valid = (torch.rand(t, generator=g) > 0.25).to(device)
+    stats = torch.zeros(e, dtype=torch.int64, device=device)
+    got = moe_align(ids, e, block_m, stats, valid)
+    ref = moe_align_reference(ids, e, block_m)
+    n = int(ref[2])
+    want_stats = torch.bincount(ids[valid].reshape(-1).long(), minlength=e)
+    return (torch.equal(got[0][:n], ref[0][:n]) and torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+            and torch.equal(stats, want_stats))
+
+
+def check_topk_softmax(t: int, e: int, k: int, renorm: bool, dtype: torch.dtype, device: str, seed: int) -> bool:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.randn(t, e, generator=g).to(device=device, dtype=dtype)
+    w, i = topk_softmax_triton(logits, k, renorm)
+    rw, ri = topk_softmax_reference(logits, k, renorm)
+    return torch.equal(i, ri) and torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- GPU tests
+
+pytestmark = pytest.mark.gpu
+
+# (tokens, experts, top_k, hidden, inter)
+SHAPES = [(1, 128, 8, 2048, 768), (7, 128, 8, 2048, 768), (64, 128, 8, 2048, 768), (256, 128, 8, 2048, 768),
+          (2048, 128, 8, 2048, 768), (1, 8, 2, 4096, 14336), (33, 8, 2, 4096, 14336), (512, 8, 2, 1024, 1408),
+          (5, 4, 4, 256, 96), (300, 60, 4, 2048, 1408), (3000, 16, 2, 512, 200)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "t{}_e{}_k{}_h{}_i{}".format(*s))
+@pytest.mark.parametrize("skew", [False, True])
+def test_fused_moe_bf16(shape, skew):
+    err = check_fused_moe(make_case(*shape, torch.bfloat16, "cuda", seed=sum(shape), skew=skew))
+    assert err < TOL[torch.bfloat16], err
+
+
+@pytest.mark.parametrize("tile", [{"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1},
+                                  {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8},
+                                  {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 4}])
+def test_fused_moe_tiles(tile):
+    t = dict(BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], GROUP_M=tile["GROUP_M"], num_warps=4, num_stages=3)
+    config = {"BLOCK_M": tile["BLOCK_M"], "up": t, "down": t}
+    for case in [(1, 128, 8, 2048, 768), (200, 128, 8, 2048, 768), (77, 8, 2, 1000, 300)]:
+        err = check_fused_moe(make_case(*case, torch.bfloat16, "cuda", seed=3), config)
+        assert err < TOL[torch.bfloat16], (case, err)
+
+
+def test_fused_moe_fp32_and_fp16():
+    assert check_fused_moe(make_case(50, 16, 4, 512, 256, torch.float32, "cuda", seed=1)) < TOL[torch.float32]
+    assert check_fused_moe(make_case(50, 16, 4, 512, 256, torch.float16, "cuda", seed=2)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("t,e,k,bm", [(1, 128, 8, 16), (256, 128, 8, 16), (2000, 128, 8, 64), (16384, 128, 8, 64),
+                                      (9, 4, 4, 32)])
+def test_align(t, e, k, bm):
+    assert check_align(t, e, k, bm, "cuda", seed=t)
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (300, 128, 8), (64, 8, 2), (10, 60, 4)])
+def test_topk_softmax(t, e, k):
+    for dtype in (torch.float32, torch.bfloat16):
+        assert check_topk_softmax(t, e, k, True, dtype, "cuda", seed=t)
+        assert check_topk_softmax(t, e, k, False, dtype, "cuda", seed=t + 1)
+
+
+def test_cuda_graph_replay_equals_eager():
+    """One captured graph replays other routings (every shape depends on T only)."""
+    x, w13, w2, weights, ids = make_case(8, 128, 8, 2048, 768, torch.bfloat16, "cuda", seed=5)
+    stats = torch.zeros(128, dtype=torch.int64, device="cuda")
+    fused_moe_triton(x, w13, w2, weights, ids, stats=stats)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(x, w13, w2, weights, ids, stats=stats)
+    stats.zero_()
+    for seed in range(3):
+        _, _, _, w_new, i_new = make_case(8, 128, 8, 2048, 768, torch.bfloat16, "cuda", seed=100 + seed, skew=seed == 2)
+        weights.copy_(w_new)
+        ids.copy_(i_new)
+        graph.replay()
+        eager = fused_moe_triton(x, w13, w2, weights, ids)
+        assert torch.equal(out, eager)
+    assert int(stats.sum()) == 3 * 8 * 8
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_tiny_moe_model_logits_close_to_hf_bf16(kind, tmp_path):
+    """The whole model on the GPU in bf16 (Triton MoE and attention, CUDA graphs for decode and
+    mixed steps) against HF in bf16: the logprobs of the greedy tokens stay close. The per-expert
+    counters count real tokens only (graph padding rows have slot -1)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    from tiny_moe import PROMPTS, build, hf_logprobs
+
+    from minivllm import LLM, SamplingParams
+    path = str(tmp_path / kind)
+    model = build(kind, path)
+    max_tokens = 8
+    llm = LLM(model=path, device="cuda", dtype="bfloat16", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+              max_num_seqs=8, max_num_batched_tokens=256)
+    assert llm.llm_engine.executor.runner.graphs is not None
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1),
+                        use_tqdm=False)
+    hf = model.to("cuda", torch.bfloat16)
+    for prompt, out in zip(PROMPTS, outs):
+        toks = out.outputs[0].token_ids
+        ref = hf_logprobs(hf, prompt, toks).cpu()
+        for step, (tok, lp) in enumerate(zip(toks, out.outputs[0].logprobs)):
+            assert abs(lp[tok].logprob - ref[step, tok].item()) < 0.15, (kind, step)
+    per_layer = llm.llm_engine.executor.runner.expert_counts.per_layer()
+    tokens = sum(len(p) for p in PROMPTS) + len(PROMPTS) * (max_tokens - 1)
+    top_k = llm.llm_engine.config.model.arch.moe.top_k
+    assert all(sum(c) == tokens * top_k for c in per_layer), per_layer

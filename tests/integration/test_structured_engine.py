@@ -1,0 +1,252 @@
+"""Structured outputs through the engine on the default model (CPU): realistic JSON schemas
+sampled at temperature 0.8 validate with `jsonschema`; regex, choice and grammar outputs match;
+a constrained and an unconstrained request in one batch (the unconstrained one's tokens equal
+those it gets alone); n > 1; masks applied before logprobs; stop strings; the reasoning
+section left free; preemption under a tiny KV cache and async scheduling; a grammar that fails
+to compile at run time ends only its own request."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from minivllm import LLM, SamplingParams, StructuredOutputsParams
+from minivllm.engine.tokenizer import apply_chat_template
+
+pytest.importorskip("xgrammar")
+
+SCHEMAS = Path(__file__).resolve().parents[2] / "minivllm" / "bench" / "schemas"
+SEEDS = (0, 1)
+
+
+def load_schemas() -> dict[str, tuple[str, dict]]:
+    """name -> (prompt, schema); config_tree without its uniqueItems, which no grammar enforces
+    (the original is refused: tests/unit/test_structured_params.py)."""
+    out = {}
+    for path in sorted(SCHEMAS.glob("*.json")):
+        d = json.loads(path.read_text())
+        if path.stem == "config_tree":
+            d["schema"]["properties"]["tags"].pop("uniqueItems")
+        out[path.stem] = (d["prompt"], d["schema"])
+    return out
+
+
+def _chat(llm, text: str) -> dict:
+    return {"prompt_token_ids": apply_chat_template(llm.get_tokenizer(), [{"role": "user", "content": text}])}
+
+
+def _json(schema: dict, seed: int, max_tokens: int = 128, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.8, seed=seed, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(json=schema), **kw)
+
+
+def test_schemas_validate(llm):
+    schemas = load_schemas()
+    cases = [(name, seed) for name in schemas for seed in SEEDS]
+    outs = llm.generate([_chat(llm, schemas[n][0]) for n, _ in cases], [_json(schemas[n][1], s) for n, s in cases],
+                        use_tqdm=False)
+    stopped = 0
+    for (name, seed), out in zip(cases, outs):
+        o = out.outputs[0]
+        if o.finish_reason == "stop":  # the grammar ended; "length" is cut short by max_tokens
+            stopped += 1
+            jsonschema.validate(json.loads(o.text), schemas[name][1])
+        else:
+            assert o.finish_reason == "length", (name, seed, o.finish_reason)
+    assert stopped >= 0.6 * len(cases), f"only {stopped} of {len(cases)} finished"
+
+
+def test_regex_choice_and_whitespace(llm):
+    regexes = [r"\d{3}-\d{4}", r"(cat|dog)s? [a-z]{2,6}!", r"[A-Z][a-z]{1,8}@[a-z]{1,8}\.(com|org)"]
+    choices = ["red", "green", "blue", "dark purple"]
+    schema = load_schemas()["weather_call"][1]
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=24,
+                             structured_outputs=StructuredOutputsParams(regex=r)) for r in regexes for s in SEEDS]
+    params += [SamplingParams(temperature=0.8, seed=s, max_tokens=8,
+                              structured_outputs=StructuredOutputsParams(choice=choices)) for s in SEEDS]
+    tight = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params += [SamplingParams(temperature=0, max_tokens=64, structured_outputs=tight)]
+    prompts = ["Write something:"] * (len(params) - 1) + [_chat(llm, load_schemas()["weather_call"][0])]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for i, r in enumerate(regexes):
+        for o in outs[2 * i: 2 * i + 2]:
+            assert o.finish_reason == "stop" and re.fullmatch(r, o.text), (r, o.text)
+    for o in outs[6:8]:
+        assert o.text in choices and o.finish_reason == "stop"
+    o = outs[8]
+    assert o.finish_reason == "stop"
+    jsonschema.validate(json.loads(o.text), schema)
+    assert o.text == json.dumps(json.loads(o.text)), o.text  # no free whitespace: one space after "," and ":"
+
+
+ARITH_EBNF = r"""
+root ::= expr
+expr ::= term (("+" | "-") term){0,3}
+term ::= factor (("*" | "/") factor){0,2}
+factor ::= [1-9] [0-9]{0,2} | "(" expr ")"
+"""
+ARITH_LARK = """
+?start: expr
+expr: term (("+" | "-") term) ~ 0..3
+term: factor (("*" | "/") factor) ~ 0..2
+factor: NONZERO DIGIT ~ 0..2 | "(" expr ")"
+NONZERO: "1".."9"
+DIGIT: "0".."9"
+"""
+
+
+@pytest.mark.parametrize("grammar", [ARITH_EBNF, ARITH_LARK], ids=["ebnf", "lark"])
+def test_arithmetic_grammar_parses(llm, grammar):
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(grammar=grammar)) for s in (0, 1, 2)]
+    for out in llm.generate(["Compute: "] * 3, params, use_tqdm=False):
+        o = out.outputs[0]
+        if o.finish_reason != "stop":
+            continue
+        tree = ast.parse(o.text, mode="eval")  # Python's own parser: a valid arithmetic expression
+        assert all(isinstance(n, (ast.Expression, ast.BinOp, ast.Constant, ast.operator)) for n in ast.walk(tree))
+
+
+def test_constrained_rows_do_not_leak_into_others(llm):
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=24, ignore_eos=True)
+    prompts = ["The capital of France is", "Once upon a time"]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, [free, seeded], use_tqdm=False)]
+    so = StructuredOutputsParams(choice=["zzz", "qqq"])
+    mixed = llm.generate(prompts + ["Pick:", "The capital of France is"],
+                         [free, seeded, SamplingParams(temperature=0, max_tokens=5, structured_outputs=so),
+                          SamplingParams(temperature=0.8, seed=1, max_tokens=40,
+                                         structured_outputs=StructuredOutputsParams(json_object=True))],
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+    assert mixed[2].outputs[0].text in ("zzz", "qqq")
+
+
+def test_n_samples_each_follow_the_grammar(llm):
+    schema = load_schemas()["sentiment"][1]
+    p = _json(schema, 3, 64, n=3)
+    out = llm.generate([_chat(llm, "Classify 'great film' as JSON.")], p, use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    for o in out.outputs:
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), schema)
+    assert len({o.text for o in out.outputs}) > 1  # separate samples, separate matchers
+
+
+def test_mask_comes_before_logprobs(llm):
+    tok = llm.get_tokenizer()
+    p = SamplingParams(temperature=0, max_tokens=4, logprobs=5,
+                       structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    o = llm.generate(["Is the sky blue? Answer:"], p, use_tqdm=False)[0].outputs[0]
+    assert o.text in ("yes", "no")
+    first = o.logprobs[0]
+    finite = [t for t, lp in first.items() if lp.logprob > float("-inf")]
+    assert finite and all("yes".startswith(tok.decode([t])) or "no".startswith(tok.decode([t])) for t in finite)
+    assert abs(sum(2.718281828 ** first[t].logprob for t in finite) - 1.0) < 0.05 or len(finite) < len(first)
+
+
+def test_stop_string_inside_constrained_output(llm):
+    p = SamplingParams(temperature=0.0, max_tokens=30, stop=[" STOP"],
+                       structured_outputs=StructuredOutputsParams(regex=r"[a-z]{1,8} STOP [a-z]{1,8}"))
+    o = llm.generate(["Words:"], p, use_tqdm=False)[0].outputs[0]
+    assert o.finish_reason == "stop" and re.fullmatch(r"[a-z]{1,8}", o.text), o.text
+
+
+def test_constraint_starts_after_reasoning(llm, monkeypatch):
+    """A stand-in reasoning parser whose section ends at " is": the model writes freely up to
+    it, then only the regex."""
+    from minivllm.reasoning.base import ReasoningParser
+
+    class UntilIs(ReasoningParser):
+        start, end, implicit_start = "<<never>>", " is", True
+
+    mgr = llm.llm_engine.structured
+    parser = UntilIs()
+    monkeypatch.setattr(mgr, "_reasoner", parser)
+    monkeypatch.setattr(mgr, "_start_marker", parser.marker_ids(llm.get_tokenizer())[0])
+    monkeypatch.setattr(mgr, "_end_marker", parser.marker_ids(llm.get_tokenizer())[1])
+    p = SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r" (Lyon|Nice)\."))
+    o = llm.generate(["The capital of France"], p, use_tqdm=False)[0].outputs[0]
+    head, sep, tail = o.text.partition(" is")
+    assert sep and re.fullmatch(r" (Lyon|Nice)\.", tail), o.text  # unconstrained it says " is Paris."
+
+
+def test_compile_failure_at_run_time_ends_only_its_request(llm, monkeypatch):
+    backend = llm.llm_engine.structured._get_backend()
+    real = backend.compile
+
+    def compile_or_fail(key):
+        if key.spec == "z{1,3}":
+            raise RuntimeError("injected compile failure")
+        return real(key)
+    monkeypatch.setattr(backend, "compile", compile_or_fail)
+    outs = llm.generate(["a", "b", "c"], [SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex="z{1,3}")),
+                                          SamplingParams(temperature=0, max_tokens=5),
+                                          SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex="y{1,3}"))],
+                        use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert outs[1].outputs[0].finish_reason == "length" and re.fullmatch("y{1,3}", outs[2].outputs[0].text)
+
+
+def test_bad_constraint_is_refused_and_the_engine_keeps_serving(llm):
+    with pytest.raises(ValueError, match="structured_outputs.regex does not compile: .*position"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a")), use_tqdm=False)
+    o = llm.generate(["x"], SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="ab")),
+                     use_tqdm=False)[0].outputs[0]
+    assert o.text == "ab"
+
+
+@pytest.fixture(scope="module")
+def tiny_kv_llm():
+    """A KV cache of 16 blocks x 16 tokens and async scheduling (the GPU's step loop, on the CPU)."""
+    return LLM(dtype="float32", device="cpu", num_kv_blocks=16, max_num_seqs=8, async_scheduling=True)
+
+
+def test_async_scheduling_gives_the_same_outputs(llm, tiny_kv_llm):
+    schema = load_schemas()["person"][1]
+    prompts = [_chat(llm, "Describe a fictional person as JSON.")] * 2
+    params = [_json(schema, s, 48) for s in SEEDS]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in tiny_kv_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_preemption_mid_constraint_still_valid(tiny_kv_llm):
+    schemas = load_schemas()
+    names = ["order", "person", "shape", "event"]
+    prompts = [_chat(tiny_kv_llm, schemas[n][0] + " " + "Be detailed. " * 12) for n in names]
+    engine = tiny_kv_llm.llm_engine
+    before = engine.scheduler.num_preemptions
+    outs = tiny_kv_llm.generate(prompts, [_json(schemas[n][1], 5, 64) for n in names], use_tqdm=False)
+    assert engine.scheduler.num_preemptions > before, "the test needs preemptions"
+    for n, out in zip(names, outs):
+        o = out.outputs[0]
+        assert o.finish_reason in ("stop", "length")
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), schemas[n][1])
+        else:  # cut short: still a prefix the grammar allowed, so no stray characters before it
+            assert o.text.lstrip().startswith("{")
+
+
+def test_speculative_engine_constrained_requests_take_no_drafts():
+    """With speculative decoding (ngram), a constrained request samples its one row under its
+    bitmask and is never given drafts; unconstrained requests beside it still speculate."""
+    llm = LLM(dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory_bytes=128 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    stats = llm.llm_engine.scheduler.spec_stats
+    text = "Repeat exactly: " + "red green blue, " * 8
+    regex = r"(red|green|blue)(, (red|green|blue)){2,6}"
+    so = StructuredOutputsParams(regex=regex)
+    outs = llm.generate([text, text], [SamplingParams(temperature=0, max_tokens=24, structured_outputs=so),
+                                       SamplingParams(temperature=0.7, seed=1, max_tokens=24, structured_outputs=so)],
+                        use_tqdm=False)
+    assert stats.num_draft_tokens == 0
+    for o in outs:
+        assert re.fullmatch(regex, o.outputs[0].text), o.outputs[0].text
+    free = llm.generate([text], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert len(free[0].outputs[0].token_ids) == 24 and stats.num_draft_tokens > 0

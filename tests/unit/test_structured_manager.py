@@ -1,0 +1,150 @@
+"""The structured-output manager and grammar handles on the default model's real tokenizer and
+xgrammar: compile cache, bitmasks (what they allow, vocabulary padding), accept / end / rollback,
+the reasoning section, failed compiles; and the bitmask applied to logits (vectorised CPU path
+against a plain loop)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+
+import pytest
+import torch
+
+from minivllm.config import StructuredOutputsConfig
+from minivllm.sampling_params import StructuredOutputsParams
+from minivllm.structured.bitmask import apply_token_bitmask_torch
+
+pytest.importorskip("xgrammar")
+from minivllm.structured.manager import StructuredOutputManager  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from minivllm.config import EngineConfig
+    from minivllm.engine.tokenizer import load_tokenizer
+    return load_tokenizer(EngineConfig.create(device="cpu").model)
+
+
+def _manager(tok, vocab=None, reasoning=None) -> StructuredOutputManager:
+    return StructuredOutputManager(StructuredOutputsConfig(reasoning_parser=reasoning), tok, vocab or len(tok),
+                                   frozenset({tok.eos_token_id}), max_rows=4, pin_memory=False)
+
+
+def _ready(handle):
+    concurrent.futures.wait([handle._future], timeout=60)
+    assert handle.is_ready(), handle.failure
+    return handle
+
+
+def _allowed(mgr, handle) -> set[int]:
+    bm = mgr.bitmask([handle])
+    assert bm is not None and bm.req_ids == [handle.request_id]
+    bits = ((bm.bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+    return set(torch.nonzero(bits).flatten().tolist())
+
+
+def test_cache_shares_compiles(tokenizer):
+    mgr = _manager(tokenizer)
+    so = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    h1, h2 = mgr.new_handle("r#0", so, [1]), mgr.new_handle("r#1", so, [1])
+    h3 = mgr.new_handle("s", StructuredOutputsParams(json=so.json, disable_any_whitespace=True), [1])
+    assert h1._future is h2._future and h3._future is not h1._future
+    _ready(h1), _ready(h3)
+    assert h1.matcher is not h2.matcher  # one matcher per sample
+    mgr.shutdown()
+
+
+def test_choice_mask_accept_end_and_rollback(tokenizer):
+    mgr = _manager(tokenizer)
+    h = _ready(mgr.new_handle("r", StructuredOutputsParams(choice=["yes", "no"]), [1]))
+    first = _allowed(mgr, h)
+    texts = {tokenizer.decode([t]) for t in first}
+    assert first and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    for t in tokenizer.encode("yes", add_special_tokens=False):
+        assert h.accept_token(t)
+    assert _allowed(mgr, h) == {tokenizer.eos_token_id} and not h.is_terminated()
+    assert not h.accept_token(tokenizer.encode("x", add_special_tokens=False)[0])  # refused, no change
+    h.rollback(h.num_accepted)
+    assert _allowed(mgr, h) == first and h.num_accepted == 0
+    for t in tokenizer.encode("no", add_special_tokens=False) + [tokenizer.eos_token_id]:
+        assert h.accept_token(t)
+    assert h.is_terminated() and not h.needs_mask() and mgr.bitmask([h]) is None
+    h.release()
+    assert h.accept_token(5)  # a released grammar ignores late tokens
+    mgr.shutdown()
+
+
+def test_vocab_padding_is_never_allowed(tokenizer):
+    n = len(tokenizer)
+    mgr = _manager(tokenizer, vocab=n + 100)
+    h = _ready(mgr.new_handle("r", StructuredOutputsParams(json_object=True), [1]))
+    bm = mgr.bitmask([h])
+    assert bm.bitmask.shape[1] * 32 >= n + 100
+    allowed = _allowed(mgr, h)
+    assert allowed and max(allowed) < n
+    mgr.shutdown()
+
+
+def test_constraint_starts_after_the_reasoning_section(tokenizer):
+    mgr = _manager(tokenizer, reasoning="qwen3")
+    h = _ready(mgr.new_handle("r", StructuredOutputsParams(choice=["yes"]), tokenizer.encode("Question?")))
+    assert not h.needs_mask() and mgr.bitmask([h]) is None
+    thought = tokenizer.encode("<think>I am sure.</think>", add_special_tokens=False)
+    for t in thought[:-1]:
+        assert h.accept_token(t) and not h.needs_mask()  # free text: not fed to the matcher
+    assert h.accept_token(thought[-1]) and h.needs_mask() and h.num_accepted == 0
+    assert {tokenizer.decode([t]) for t in _allowed(mgr, h)} <= {"y", "ye", "yes"}
+    h.rollback(1)  # back into the reasoning section
+    assert not h.needs_mask()
+    closed = tokenizer.encode("<think>ok</think>", add_special_tokens=False)
+    assert _ready(mgr.new_handle("s", StructuredOutputsParams(choice=["yes"]), [1] + closed)).needs_mask()
+    mgr.shutdown()
+
+
+def test_failed_compile_is_reported_and_not_cached(tokenizer, monkeypatch):
+    mgr = _manager(tokenizer)
+    backend = mgr._get_backend()
+    real = backend.compile
+
+    def compile_or_fail(key):
+        if key.spec == "boom":
+            raise RuntimeError("injected compile failure")
+        return real(key)
+    monkeypatch.setattr(backend, "compile", compile_or_fail)
+    bad = mgr.new_handle("bad", StructuredOutputsParams(regex="boom"), [1])
+    good = _ready(mgr.new_handle("good", StructuredOutputsParams(regex="a+"), [1]))
+    concurrent.futures.wait([bad._future], timeout=60)
+    mgr.wait_for_compiles(0.01)
+    assert not bad.is_ready() and isinstance(bad.failure, RuntimeError) and good.is_ready()
+    failed = mgr.take_failed()
+    assert [rid for rid, _ in failed] == ["bad"] and mgr.take_failed() == []
+    assert mgr.new_handle("again", StructuredOutputsParams(regex="boom"), [1])._future is not bad._future
+    mgr.shutdown()
+
+
+def test_batch_bitmask_rows_follow_the_handles(tokenizer):
+    mgr = _manager(tokenizer)
+    hs = [_ready(mgr.new_handle(f"r{i}", StructuredOutputsParams(choice=[w]), [1]))
+          for i, w in enumerate(["apple", "zebra", "apple"])]
+    hs[1].release()  # finished meanwhile: no row
+    bm = mgr.bitmask(hs)
+    assert bm.req_ids == ["r0", "r2"] and torch.equal(bm.bitmask[0], bm.bitmask[1])
+    mgr.shutdown()
+
+
+@pytest.mark.parametrize("vocab,rows,batch", [(100, 3, 5), (64, 1, 1), (1000, 7, 7), (33, 2, 4)])
+def test_apply_bitmask_matches_a_loop(vocab, rows, batch):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(batch, vocab, generator=g)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=g)
+    row_ids = torch.tensor(random.Random(vocab).sample(range(batch), rows), dtype=torch.int64)
+    want = logits.clone()
+    for i, r in enumerate(row_ids.tolist()):
+        for t in range(vocab):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                want[r, t] = float("-inf")
+    got = logits.clone()
+    apply_token_bitmask_torch(got, bitmask, row_ids)
+    assert torch.equal(got, want)
