@@ -57,6 +57,9 @@ class SchedulerLimits:
     # requests above which no drafts are scheduled (None: always).
     num_lookahead_tokens: int = 0
     spec_disable_batch_size: int | None = None
+    # multi-LoRA: distinct adapters the running requests may use at once (the runner's device
+    # slots); a request of another adapter waits. None: no adapters
+    max_loras: int | None = None
 
 
 LIGHT_LOAD_WAITING = 4  # queue length up to which the prefill cap above applies
@@ -290,7 +293,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting.peek()
-            if self._must_wait(req):
+            if self._must_wait(req) or self._no_lora_slot(req):
                 skipped.append(self.waiting.pop())
                 continue
             cached = self.block_manager.find_cached_prefix(req)
@@ -316,6 +319,14 @@ class Scheduler:
         # (push() would append it behind requests that arrived later)
         for req in reversed(skipped):
             self.waiting.push_front(req)
+
+    def _no_lora_slot(self, req: Request) -> bool:
+        """The request's adapter would be one more than the runner's max_loras device slots."""
+        lora = req.lora_int_id
+        if lora is None or self.limits.max_loras is None:
+            return False
+        running = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
+        return lora not in running and len(running) >= self.limits.max_loras
 
     @staticmethod
     def _must_wait(req: Request) -> bool:

@@ -166,16 +166,17 @@ def build_engine_config(
     async_scheduling = (on_gpu and speculative is None) if async_scheduling is None else async_scheduling
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
                         enforce_eager or not on_gpu, attention_backend, async_scheduling, speculative,
-                        lora=_lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, speculative),
+                        lora=_lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, speculative, arch),
                         pooler=PoolerConfig.parse(pooler_config),
                         structured_outputs=_structured_config(structured_outputs_config, reasoning_parser))
 
 
 def _lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu: int | None,
-                 speculative) -> LoRAConfig | None:
+                 speculative, arch: ArchConfig) -> LoRAConfig | None:
     if not enable:
         return None
     check(speculative is None, "enable_lora", "cannot be combined with speculative decoding (not supported yet)")
+    check(arch.moe is None, "enable_lora", "is not supported for mixture-of-experts models yet")
     return LoRAConfig(max_loras, max_rank, max_cpu)
 
 

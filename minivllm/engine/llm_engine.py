@@ -84,7 +84,8 @@ class LLMEngine:
                                                    s.policy, s.enable_chunked_prefill,
                                                    s.max_prefill_tokens_with_decodes,
                                                    spec.num_lookahead_tokens if spec else 0,
-                                                   spec.disable_by_batch_size if spec else None),
+                                                   spec.disable_by_batch_size if spec else None,
+                                                   config.lora.max_loras if config.lora else None),
                                    self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()

@@ -95,6 +95,7 @@ class ModelRunner:
         self._calibrate_kv_pending = config.cache.calculate_kv_scales
         self.timings: dict[str, float] = {}
         self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
+        self.lora = None  # lora.manager.LoRAManager with enable_lora
 
     # ---- startup --------------------------------------------------------------------------
     def load_model(self, model: CausalLM | None = None) -> None:
@@ -108,6 +109,7 @@ class ModelRunner:
             backend = get_attention_backend(self.config.attention_backend)
             self.model = build_model(self.config.model, backend, self.device, self.dtype)
             self.setup_cpu_model(self.model)
+            self._setup_lora()
         self.expert_counts = ExpertCountsReader(self.model, self.device)
         if self.config.speculative is not None:
             from minivllm.spec_decode import make_speculator
@@ -115,6 +117,19 @@ class ModelRunner:
         self.timings["load_model_s"] = time.perf_counter() - t
         logger.info("loaded %s (%s, %s) in %.1f s", self.config.model.served_name, self.config.model.dtype,
                     self.device, self.timings["load_model_s"])
+
+    def _setup_lora(self) -> None:
+        """enable_lora: the decoder's linears get adapter slots (lora/layers.py), after packing
+        (a LoRALinear wraps the packed layer)."""
+        if self.config.lora is None:
+            return
+        from minivllm.lora.manager import LoRAManager
+        # the token-slot buffer covers the largest step a CUDA graph pads to
+        max_tokens = 2 * self.config.scheduler.max_num_batched_tokens + 1024
+        self.lora = LoRAManager(self.config.lora, self.model, self.arch, self.device, self.dtype, max_tokens)
+        logger.info("LoRA: %d slots of rank %d on %d linear layers (%s)", self.config.lora.max_loras,
+                    self.config.lora.max_lora_rank, len(set(self.lora.layers.values())),
+                    "Triton gather kernels" if self.lora.state.use_triton else "torch reference")
 
     def setup_cpu_model(self, model: CausalLM) -> None:
         """CPU float32 only: linear layers on prepacked weights (models/cpu_linear.py: minivllm's
@@ -149,7 +164,9 @@ class ModelRunner:
                             "(kernels/cpu/screened_argmax.cpp)", SCREEN_MAX_ROWS)
         elif packed_linear_available():
             logger.info("CPU: %d linear layers on prepacked oneDNN weights", pack_linears(model))
-        if enable_cpu_forward(model, ops if fp32_cache else None):  # after packing: it binds the final linear modules
+        # LoRA: the fused CPU forward calls the linears' kernels directly, past the LoRA layers: the
+        # module path runs instead (its packed linears still apply, inside the LoRA layers)
+        if self.config.lora is None and enable_cpu_forward(model, ops if fp32_cache else None):  # after packing: it binds the final linear modules
             logger.info("CPU: float32 forward in fewer ops (models/cpu_forward.py)%s",
                         ", fused C++ ops" if ops is not None else "")
 
@@ -283,6 +300,10 @@ class ModelRunner:
         inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
                                    pin=self.device.type == "cuda")
         self._fill_placeholders(inputs)
+        if self.lora is not None:
+            self.lora.prepare_step([len(s.token_ids) for s in sched.scheduled],
+                                   [self.requests[s.req_id].lora_request for s in sched.scheduled],
+                                   inputs.input_ids.shape[0])
         extra = plan_extra_rows(sched.scheduled, inputs.meta.query_start_loc_cpu, self.requests)
         if self._calibrate_kv_pending:  # calculate_kv_scales: this first real step sets the FP8 scales
             self._calibrate_kv_pending = False

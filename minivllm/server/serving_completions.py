@@ -24,6 +24,7 @@ from minivllm.server.serving_common import (
     new_id,
     sse,
     sse_body,
+    stream_usage,
     usage,
 )
 
@@ -57,7 +58,8 @@ class ServingCompletion(ServingBase):
         params = completion_params(req, self.engine.config.model.arch.vocab_size, structured)
         prompts = engine_prompts(req.prompt)
         rid = new_id("cmpl")
-        streams = await self.submit(rid, prompts, params, req.priority, "prompt", req.cache_salt)
+        streams = await self.submit(rid, prompts, params, req.priority, "prompt", req.cache_salt,
+                                    self.lora_for(req.model))
         created = int(time.time())
         if req.stream:
             body = sse_body(self._stream(req, streams, rid, model, created), streams)
@@ -82,6 +84,7 @@ class ServingCompletion(ServingBase):
         return lp_fmt.completion_logprobs(out.prompt_token_ids, entries, CharOffsets(), self.engine.tokenizer)
 
     def _choice(self, req: CompletionRequest, out: RequestOutput, o: CompletionOutput, index: int) -> dict:
+        o = _visible(req, o)
         prefix = self._prompt_text(out) if req.echo else ""
         logprobs = None
         if req.logprobs is not None:
@@ -97,7 +100,7 @@ class ServingCompletion(ServingBase):
                   created: int) -> dict:
         choices = [self._choice(req, out, o, i * req.n + o.index) for i, out in enumerate(finals) for o in out.outputs]
         n_prompt = sum(len(out.prompt_token_ids) for out in finals)
-        n_gen = sum(len(o.token_ids) for out in finals for o in out.outputs)
+        n_gen = sum(len(_visible(req, o).token_ids) for out in finals for o in out.outputs)
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
                 "usage": usage(n_prompt, n_gen)}
 
@@ -106,6 +109,7 @@ class ServingCompletion(ServingBase):
         """The next chunk's choice for one sample, or None if nothing new."""
         if st.finished:
             return None
+        o = _visible(req, o)
         prefix = self._prompt_text(out) if req.echo and not st.started else ""
         new_ids = o.token_ids[st.num_tokens:]
         text = o.text[st.text_len:]
@@ -135,9 +139,17 @@ class ServingCompletion(ServingBase):
             prompt_lens[i] = len(out.prompt_token_ids)
             for o in out.outputs:
                 index = i * req.n + o.index
-                n_gen[index] = len(o.token_ids)
+                n_gen[index] = len(_visible(req, o).token_ids)
                 choice = self._delta(req, out, o, states.setdefault(index, _ChoiceState()), index)
                 if choice is not None:
-                    yield sse({**head, "choices": [choice]})
+                    yield sse({**head, "choices": [choice],
+                               **stream_usage(req, sum(prompt_lens.values()), sum(n_gen.values()))})
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": usage(sum(prompt_lens.values()), sum(n_gen.values()))})
+
+
+def _visible(req: CompletionRequest, o: CompletionOutput) -> CompletionOutput:
+    """max_tokens 0 (with echo): the step ran for the prompt's logprobs; its token is not shown."""
+    if req.max_tokens != 0:
+        return o
+    return CompletionOutput(o.index, "", [], None, [] if o.logprobs is not None else None, "length", None)
