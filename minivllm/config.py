@@ -88,6 +88,8 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # multi-LoRA (enable_lora); None: no adapters
     pooler: PoolerConfig = field(default_factory=PoolerConfig)  # embeddings: pooling type, normalize
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # every request's result bitwise independent of the batch (models/batch_invariant.py)
+    batch_invariant: bool = False
 
     @staticmethod
     def create(**kwargs) -> EngineConfig:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root: stages the vLLM 0.20.0 pieces that this call
-# carried (.vllm/p1 .. p4, .vllm/deps, .vllm/x; see scripts/vllm_carry.md) into $VLLM_STAGE
+# carried (.vllm/p1 .. p5, .vllm/deps, .vllm/x; see scripts/vllm_carry.md) into $VLLM_STAGE
 # (/tmp/vllm-stage), and once all six are there, installs vLLM into $VLLM_SITE (/tmp/vllm-site)
 # the way ../shared/peers/vllm-0.20.0/install.sh does: dependency wheels, then the vLLM wheel
 # rebuilt from its pieces and checked against its sha256. Idempotent: run it at the start of
@@ -9,7 +9,7 @@
 set -u
 STAGE=${VLLM_STAGE:-/tmp/vllm-stage}
 TARGET=${VLLM_SITE:-/tmp/vllm-site}
-PIECES="p1 p2 p3 p4 deps x"
+PIECES="p1 p2 p3 p4 p5 deps x"
 SHA=24d28892e210200f6e1bd13f699c42a74cd2bb7364c11248e2348f677c7f6dfb
 WHEEL=/tmp/vllm-0.20.0-cp38-abi3-manylinux_2_35_x86_64.whl
 mkdir -p "$STAGE"
@@ -30,7 +30,8 @@ echo "vllm_stage: all pieces here; installing into $TARGET"
 t0=$SECONDS
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $TARGET"
 $PIP "$STAGE"/deps/*.whl "$STAGE"/x/*.whl || { echo "vllm_stage: dependency install failed"; exit 1; }
-cat "$STAGE"/p1/vllm.part_* "$STAGE"/p2/vllm.part_* "$STAGE"/p3/vllm.part_* "$STAGE"/p4/vllm.part_* > "$WHEEL"
+cat "$STAGE"/p1/vllm.part_* "$STAGE"/p2/vllm.part_* "$STAGE"/p3/vllm.part_* "$STAGE"/p4/vllm.part_* \
+    "$STAGE"/p5/vllm.part_* > "$WHEEL"
 echo "$SHA  $WHEEL" | sha256sum -c - || { echo "vllm_stage: wheel checksum mismatch"; exit 1; }
 $PIP --upgrade "$WHEEL" || { echo "vllm_stage: vLLM install failed"; exit 1; }
 rm -f "$WHEEL"

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from minivllm.kernels.decode_attention import DecodeWorkspace
 
 
+# batch-invariant mode: the prefill kernel's tile size as for a step with 64-token queries (its
+# largest BLOCK_M), whatever the step's real query lengths
+INVARIANT_MAX_QUERY_LEN = 64
+
+
 class TritonAttentionBackend:
     name = "triton"
     # the prefill kernel's launch depends on shapes and max_query_len only (no host reads of
@@ -40,6 +45,9 @@ class TritonAttentionBackend:
         self._choose_splits = decode_attention.choose_num_splits
         # (workspace, max_seq_len, num_sms), set by reserve_decode_workspace
         self._reserved: tuple[DecodeWorkspace, int, int] | None = None
+        # batch-invariant mode (set by the runner): every row through the prefill kernel with
+        # one fixed tile size, so a row's key tiles never depend on the step's other rows
+        self.invariant = False
 
     def store_kv(
         self,
@@ -63,6 +71,9 @@ class TritonAttentionBackend:
         k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches only
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if self.invariant:
+            return self._prefill(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                 scale, max_query_len=INVARIANT_MAX_QUERY_LEN, k_scale=k_scale, v_scale=v_scale)
         if meta.is_decode_only:
             ws, num_splits = self._decode_plan(meta.num_seqs, query.shape[1], k_cache.shape[2])
         else:

@@ -7,6 +7,7 @@
     minivllm bench config-grid [--device cuda] [--quick]   (a differential test, not a timing)
     minivllm bench spec --model HF_DIR [--methods ...]      (W8, speculative decoding)
     minivllm bench soak [--requests 10000]                  (soak and fault suite: nothing lost)
+    minivllm bench invariance [--batch-invariant]           (one prompt under random load: distinct outputs)
 
 Every sub-command prints one JSON object (see minivllm.bench.common). The peers run through
 their own modules (python -m minivllm.bench.peers.vllm_runner / hf_runner) and the GPU driver
@@ -19,7 +20,7 @@ import argparse
 
 
 def register(subparsers) -> None:
-    from minivllm.bench import config_grid, cpu_bench, run_minivllm, soak, spec_bench, startup
+    from minivllm.bench import config_grid, cpu_bench, invariance, run_minivllm, soak, spec_bench, startup
     from minivllm.server.bench_serve import register_bench_serve
     b = subparsers.add_parser("bench", help="benchmarks: throughput, latency, startup, cpu, serve",
                               description="The standard workloads of BENCHMARKS.md on minivllm.")
@@ -32,6 +33,7 @@ def register(subparsers) -> None:
     config_grid.add_parser(sub)
     spec_bench.add_parser(sub)  # W8
     soak.add_parser(sub)  # the soak and fault suite (issue 22)
+    invariance.add_parser(sub)  # batch invariance under load (issue 22)
     register_bench_serve(sub)  # W3, against any OpenAI-compatible server
     b.set_defaults(func=_dispatch)
 

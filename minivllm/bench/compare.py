@@ -46,6 +46,7 @@ class Job:
     timeout_s: int
     smoke: list[str] = field(default_factory=list)  # extra flags for --smoke (tiny model, CPU)
     produces: list[str] = field(default_factory=list)  # result names, in the order the runner prints them
+    env: dict[str, str] = field(default_factory=dict)  # extra environment (e.g. VLLM_BATCH_INVARIANT=1)
 
     def __post_init__(self) -> None:
         self.produces = self.produces or [self.name]
@@ -61,12 +62,12 @@ _VLLM_MOE = ["--moe-backend", "triton"]
 
 
 def _pair(name: str, ours_args: list[str], vllm_args: list[str], exp_ours: int, exp_vllm: int, smoke: list[str],
-          produces: list[str] | None = None) -> list[Job]:
+          produces: list[str] | None = None, env: dict[str, str] | None = None) -> list[Job]:
     """The same measurement on minivllm and on vLLM."""
     return [Job(f"ours:{name}", "ours", OURS + ours_args, exp_ours, 540, smoke + _CPU,
-                [f"ours:{p}" for p in produces or [name]]),
+                [f"ours:{p}" for p in produces or [name]], dict(env or {})),
             Job(f"vllm:{name}", "vllm", VLLM + vllm_args, exp_vllm, 570, smoke + ["--dry-run"],
-                [f"vllm:{p}" for p in produces or [name]])]
+                [f"vllm:{p}" for p in produces or [name]], dict(env or {}))]
 
 
 def _jobs() -> list[Job]:
@@ -83,6 +84,12 @@ def _jobs() -> list[Job]:
                120, 170, _LAT_TINY)
     j += _pair("W2-0.6b", ["latency", "--model-config", "qwen3-0.6b"], ["latency", "--model-config", "qwen3-0.6b"],
                60, 110, _LAT_TINY)
+    # batch-invariant mode (issue 22): W1 and W2 (Qwen3-0.6B batch-1 latency) with vLLM's switch,
+    # which both engines honour
+    bi = {"VLLM_BATCH_INVARIANT": "1"}
+    j += _pair("W1-bi", tp + ["W1"], tp + ["W1"], 150, 180, _TINY, ["W1-bi"], bi)
+    j += _pair("W2-0.6b-bi", ["latency", "--model-config", "qwen3-0.6b"], ["latency", "--model-config", "qwen3-0.6b"],
+               70, 120, _LAT_TINY, ["W2-0.6b-bi"], bi)
     # W10: Qwen3-30B-A3B (~61 GB of bf16 weights); one timed run each, so that both engines fit
     # one 10-minute device call (vLLM's start-up alone is minutes)
     w10 = ["throughput", "--workload", "W10"]
@@ -141,6 +148,7 @@ def job_env(job: Job, vllm_site: str) -> dict:
         paths.insert(0, vllm_site)
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(job.env)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
@@ -227,6 +235,8 @@ ROWS = [
     ("W2 roofline share", ["W2"], "roofline_share", False),
     ("W2 roofline share (all weights)", ["W2"], "roofline_share_all_weights", False),
     ("batch-1 decode tok/s, Qwen3-0.6B", ["W2-0.6b"], "decode_tok_per_s", False),
+    ("W1 output tok/s, batch-invariant mode", ["W1-bi"], "output_tok_per_s", False),
+    ("batch-1 decode tok/s, Qwen3-0.6B, batch-invariant mode", ["W2-0.6b-bi"], "decode_tok_per_s", False),
     ("W4 output tok/s, prefix caching on", ["W4"], "output_tok_per_s", False),
     ("W4 mean TTFT s, prefix caching on", ["W4"], "mean_ttft_s", True),
     ("W4 prefix hit rate (cached / prompt tokens)", ["W4"], "prefix_hit_rate_cached_tokens", False),

@@ -60,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='structured outputs options as JSON, e.g. \'{"backend": "xgrammar"}\'')
     g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
                    help="block hash of the prefix cache: sha256 (default) or xxhash (faster, not cryptographic)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise the same result for a request whatever else is batched with it (slower; "
+                        "VLLM_BATCH_INVARIANT=1 does the same)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
@@ -70,7 +73,8 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "enforce_eager", "attention_backend", "chat_template", "async_scheduling",
          "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
          "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config",
-         "prefix_caching_hash_algo", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "pooler_config"]
+         "prefix_caching_hash_algo", "batch_invariant", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+         "pooler_config"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

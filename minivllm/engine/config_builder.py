@@ -108,6 +108,7 @@ def build_engine_config(
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
     pooler_config=None,
+    batch_invariant: bool = False,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
@@ -164,20 +165,37 @@ def build_engine_config(
     check(not (speculative and async_scheduling), "async_scheduling",
           "cannot be on with speculative decoding (a step's drafts depend on the previous step's result)")
     async_scheduling = (on_gpu and speculative is None) if async_scheduling is None else async_scheduling
+    batch_invariant = _resolve_batch_invariant(batch_invariant, device, dtype, quant is not None, arch.moe is not None,
+                                               kv_cache_dtype, speculative is not None)
     return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
                         enforce_eager or not on_gpu, attention_backend, async_scheduling, speculative,
-                        lora=_lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, speculative, arch),
+                        lora=_lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, speculative, arch,
+                                          batch_invariant),
                         pooler=PoolerConfig.parse(pooler_config),
-                        structured_outputs=_structured_config(structured_outputs_config, reasoning_parser))
+                        structured_outputs=_structured_config(structured_outputs_config, reasoning_parser),
+                        batch_invariant=batch_invariant)
 
 
 def _lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu: int | None,
-                 speculative, arch: ArchConfig) -> LoRAConfig | None:
+                 speculative, arch: ArchConfig, batch_invariant: bool) -> LoRAConfig | None:
     if not enable:
         return None
     check(speculative is None, "enable_lora", "cannot be combined with speculative decoding (not supported yet)")
     check(arch.moe is None, "enable_lora", "is not supported for mixture-of-experts models yet")
+    check(not batch_invariant, "enable_lora", "cannot be combined with batch_invariant (the LoRA ops are not "
+          "batch-invariant)")
     return LoRAConfig(max_loras, max_rank, max_cpu)
+
+
+def _resolve_batch_invariant(requested: bool, device: str, dtype: str, quantized: bool, moe: bool,
+                             kv_cache_dtype: str, speculative: bool) -> bool:
+    """batch_invariant, or VLLM_BATCH_INVARIANT=1; an error where the mode cannot hold."""
+    from minivllm.models.batch_invariant import batch_invariant_from_env, unsupported_reason
+    if not (requested or batch_invariant_from_env()):
+        return False
+    why = unsupported_reason("cpu" if device == "cpu" else "cuda", dtype, quantized, moe, kv_cache_dtype, speculative)
+    check(why is None, "batch_invariant", f"cannot be on with {why}")
+    return True
 
 
 def _structured_config(given: StructuredOutputsConfig | dict | None, reasoning_parser: str | None) -> StructuredOutputsConfig:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from minivllm.attention.backend import get_attention_backend
 from minivllm.config import EngineConfig
@@ -96,6 +97,8 @@ class ModelRunner:
         self.timings: dict[str, float] = {}
         self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
         self.lora = None  # lora.manager.LoRAManager with enable_lora
+        # batch-invariant mode: the engine seed that per-request seeds derive from (None: off)
+        self._invariant_seed = config.model.seed if config.batch_invariant else None
 
     # ---- startup --------------------------------------------------------------------------
     def load_model(self, model: CausalLM | None = None) -> None:
@@ -110,6 +113,8 @@ class ModelRunner:
             self.model = build_model(self.config.model, backend, self.device, self.dtype)
             self.setup_cpu_model(self.model)
             self._setup_lora()
+            if self.config.batch_invariant:
+                self._make_batch_invariant(self.model)
         self.expert_counts = ExpertCountsReader(self.model, self.device)
         if self.config.speculative is not None:
             from minivllm.spec_decode import make_speculator
@@ -130,6 +135,28 @@ class ModelRunner:
         logger.info("LoRA: %d slots of rank %d on %d linear layers (%s)", self.config.lora.max_loras,
                     self.config.lora.max_lora_rank, len(set(self.lora.layers.values())),
                     "Triton gather kernels" if self.lora.state.use_triton else "torch reference")
+    def _make_batch_invariant(self, model: CausalLM) -> None:
+        """Batch-invariant mode (models/batch_invariant.py): on the GPU the fixed-tile matmul for
+        every linear and the fixed-tile prefill kernel for every attention row; on the CPU
+        setup_cpu_model has put everything on the compiled kernels (checked here)."""
+        backend = model.layers[0].self_attn.backend
+        if self.device.type == "cpu":
+            from minivllm.models.cpu_linear import PackedLinear
+            linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+            if getattr(backend, "_cpu_ops", None) is None or not all(
+                    isinstance(m, PackedLinear) and m.panels is not None for m in linears):
+                raise RuntimeError("batch_invariant on the CPU needs minivllm's compiled CPU kernels (the panel "
+                                   "linear and the paged attention, kernels/cpu_kernels.py), which could not be "
+                                   "loaded here (a C++ compiler and AVX2 are needed; see the log above)")
+            logger.info("batch-invariant mode: %d linears on the panel kernel, attention on the CPU kernel",
+                        len(linears))
+            return
+        from minivllm.models.batch_invariant import make_linears_batch_invariant
+        if not hasattr(backend, "invariant"):
+            raise RuntimeError(f"batch_invariant needs the triton attention backend on the GPU, got {backend.name!r}")
+        backend.invariant = True
+        logger.info("batch-invariant mode: %d linears on the fixed-tile Triton matmul, every attention row "
+                    "through the fixed-tile prefill kernel", make_linears_batch_invariant(model))
 
     def setup_cpu_model(self, model: CausalLM) -> None:
         """CPU float32 only: linear layers on prepacked weights (models/cpu_linear.py: minivllm's
@@ -151,7 +178,9 @@ class ModelRunner:
             ops = cpu_kernels.load()
             if ops is not None and fp32_cache:
                 backend.use_cpu_kernel(ops)
-        if kernel_linear_preferred(ops):
+        # batch-invariant mode needs the panel kernel whatever the CPU (oneDNN blocks by shape)
+        panel_kernel = ops is not None and ops.packed_panel_width() > 0 and packed_linear_available()
+        if kernel_linear_preferred(ops) or (self.config.batch_invariant and panel_kernel):
             logger.info("CPU: %d linear layers on minivllm's packed-panel kernel (%s)",
                         pack_linears(model, ops=ops), ops.vector_isa())
             affine = sum(lin.prepare_affine_blocks() for lin in model.modules() if isinstance(lin, PackedLinear))
@@ -257,8 +286,8 @@ class ModelRunner:
         if self.speculator is not None and gone:
             self.speculator.drop(gone)
         for new in sched.new_requests:
-            self.requests[new.req_id] = RunnerRequest([], _sampling_state(new), new.lora_request, new.pooling,
-                                                      new.beam_temperature)
+            self.requests[new.req_id] = RunnerRequest([], _sampling_state(new, self._invariant_seed), new.lora_request,
+                                                      new.pooling, new.beam_temperature)
         copies = []
         for s in sched.scheduled:
             table = self.requests[s.req_id].block_ids
@@ -490,9 +519,16 @@ def _token_logprobs(states: list[SamplingRequestState], host: HostSamplerOutput)
     return out
 
 
-def _sampling_state(new: NewRequestData) -> SamplingRequestState:
+def _sampling_state(new: NewRequestData, engine_seed: int | None = None) -> SamplingRequestState:
+    """engine_seed (batch-invariant mode): an unseeded random request gets a seed of its own, so
+    its noise comes from the per-row counter-based stream, not a batch-wide draw."""
+    params = new.sampling_params
+    if engine_seed is not None and params.seed is None and not params.greedy:
+        from minivllm.models.batch_invariant import request_seed
+        params = params.clone()
+        params.seed = request_seed(engine_seed, new.req_id)
     return SamplingRequestState(
-        params=new.sampling_params,
+        params=params,
         prompt_token_ids=new.prompt_token_ids,
         output_token_ids=list(new.output_token_ids),
         eos_token_ids=new.eos_token_ids,
