@@ -92,6 +92,11 @@ class ServerMetrics:
     # ---- engine thread -----------------------------------------------------------------------
     def observe(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
+            if not isinstance(out, RequestOutput):  # an embedding: no tokens, one finished output
+                if out.finished:
+                    self.req_prompt.observe(len(out.prompt_token_ids))
+                    self.success.labels(self.model_name, "stop").inc()
+                continue
             p = self._progress.setdefault(out.request_id, _Progress())
             n = sum(len(o.token_ids) for o in out.outputs)
             if n > p.num_tokens:

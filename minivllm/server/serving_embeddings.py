@@ -10,7 +10,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from minivllm.pooling_params import PoolingParams
-from minivllm.server.errors import JSONResponse, bad_request, from_value_error
+from minivllm.server.errors import JSONResponse, OpenAIError, bad_request, from_value_error
 from minivllm.server.protocol import EmbeddingRequest
 from minivllm.server.serving_common import ServingBase, collect_or_abort, new_id, usage
 
@@ -39,6 +39,8 @@ class ServingEmbedding(ServingBase):
         finals = await collect_or_abort(raw, streams)
         if finals is None:
             return Response(status_code=499)
+        if any(not out.outputs.embedding for out in finals):  # ended by an engine failure, not input
+            raise OpenAIError(500, "the engine failed while computing this embedding")
         data = [{"object": "embedding", "index": i, "embedding": _encode(out.outputs.embedding, req.encoding_format)}
                 for i, out in enumerate(finals)]
         n_prompt = sum(len(out.prompt_token_ids) for out in finals)
