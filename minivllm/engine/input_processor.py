@@ -41,14 +41,18 @@ def parse_prompt(prompt: PromptInput, tokenizer) -> ProcessedPrompt:
     raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
 
-def validate_prompt(tokens: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                    max_tokens_in_cache: int) -> int:
-    """Checks the prompt against the limits; returns the resolved max_tokens."""
+def _check_token_ids(tokens: list[int], vocab_size: int) -> None:
     if not tokens:
         raise ValueError("prompt is empty: it must contain at least one token")
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token id {bad} is out of range: token ids must be in [0, {vocab_size})")
+
+
+def validate_prompt(tokens: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                    max_tokens_in_cache: int) -> int:
+    """Checks the prompt against the limits; returns the resolved max_tokens."""
+    _check_token_ids(tokens, vocab_size)
     n = len(tokens)
     if n >= max_model_len:
         raise ValueError(f"prompt is {n} tokens long, but the maximum context length (max_model_len) is "
@@ -89,11 +93,7 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 def validate_pooling_prompt(tokens: list[int], vocab_size: int, max_model_len: int, max_tokens_in_cache: int) -> None:
     """An embedding request computes its prompt only: it may fill the whole context."""
-    if not tokens:
-        raise ValueError("prompt is empty: it must contain at least one token")
-    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"prompt token id {bad} is out of range: token ids must be in [0, {vocab_size})")
+    _check_token_ids(tokens, vocab_size)
     n = len(tokens)
     if n > min(max_model_len, max_tokens_in_cache):
         limit = "max_model_len" if max_model_len <= max_tokens_in_cache else "the KV cache's capacity"
