@@ -1,8 +1,9 @@
 """The engine's configuration: a tree of dataclasses, validated once at the edge.
 
 Each component receives only its slice (the scheduler never sees the model's HF config).
-`EngineConfig.create(**kwargs)` is the one place that reads the model's config from disk to
-resolve defaults such as max_model_len; constructors do no I/O.
+`engine/config_builder.build_engine_config(**kwargs)` is the one place that reads the model's
+config from disk to resolve defaults such as max_model_len; constructors do no I/O. This module
+imports nothing from engine/ (the builder depends on the config, not the other way round).
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, per-tensor scales)
     calculate_kv_scales: bool = False  # fp8: scales from the first step's K/V (else checkpoint or 1.0)
     prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (core/block_hash.py)
+    # KV in host memory (kv_transfer/): swap preemption's pool (swap_space GiB), its mode ("swap",
+    # "recompute", None: per request by cost) and the prefix cache's offload tier (kv_offloading_size GiB)
+    swap_space_bytes: int = 0
+    preemption_mode: str | None = None
+    kv_offloading_bytes: int = 0
+    # several models on one GPU (server/multi_model.py): gpu_memory_utilization is this engine's
+    # share of the GPU, and memory other processes held when it started is not its to count
+    kv_budget_own_process: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,9 +68,25 @@ class SchedulerConfig:
     max_prefill_tokens_with_decodes: int | None = None
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
+    """vLLM's names. One engine core (replica) runs world_size = tp x pp ranks; data_parallel_size
+    replicas run behind one LLM or API server, each with its own scheduler and KV cache."""
+
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # uni: the runner in the engine's own process (world size 1 only); mp: one spawned worker
+    # process per rank; ray: one Ray actor per rank, placed with a placement group (multi-node)
+    distributed_executor_backend: str = "uni"
+    data_parallel_rank: int = 0  # which replica this engine core is (its devices follow it)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -90,11 +115,6 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # every request's result bitwise independent of the batch (models/batch_invariant.py)
     batch_invariant: bool = False
-
-    @staticmethod
-    def create(**kwargs) -> EngineConfig:
-        from minivllm.engine.config_builder import build_engine_config
-        return build_engine_config(**kwargs)
 
 
 def check(ok: bool, field_name: str, msg: str) -> None:

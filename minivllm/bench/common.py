@@ -238,6 +238,8 @@ def add_common_engine_args(p: argparse.ArgumentParser) -> None:
                         "packed weights, float16); fp8 = quantization='fp8' (weights quantized while loading)")
     p.add_argument("--quant-group-size", type=int, default=128, help="AWQ group size (smoke runs on tiny configs: 32)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="W12: GiB of host memory for the prefix cache's CPU offload tier (both engines' option)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs; the figure is the first, later ones follow reset_prefix_cache()")
 
@@ -270,4 +272,7 @@ def quant_engine_kwargs(args: argparse.Namespace) -> dict:
         kw["quantization"] = "fp8"
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         kw["kv_cache_dtype"] = args.kv_cache_dtype
+    for k in ("kv_offloading_size", "kv_cache_memory_bytes"):  # W12 (the same names in vLLM)
+        if getattr(args, k, None) is not None:
+            kw[k] = getattr(args, k)
     return kw

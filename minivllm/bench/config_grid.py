@@ -171,7 +171,7 @@ class GridRunner:
         self._references: dict[str, list[tuple[list[int], str]]] = {}
 
     def _engine(self, point: GridPoint):
-        from minivllm.config import EngineConfig
+        from minivllm.engine.config_builder import build_engine_config
         from minivllm.engine.llm_engine import LLMEngine
         all_at_once, longest = blocks_needed(self.requests, point.block_size)
         kwargs = dict(model=self.model, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
@@ -181,7 +181,7 @@ class GridRunner:
                       enable_prefix_caching=point.enable_prefix_caching,
                       num_kv_blocks=longest + 1 if point.tiny_kv else all_at_once + 8)
         kwargs.update(GPU_PATHS.get(point.path, {}))
-        config = EngineConfig.create(**kwargs)
+        config = build_engine_config(**kwargs)
         with _env(CPU_PATHS.get(point.path, {})):
             engine = LLMEngine(config, model=self._models.get(point.path))
         self._models.setdefault(point.path, engine.executor.runner.model)

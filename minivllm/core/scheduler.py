@@ -8,12 +8,17 @@ waiting requests fill what is left. While requests are decoding, prompt tokens p
 be capped (max_prefill_tokens_with_decodes) so that a prompt arriving mid-stream never stalls
 the decoding requests for one long step. When blocks run out, the lowest-priority running
 request is preempted: its blocks are freed and it is recomputed later (its output so far is
-kept).
+kept), or, with swap space (core/swap_space.py), its computed blocks are copied to host memory
+and copied back when it resumes. Block copies travel in SchedulerOutput.kv_transfers.
 
 num_computed_tokens advances when tokens are scheduled, so the next step can be scheduled while
 this one runs (async scheduling): a token the running step will sample counts as pending
 (num_pending_tokens) and goes to the runner as PLACEHOLDER_TOKEN; update() later turns it into
 a real token and checks the stop conditions, one step late.
+
+Pipeline parallelism keeps up to max_concurrent_batches whole batches in flight (one per stage)
+instead: a request scheduled in a batch is not scheduled again, nor preempted, until update()
+took in that batch's results (a later stage could not fill in a placeholder).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from minivllm.core.beam import BeamGroup
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.interfaces import (
     PLACEHOLDER_TOKEN,
+    KVTransfers,
     NewRequestData,
     RunnerOutput,
     ScheduledRequest,
@@ -34,6 +40,7 @@ from minivllm.core.interfaces import (
 )
 from minivllm.core.queues import RequestQueue, make_request_queue
 from minivllm.core.request import Request, RequestStatus
+from minivllm.core.swap_space import SwapSpace
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,8 @@ class SchedulerLimits:
     # requests above which no drafts are scheduled (None: always).
     num_lookahead_tokens: int = 0
     spec_disable_batch_size: int | None = None
+    # batches in flight at once (pipeline stages); above 1 a request sits out while in flight
+    max_concurrent_batches: int = 1
     # multi-LoRA: distinct adapters the running requests may use at once (the runner's device
     # slots); a request of another adapter waits. None: no adapters
     max_loras: int | None = None
@@ -108,9 +117,10 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, swap: SwapSpace | None = None) -> None:
         self.limits = limits
         self.block_manager = block_manager
+        self.swap = swap  # swap preemption's host blocks (None: preemption always recomputes)
         self.waiting: RequestQueue = make_request_queue(limits.policy)
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -120,6 +130,7 @@ class Scheduler:
         self._sent_to_runner: set[str] = set()
         self.beam_groups: dict[str, BeamGroup] = {}  # beam-search requests by their request id
         self._unsent_forks: set[str] = set()  # running forked beams the runner has not seen yet
+        self._in_flight: set[str] = set()  # (max_concurrent_batches > 1) in a batch not yet updated
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
         # prompt + max_tokens of every unfinished request: what the engine may still have to hold
@@ -177,8 +188,11 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.block_manager.free(req)
         self._unsent_forks.discard(req.request_id)
+        if self.swap is not None:
+            self.swap.discard(req.request_id)
         if req.grammar is not None:
             req.grammar.release()
+        self._in_flight.discard(req.request_id)
         if self.requests.pop(req.request_id, None) is not None:
             self.tokens_in_flight -= req.num_prompt_tokens + req.max_tokens
         if req.group is not None:
@@ -212,7 +226,18 @@ class Scheduler:
         out.num_scheduled_tokens = sum(len(s.token_ids) for s in out.scheduled)
         out.preempted_req_ids |= self._requeued_since_last_step
         self._requeued_since_last_step = set()
+        self._collect_transfers(out)
         return out
+
+    def _collect_transfers(self, out: SchedulerOutput) -> None:
+        """The offload tier's copies of this step join the swaps in out.kv_transfers."""
+        offload = self.block_manager.offload
+        if offload is not None:
+            stores, loads = offload.take_transfers()
+            if stores or loads:
+                out.kv_transfers = out.kv_transfers or KVTransfers()
+                out.kv_transfers.offload += stores
+                out.kv_transfers.load += loads
 
     def _prefill_cap(self) -> int:
         """Prompt tokens this step may carry (see SchedulerLimits.max_prefill_tokens_with_decodes)."""
@@ -229,6 +254,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.request_id in self._in_flight:
+                i += 1  # its batch is still in the pipeline
+                continue
             remaining = req.num_tokens_with_pending - req.num_computed_tokens
             prefilling = remaining > 1  # an unfinished prompt, or a recompute after preemption
             n = min(remaining, budget, self._prefill_left if prefilling else budget)
@@ -243,8 +271,11 @@ class Scheduler:
                 drafts, lookahead = [], 0
                 new_blocks = self.block_manager.allocate(req, n)
             n += len(drafts)
+            victim = None
             while new_blocks is None:
                 victim = self._pick_victim()
+                if victim is None:
+                    break  # every other request is in flight: this one waits for a batch to finish
                 if self.running.index(victim) < i:
                     i -= 1  # an earlier entry leaves the list
                 budget += self._preempt(victim, out)
@@ -252,7 +283,9 @@ class Scheduler:
                     break
                 new_blocks = self.block_manager.allocate(req, n + lookahead)
             if new_blocks is None:
-                continue  # req itself was preempted; running[i] is now the next request
+                if victim is None:
+                    i += 1
+                continue  # (else req itself was preempted; running[i] is now the next request)
             self._add_scheduled(out, req, n, new_blocks, drafts)
             budget -= n
             if prefilling:
@@ -296,6 +329,13 @@ class Scheduler:
             if self._must_wait(req) or self._no_lora_slot(req):
                 skipped.append(self.waiting.pop())
                 continue
+            if self.swap is not None and req.request_id in self.swap.swapped:
+                n = self._swap_in(req, out, budget)
+                if n == 0:
+                    break  # no room: wait for running requests to finish
+                budget -= n
+                self._prefill_left -= n
+                continue
             cached = self.block_manager.find_cached_prefix(req)
             num_cached = len(cached) * self.block_manager.block_size
             n = req.num_tokens - num_cached
@@ -327,6 +367,22 @@ class Scheduler:
             return False
         running = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
         return lora not in running and len(running) >= self.limits.max_loras
+
+    def _swap_in(self, req: Request, out: SchedulerOutput, budget: int) -> int:
+        """Resume a swapped request: device blocks for its swapped ones and its next tokens, the
+        swapped ones copied back before the step's forward. Returns the tokens scheduled (0: no room)."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget, self._prefill_left)  # (>= 1 token left)
+        if n <= 0:
+            return 0
+        new_blocks = self.block_manager.allocate(req, n)
+        if new_blocks is None:
+            return 0
+        self.waiting.pop()
+        out.kv_transfers = out.kv_transfers or KVTransfers()
+        out.kv_transfers.swap_in += self.swap.swap_in(req.request_id, new_blocks)
+        self._admit(req, req.num_computed_tokens, out)
+        self._add_scheduled(out, req, n, new_blocks)
+        return n
 
     @staticmethod
     def _must_wait(req: Request) -> bool:
@@ -379,6 +435,8 @@ class Scheduler:
         req.num_computed_tokens += n
         if samples:
             req.num_pending_tokens += 1
+        if self.limits.max_concurrent_batches > 1:
+            self._in_flight.add(req.request_id)
         # findable at once: a request admitted later in this very step may share these blocks,
         # since every layer stores the step's K/V before any of its attention reads them
         self.block_manager.register_computed_blocks(req)
@@ -395,11 +453,15 @@ class Scheduler:
         end = min(start + known, req.num_prompt_tokens - 1)
         return (first, end - first) if end > first else None
 
-    def _pick_victim(self) -> Request:
-        """FCFS: the most recently admitted request; priority: the least important one."""
+    def _pick_victim(self) -> Request | None:
+        """FCFS: the most recently admitted request; priority: the least important one. Never one
+        in flight (a pipeline stage may still write its blocks); None if there is no other."""
+        candidates = [r for r in self.running if r.request_id not in self._in_flight] if self._in_flight else self.running
+        if not candidates:
+            return None
         if self.limits.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def requeue(self, req_ids: Iterable[str]) -> list[str]:
         """Send running requests back to the waiting queue to be recomputed (as a preemption): the
@@ -410,18 +472,27 @@ class Scheduler:
             if req is not None and req.status == RequestStatus.RUNNING:
                 self._preempt(req, None)
                 done.append(req_id)
+            elif req is not None and self.swap is not None and self.swap.discard(req_id):
+                req.num_computed_tokens = 0  # swapped from blocks the failed step never wrote
         return done
 
     def _preempt(self, req: Request, out: SchedulerOutput | None) -> int:
-        """Free the request's blocks and queue it for recompute (a beam that already reported is
-        parked instead: it has nothing to compute until its group selects). Returns the tokens it
-        had been given earlier in this step (back to the budget); out None: outside scheduling
-        (requeue), the next step's output tells the runner."""
+        """Free the request's blocks and queue it for recompute, or swap its computed blocks out
+        (swap space; never a beam: its blocks are shared). A beam that already reported is parked
+        instead (nothing to compute until its group selects). Returns the tokens it had been given
+        earlier in this step (back to the budget); out None: outside scheduling (requeue), the next
+        step's output tells the runner."""
         self.running.remove(req)
+        given = 0 if out is None else sum(len(s.token_ids) for s in out.scheduled if s.req_id == req.request_id)
+        # tokens whose K/V earlier steps wrote (or are writing: the copies are queued after them);
+        # at least the last known token is computed again, to sample what a step in flight was sampling
+        kept = min(req.num_computed_tokens - given, req.num_tokens - 1)
+        if out is None or req.beam is not None or not self._swap_out(req, kept, out):
+            kept = 0
         self.block_manager.free(req)
         self._unsent_forks.discard(req.request_id)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = kept
         req.num_pending_tokens = 0  # a token still in flight is dropped and sampled again later
         req.spec_token_ids = []
         req.num_preemptions += 1
@@ -436,7 +507,6 @@ class Scheduler:
         if out is None:
             return 0
         # a request preempted in the step it was scheduled in must not stay in the output
-        given = sum(len(s.token_ids) for s in out.scheduled if s.req_id == req.request_id)
         out.scheduled = [s for s in out.scheduled if s.req_id != req.request_id]
         out.new_requests = [n for n in out.new_requests if n.req_id != req.request_id]
         return given
@@ -449,6 +519,18 @@ class Scheduler:
             self._preempt(req, out)
         return bool(stuck)
 
+    def _swap_out(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Swap the blocks of the request's first num_tokens tokens to host memory if the swap
+        space says so (mode, room, cost); the copies go into out."""
+        if self.swap is None or num_tokens <= 0:
+            return False
+        blocks = self.block_manager.block_ids(req.request_id)[:self.block_manager.blocks_needed(num_tokens)]
+        if not self.swap.should_swap(num_tokens, len(blocks)):
+            return False
+        out.kv_transfers = out.kv_transfers or KVTransfers()
+        out.kv_transfers.swap_out += self.swap.swap_out(req.request_id, blocks)
+        return True
+
     # ---- results of a step ----------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
@@ -457,6 +539,7 @@ class Scheduler:
         prompt_lps, pooled = result.prompt_logprobs or {}, result.pooled or {}
         updates, beam_updates = [], []
         for s in sched.scheduled:
+            self._in_flight.discard(s.req_id)
             req = self.requests.get(s.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted while the step ran

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from minivllm.engine.errors import EngineClosedError, EngineDeadError
 from minivllm.engine.llm_engine import EngineStats, LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -35,12 +36,6 @@ logger = logging.getLogger(__name__)
 OutputObserver = Callable[[list[RequestOutput], float], None]  # (this step's outputs, time.time())
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (crash or shutdown); no request can make progress."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine is draining or shut down and takes no new requests."""
 
 
 class RequestStream:
@@ -317,6 +312,8 @@ class AsyncEngine(EngineClient):
                 self._stats = self.engine.get_stats()
                 if stepped:
                     self._publish(outputs)
+                if self.engine.dead_error is not None:  # its requests got their error outputs above
+                    raise self.engine.dead_error
         except BaseException as e:  # noqa: BLE001 - the thread must report, whatever happened
             logger.exception("engine thread died")
             self._fail_all(EngineDeadError(f"the engine thread died: {e!r}"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from minivllm.config import (
     _DTYPES,
+    EXECUTOR_BACKENDS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -15,8 +16,12 @@ from minivllm.config import (
 from minivllm.lora.config import LoRAConfig
 from minivllm.models.arch import ArchConfig
 from minivllm.pooling_params import PoolerConfig
-from minivllm.models.source import ModelSource, read_hf_config, resolve_model_source
-from minivllm.quant.config import QuantConfig, resolve_quant_config
+from minivllm.distributed.sharding import padded_vocab_size
+from minivllm.models.source import load_arch, resolve_model_source, resolve_quantization
+from minivllm.quant.config import QuantConfig
+from minivllm.spec_decode.config import SpeculativeConfig
+
+__all__ = ["build_engine_config", "load_arch", "resolve_quantization"]  # the last two: models/source.py
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
@@ -42,25 +47,6 @@ def _resolve_dtype(dtype: str, device: str, arch: ArchConfig) -> str:
     if device == "cpu":
         return "float32"
     return arch.torch_dtype if arch.torch_dtype in ("float16", "bfloat16") else "bfloat16"
-
-
-def load_arch(source: ModelSource) -> ArchConfig:
-    if source.kind == "hf":
-        return ArchConfig.from_hf_dict(read_hf_config(source.path))
-    from minivllm.models.gguf_loader import gguf_arch_config, open_gguf
-    return gguf_arch_config(open_gguf(source.path))
-
-
-def resolve_quantization(source: ModelSource, quantization: str | None, device: str) -> QuantConfig | None:
-    hf_qc = read_hf_config(source.path).get("quantization_config") if source.kind == "hf" else None
-    quant = resolve_quant_config(hf_qc, quantization, source.name)
-    if quant is not None and quant.scheme == "fp8" and device.startswith("cuda"):
-        import torch
-        cap = torch.cuda.get_device_capability(torch.device(device))
-        check(cap >= (8, 9), "quantization",
-              f"{quant.method!r} (FP8 weights) of model {source.name!r} needs a GPU with FP8 (compute capability "
-              f">= 8.9); {torch.cuda.get_device_name(torch.device(device))} is {cap[0]}.{cap[1]}")
-    return quant
 
 
 def _resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
@@ -89,6 +75,9 @@ def build_engine_config(
     scheduling_policy: str = "fcfs",
     enable_chunked_prefill: bool = True,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    distributed_executor_backend: str | None = None,
     enforce_eager: bool = False,
     attention_backend: str | None = None,
     skip_tokenizer_init: bool = False,
@@ -108,6 +97,10 @@ def build_engine_config(
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
     pooler_config=None,
+    swap_space: float | None = None,
+    preemption_mode: str | None = None,
+    kv_offloading_size: float | None = None,
+    memory_share: float | None = None,
     batch_invariant: bool = False,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
@@ -145,7 +138,6 @@ def build_engine_config(
           f"must be >= 0 (0: no cap), got {max_prefill_tokens_with_decodes}")
     check(scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
           f"must be 'fcfs' or 'priority', got {scheduling_policy!r}")
-    check(tensor_parallel_size == 1, "tensor_parallel_size", f"must be 1 (tensor parallelism is not built yet), got {tensor_parallel_size}")
     attention_backend = attention_backend or ("triton" if on_gpu else "torch")
     model_cfg = ModelConfig(
         model=model, source_kind=source.kind, source_path=source.path,
@@ -154,9 +146,14 @@ def build_engine_config(
         chat_template=chat_template, seed=seed, quantization=quant)
     from minivllm.core.block_hash import block_hash_fn
     block_hash_fn(prefix_caching_hash_algo)  # validates the name (and that xxhash is installed)
+    gpu_memory_utilization, kv_cache_memory_bytes, own_process = _apply_memory_share(
+        memory_share, on_gpu, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks)
+    swap_bytes, offload_bytes = resolve_host_kv(swap_space, preemption_mode, kv_offloading_size, enable_prefix_caching)
     cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks,
                         kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8",
-                        prefix_caching_hash_algo=prefix_caching_hash_algo)
+                        prefix_caching_hash_algo=prefix_caching_hash_algo, swap_space_bytes=swap_bytes,
+                        preemption_mode=preemption_mode, kv_offloading_bytes=offload_bytes,
+                        kv_budget_own_process=own_process)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
     from minivllm.spec_decode.config import parse_speculative_config
@@ -164,27 +161,88 @@ def build_engine_config(
     # speculative steps need the previous step's accepted tokens before they are scheduled
     check(not (speculative and async_scheduling), "async_scheduling",
           "cannot be on with speculative decoding (a step's drafts depend on the previous step's result)")
-    async_scheduling = (on_gpu and speculative is None) if async_scheduling is None else async_scheduling
+    parallel = resolve_parallel(arch, device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
+                                distributed_executor_backend, quant, speculative)
+    check(parallel.world_size == 1 or not (swap_bytes or offload_bytes), "swap_space / kv_offloading_size",
+          f"need one rank (the multi-process executor has no host KV tiers yet), got world size {parallel.world_size}")
+    # pipeline stages need each step's tokens on the host (a later stage cannot fill in a token
+    # the step before samples): several whole batches are in flight instead
+    check(not (async_scheduling and parallel.pipeline_parallel_size > 1), "async_scheduling",
+          "cannot be on with pipeline_parallel_size > 1 (the stages keep several batches in flight instead)")
+    async_scheduling = ((on_gpu and speculative is None and parallel.pipeline_parallel_size == 1)
+                        if async_scheduling is None else async_scheduling)
+    # CUDA graphs capture the whole model's forward; a pipeline stage's receives stay eager
+    eager = enforce_eager or not on_gpu or parallel.pipeline_parallel_size > 1
     batch_invariant = _resolve_batch_invariant(batch_invariant, device, dtype, quant is not None, arch.moe is not None,
                                                kv_cache_dtype, speculative is not None)
-    return EngineConfig(model_cfg, cache, sched, ParallelConfig(tensor_parallel_size), device,
-                        enforce_eager or not on_gpu, attention_backend, async_scheduling, speculative,
+    return EngineConfig(model_cfg, cache, sched, parallel, device, eager, attention_backend, async_scheduling,
+                        speculative,
                         lora=_lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, speculative, arch,
-                                          batch_invariant),
+                                          batch_invariant, parallel),
                         pooler=PoolerConfig.parse(pooler_config),
                         structured_outputs=_structured_config(structured_outputs_config, reasoning_parser),
                         batch_invariant=batch_invariant)
 
 
 def _lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu: int | None,
-                 speculative, arch: ArchConfig, batch_invariant: bool) -> LoRAConfig | None:
+                 speculative, arch: ArchConfig, batch_invariant: bool, parallel) -> LoRAConfig | None:
     if not enable:
         return None
     check(speculative is None, "enable_lora", "cannot be combined with speculative decoding (not supported yet)")
     check(arch.moe is None, "enable_lora", "is not supported for mixture-of-experts models yet")
     check(not batch_invariant, "enable_lora", "cannot be combined with batch_invariant (the LoRA ops are not "
           "batch-invariant)")
+    check(parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1, "enable_lora",
+          "is not supported with tensor/pipeline parallelism yet")
     return LoRAConfig(max_loras, max_rank, max_cpu)
+
+
+def _positive_int(value, name: str) -> None:
+    check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+
+
+def resolve_parallel(arch: ArchConfig, device: str, tp: int, pp: int, dp: int, backend: str | None,
+                     quant: QuantConfig | None, speculative: SpeculativeConfig | None) -> ParallelConfig:
+    """Validated parallel sizes: tp must split the heads, the KV heads (or be a multiple of them:
+    they are then replicated), the MLP and the padded vocabulary evenly; every pipeline stage
+    needs a layer; on CUDA every rank of every replica needs its own GPU."""
+    for value, name in ((tp, "tensor_parallel_size"), (pp, "pipeline_parallel_size"), (dp, "data_parallel_size")):
+        _positive_int(value, name)
+    world = tp * pp
+    backend = backend or ("uni" if world == 1 else "mp")
+    check(backend in EXECUTOR_BACKENDS, "distributed_executor_backend", f"must be one of {list(EXECUTOR_BACKENDS)}, got {backend!r}")
+    check(backend != "uni" or world == 1, "distributed_executor_backend",
+          f"'uni' runs one rank in the engine's process; tensor_parallel_size x pipeline_parallel_size = {world} "
+          "needs 'mp' or 'ray'")
+    check(backend != "ray", "distributed_executor_backend", "'ray' is not available yet; use 'mp'")
+    check(arch.num_heads % tp == 0, "tensor_parallel_size",
+          f"must divide the model's number of attention heads ({arch.num_heads}), got {tp}")
+    kv = arch.num_kv_heads
+    check(kv % tp == 0 if tp <= kv else tp % kv == 0, "tensor_parallel_size",
+          f"must divide the model's number of KV heads ({kv}) or be a multiple of it, got {tp}")
+    check(arch.intermediate_size % tp == 0, "tensor_parallel_size",
+          f"must divide the model's intermediate_size ({arch.intermediate_size}), got {tp}")
+    padded = padded_vocab_size(arch.vocab_size)
+    check(tp == 1 or padded % tp == 0, "tensor_parallel_size",
+          f"must divide the vocabulary padded to a multiple of 64 ({arch.vocab_size} -> {padded}), got {tp}")
+    check(pp <= arch.num_layers, "pipeline_parallel_size",
+          f"must be <= the model's number of layers ({arch.num_layers}), got {pp}")
+    if device.startswith("cuda") and backend != "ray":  # Ray places ranks on the cluster's GPUs
+        import torch
+        have = torch.cuda.device_count()
+        check(world * dp <= have, "tensor_parallel_size",
+              f"x pipeline_parallel_size x data_parallel_size = {tp} x {pp} x {dp} = {world * dp} ranks, "
+              f"more than the {have} GPU(s) of this machine")
+    if world > 1:
+        check(quant is None, "quantization",
+              f"{quant.method if quant else ''!r} is not supported with tensor/pipeline parallelism yet "
+              f"(tensor_parallel_size={tp}, pipeline_parallel_size={pp})")
+        check(arch.moe is None, "tensor_parallel_size",
+              f"x pipeline_parallel_size = {world}: mixture-of-experts models run on one rank only for now")
+        check(speculative is None, "speculative_config",
+              f"is not supported with tensor/pipeline parallelism yet (tensor_parallel_size={tp}, "
+              f"pipeline_parallel_size={pp})")
+    return ParallelConfig(tp, pp, dp, backend)
 
 
 def _resolve_batch_invariant(requested: bool, device: str, dtype: str, quantized: bool, moe: bool,
@@ -196,6 +254,46 @@ def _resolve_batch_invariant(requested: bool, device: str, dtype: str, quantized
     why = unsupported_reason("cpu" if device == "cpu" else "cuda", dtype, quantized, moe, kv_cache_dtype, speculative)
     check(why is None, "batch_invariant", f"cannot be on with {why}")
     return True
+
+
+def _apply_memory_share(share: float | None, on_gpu: bool, utilization: float, kv_bytes: int | None,
+                        num_kv_blocks: int | None) -> tuple[float, int | None, bool]:
+    """One of several models on a device (server/multi_model.py): its KV memory is `share` of
+    the explicit or default budget (CPU, kv_cache_memory_bytes) or of gpu_memory_utilization.
+    Returns (gpu_memory_utilization, kv_cache_memory_bytes, whether the budget is this process's own)."""
+    if share is None or num_kv_blocks is not None:
+        return utilization, kv_bytes, False
+    check(isinstance(share, (int, float)) and 0 < share <= 1, "memory_share", f"must be in (0, 1], got {share!r}")
+    if kv_bytes is not None or not on_gpu:
+        from minivllm.runner.kv_cache import CPU_DEFAULT_KV_BYTES
+        return utilization, int(share * (kv_bytes or CPU_DEFAULT_KV_BYTES)), False
+    return utilization * share, None, True
+
+
+def resolve_host_kv(swap_space: float | None, preemption_mode: str | None, kv_offloading_size: float | None,
+                    enable_prefix_caching: bool) -> tuple[int, int]:
+    """swap_space and kv_offloading_size (GiB, vLLM's) -> bytes, checked against the host memory
+    now available (both pools are allocated, pinned on a GPU, at startup)."""
+    from minivllm.core.swap_space import PREEMPTION_MODES
+    check(preemption_mode is None or preemption_mode in PREEMPTION_MODES, "preemption_mode",
+          f"must be one of {list(PREEMPTION_MODES)} or unset, got {preemption_mode!r}")
+    for name, gib in (("swap_space", swap_space), ("kv_offloading_size", kv_offloading_size)):
+        check(gib is None or (isinstance(gib, (int, float)) and gib >= 0), name, f"must be >= 0 GiB, got {gib!r}")
+    if swap_space is None:  # vLLM's default swap space, where swapping was asked for
+        swap_space = 4.0 if preemption_mode == "swap" else 0.0
+    check(not (preemption_mode == "swap" and swap_space == 0), "swap_space",
+          "must be > 0 GiB with preemption_mode='swap'")
+    offload = kv_offloading_size or 0.0
+    check(offload == 0 or enable_prefix_caching, "kv_offloading_size",
+          "needs enable_prefix_caching (the offload tier keeps the prefix cache's evicted blocks)")
+    swap_bytes, offload_bytes = int(swap_space * (1 << 30)), int(offload * (1 << 30))
+    if swap_bytes + offload_bytes:
+        import psutil
+        available = psutil.virtual_memory().available
+        check(swap_bytes + offload_bytes <= available, "swap_space + kv_offloading_size",
+              f"({(swap_bytes + offload_bytes) / (1 << 30):.2f} GiB) must fit in the host memory available "
+              f"now ({available / (1 << 30):.2f} GiB)")
+    return swap_bytes, offload_bytes
 
 
 def _structured_config(given: StructuredOutputsConfig | dict | None, reasoning_parser: str | None) -> StructuredOutputsConfig:

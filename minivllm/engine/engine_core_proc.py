@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 
+from minivllm.engine.errors import EngineDeadError
 from minivllm.outputs import EmbeddingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -221,6 +222,8 @@ class EngineCore:
                     self.out.put(("added", added, self.engine.get_stats()))
                 if self.engine.has_unfinished_requests() and not self.paused:
                     self._step()
+                elif not added:
+                    self._check_health()
         except BaseException as e:  # noqa: BLE001 - report whatever killed the loop
             logger.exception("engine core died")
             self.out.put(("dead", f"{type(e).__name__}: {e}"))
@@ -239,7 +242,15 @@ class EngineCore:
         self.out.put(("out", [pack_output(o) for o in outputs], self.engine.get_stats()))
         if self.step_log is not None:
             self.step_log.write(t0, time.perf_counter(), {"pack": time.perf_counter() - t1, **self.engine.last_step})
+        if self.engine.dead_error is not None:  # a rank died: its requests' error outputs are sent above
+            raise self.engine.dead_error
 
+    def _check_health(self) -> None:
+        """Idle: a rank that died meanwhile fails the engine now, not at the next request."""
+        try:
+            self.engine.check_health()
+        except EngineDeadError:
+            self._step()  # sends the error outputs of whatever was left, then raises the engine's error
     def _wait_s(self) -> float:
         if self.drain_deadline is None:
             return self.IDLE_WAIT_S

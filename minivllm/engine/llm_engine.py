@@ -5,13 +5,18 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from minivllm.config import EngineConfig
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.interfaces import RequestFault
+from minivllm.core.offload_cache import OffloadCache
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler, SchedulerLimits
+from minivllm.core.swap_space import SwapSpace
+from minivllm.engine.config_builder import build_engine_config
+from minivllm.engine.errors import EngineDeadError
 from minivllm.engine.gc_heap import freeze_startup_heap
 from minivllm.sample.batch import validate_for_vocab
 from minivllm.engine.input_processor import (
@@ -25,6 +30,7 @@ from minivllm.engine.input_processor import (
 )
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.lora.checker import AdapterChecker
+from minivllm.executor.errors import ExecutorDeadError
 from minivllm.outputs import RequestOutput
 from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import BeamSearchParams, SamplingParams
@@ -57,6 +63,15 @@ class EngineStats:
     # MoE models: tokens routed to each expert, summed over the layers (refreshed about once a
     # second, runner/expert_counts.py); None for dense models
     expert_token_counts: tuple[int, ...] | None = None
+    # KV in host memory (kv_transfer/): blocks swapped out and in (swap preemption), requests
+    # swapped now, blocks loaded back from the prefix cache's offload tier (hits) and stored
+    # there, and the bytes all those copies moved
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    num_swapped: int = 0
+    offload_hit_blocks: int = 0
+    offload_stored_blocks: int = 0
+    kv_transfer_bytes: int = 0
 
 
 class LLMEngine:
@@ -72,21 +87,30 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model)
         from minivllm.executor import make_executor
         self.executor = make_executor(config, model)
+        self.dead_error: BaseException | None = None  # a rank died: every request failed, none is taken
         from minivllm.engine.faults import FaultInjection
         faults = FaultInjection.from_env()  # the soak suite's, off unless MINIVLLM_FAULT_INJECTION is set
         if faults is not None:
             faults.install(self.executor)
         num_blocks = self.executor.num_blocks
+        # host KV tiers (kv_transfer/): the in-process executor's; none with several ranks (refused in config)
+        self.host_kv = getattr(self.executor, "host_kv", None)
+        host = self.host_kv
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                          config.cache.prefix_caching_hash_algo)
+                                          config.cache.prefix_caching_hash_algo,
+                                          OffloadCache(host.num_offload_blocks) if host and host.num_offload_blocks
+                                          else None)
+        swap = SwapSpace(host.num_swap_blocks, config.cache.preemption_mode, host.swap_costs) \
+            if host and host.num_swap_blocks else None
         s, spec = config.scheduler, config.speculative
         self.scheduler = Scheduler(SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
                                                    s.policy, s.enable_chunked_prefill,
                                                    s.max_prefill_tokens_with_decodes,
                                                    spec.num_lookahead_tokens if spec else 0,
                                                    spec.disable_by_batch_size if spec else None,
-                                                   config.lora.max_loras if config.lora else None),
-                                   self.block_manager)
+                                                   config.parallel.pipeline_parallel_size,
+                                                   max_loras=config.lora.max_loras if config.lora else None),
+                                   self.block_manager, swap)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.adapters = AdapterChecker(config.lora, config.model.arch, config.model.served_name)
@@ -97,6 +121,9 @@ class LLMEngine:
         # async scheduling: the next step is scheduled and launched while this one runs
         self.async_scheduling = config.async_scheduling
         self._inflight = None  # (SchedulerOutput, launched step) still running on the device
+        # pipeline parallelism: up to one whole batch per stage in flight, oldest first
+        self._max_batches = config.parallel.pipeline_parallel_size
+        self._batches: deque = deque()
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -111,7 +138,7 @@ class LLMEngine:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
-        return cls(EngineConfig.create(**kwargs))
+        return cls(build_engine_config(**kwargs))
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.config.model.arch.eos_token_ids)
@@ -133,6 +160,8 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError (naming the field and limit) if it can't run.
         params: sampling (generate), BeamSearchParams (beam search) or PoolingParams (an embedding);
         lora_request: the LoRARequest the request runs with (enable_lora)."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
         params = params or SamplingParams()
         params.validate()
         if request_id in self.output_processor.states:
@@ -181,6 +210,9 @@ class LLMEngine:
         if self.config.speculative is not None:
             raise ValueError("beam search cannot run with speculative decoding: start an engine without "
                              "speculative_config")
+        if self.config.parallel.pipeline_parallel_size > 1:
+            raise ValueError("beam search is not supported with pipeline parallelism yet "
+                             f"(pipeline_parallel_size={self.config.parallel.pipeline_parallel_size})")
         s, bs = self.config.scheduler, self.config.cache.block_size
         if params.beam_width > s.max_num_seqs:
             raise ValueError(f"BeamSearchParams.beam_width must be <= max_num_seqs={s.max_num_seqs} (every beam is "
@@ -206,7 +238,8 @@ class LLMEngine:
             self._aborted_outputs += self.output_processor.finish_children(children, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.states) or bool(self._aborted_outputs) or self._inflight is not None
+        return (bool(self.output_processor.states) or bool(self._aborted_outputs) or self._inflight is not None
+                or bool(self._batches))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
@@ -218,6 +251,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step; with async scheduling, while it runs on the device, take
         in the results of the step launched before it (one step in flight at most)."""
+        if self._max_batches > 1:
+            return self._step_pipelined()
         outputs, self._aborted_outputs = self._aborted_outputs, []
         if self._inflight is not None and self.scheduler.beam_groups:
             # a beam's next token is chosen on the host from its whole group's results: no step
@@ -225,10 +260,7 @@ class LLMEngine:
             outputs += self._complete(self._inflight)[0]
             self._inflight = None
         outputs += self._fail_broken_grammars()
-        t = time.perf_counter()
-        sched = self.scheduler.schedule()
-        self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
-                          "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
+        sched = self._schedule()
         if self._inflight is not None and self._needs_sync(sched):
             outputs += self._take_inflight(sched)
         launched = self._launch(sched, outputs)
@@ -241,6 +273,25 @@ class LLMEngine:
         if launched is None and self._inflight is None and self.structured.num_compiling:
             self.structured.wait_for_compiles(0.02)  # only grammars are left to wait for: sleep
         self._log_spec_stats()
+        return outputs
+
+    def _schedule(self):
+        t = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self.last_step = {"schedule": time.perf_counter() - t, "tokens": sched.num_scheduled_tokens,
+                          "seqs": len(sched.scheduled), "running": self.scheduler.num_running}
+        return sched
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline parallelism: launch a new batch of requests not already in flight, and take in
+        the oldest batch's results once every stage has one (or nothing new could be launched)."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs += self._fail_broken_grammars()
+        launched = self._launch(self._schedule(), outputs)
+        if launched is not None:
+            self._batches.append(launched)
+        if self._batches and (launched is None or len(self._batches) >= self._max_batches):
+            outputs += self._complete(self._batches.popleft())[0]
         return outputs
 
     def _take_inflight(self, next_sched) -> list[RequestOutput]:
@@ -263,7 +314,7 @@ class LLMEngine:
         """Launches the step: (sched, launched step), or None if there is nothing to run. A step
         with constrained rows launches its forward, takes in the step in flight (the grammars
         need its tokens), fills the bitmask while the forward runs, then launches the sampling."""
-        if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
+        if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids and not sched.kv_transfers:
             return None
         t = time.perf_counter()
         try:
@@ -277,6 +328,9 @@ class LLMEngine:
                 t = time.perf_counter()
             bitmask = self.structured.bitmask(handles)
             return sched, self.executor.launch_sampling(forward, bitmask)
+        except ExecutorDeadError as e:
+            self._aborted_outputs += self._die(e)
+            return None
         except Exception as e:
             self._aborted_outputs += self._fail_scheduled(sched, e)
             return None
@@ -304,6 +358,8 @@ class LLMEngine:
         t = time.perf_counter()
         try:
             result = self.executor.finish(launched)
+        except ExecutorDeadError as e:
+            return self._die(e), False
         except Exception as e:
             return self._fail_scheduled(sched, e), False
         t = self._add_time("wait", t)
@@ -351,13 +407,46 @@ class LLMEngine:
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
         return self.output_processor.finish_children(list(dict.fromkeys(outputs_of)), "error")
 
+    def _die(self, error: BaseException) -> list[RequestOutput]:
+        """A rank is gone: no step can run again. Every request ends now with finish_reason
+        'error'; later add_request calls raise EngineDeadError (the server's /health: 503)."""
+        if self.dead_error is None:
+            logger.error("the engine is dead, failing every request: %s", error)
+            self.dead_error = error
+        self._inflight = None
+        self._batches.clear()
+        children = [c for rid in list(self.output_processor.states) for c in self.output_processor.child_ids(rid)]
+        self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
+        return self.output_processor.finish_children(children, "error")
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError if a rank died (found now, or by an earlier step); then every
+        request still there has been failed, its error outputs left for the next step()."""
+        if self.dead_error is None:
+            try:
+                self.executor.check_health()
+            except ExecutorDeadError as e:
+                self._aborted_outputs += self._die(e)
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
+
     def get_stats(self) -> EngineStats:
         bm, spec = self.block_manager, self.scheduler.spec_stats
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
                            self.prompt_tokens_total, self.generation_tokens_total, spec.num_drafts,
                            spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_pos),
-                           self.scheduler.tokens_in_flight, self.executor.expert_token_counts())
+                           self.scheduler.tokens_in_flight, self.executor.expert_token_counts(),
+                           **self._host_kv_stats())
+
+    def _host_kv_stats(self) -> dict[str, int]:
+        swap, offload = self.scheduler.swap, self.block_manager.offload
+        out, in_ = (swap.num_blocks_swapped_out, swap.num_blocks_swapped_in) if swap else (0, 0)
+        hits, stored = (offload.num_loaded_blocks, offload.num_stored_blocks) if offload else (0, 0)
+        return {"num_blocks_swapped_out": out, "num_blocks_swapped_in": in_,
+                "num_swapped": len(swap.swapped) if swap else 0, "offload_hit_blocks": hits,
+                "offload_stored_blocks": stored,
+                "kv_transfer_bytes": (out + in_ + hits + stored) * (self.host_kv.block_bytes if self.host_kv else 0)}
 
     def _log_spec_stats(self) -> None:
         """Every SPEC_LOG_INTERVAL_S with speculative decoding: the acceptance since the last line."""

@@ -86,8 +86,8 @@ class MPAsyncEngine(EngineClient):
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> MPAsyncEngine:
-        from minivllm.config import EngineConfig
-        return cls(EngineConfig.create(**kwargs))
+        from minivllm.engine.config_builder import build_engine_config
+        return cls(build_engine_config(**kwargs))
 
     def _wait_ready(self, timeout_s: float | None):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -24,6 +24,12 @@ order), not bit for bit.
 
 `CpuForward(model, ops)` is installed by the runner on a CPU float32 model without q/k-norm
 (`enable_cpu_forward`); MINIVLLM_CPU_FAST_FORWARD=0 keeps the module path.
+
+Tensor and pipeline parallelism: it runs on a rank's shard as it is (local head and feature
+counts come from the modules; o_proj's and down_proj's partial outputs are summed over the
+tensor-parallel group before the residual add, the embedding is the vocabulary-parallel one), and
+on a pipeline stage's layers (from the previous stage's hidden states; a stage before the last
+returns them instead of normalizing).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch.nn.functional as F
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.kernels.cpu_kernels import check_rope_store
 from minivllm.models.layers import calibrate_kv_scales
+from minivllm.models.llama import IntermediateTensors
 
 ENV_FLAG = "MINIVLLM_CPU_FAST_FORWARD"
 
@@ -49,7 +56,7 @@ def cpu_forward_enabled() -> bool:
 def supports_cpu_forward(model) -> bool:
     """The fast path covers the Llama-family decoder without q/k-norm or MoE layers, in float32
     on the CPU."""
-    p = model.lm_head.weight
+    p = next(model.parameters())  # (a pipeline stage may have no LM head)
     return not model.cfg.qk_norm and model.cfg.moe is None and p.device.type == "cpu" and p.dtype == torch.float32
 
 
@@ -108,12 +115,17 @@ class CpuForward:
         self.ops = ops
         cfg = model.cfg
         self.eps = cfg.rms_norm_eps
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qk_width = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim  # q and k columns of qkv
-        self.inter = cfg.intermediate_size
-        self.embed = model.embed_tokens.weight
-        self.final_norm = model.norm.weight
         first = model.layers[0].self_attn
+        # this rank's heads and MLP features (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, cfg.head_dim
+        self.qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim  # q and k columns of qkv
+        self.inter = model.plan.intermediate_size
+        self.tp = model.tp  # sums row-parallel outputs; None on a single rank
+        # first stage: a plain embedding's weight (F.embedding), or the vocabulary-parallel module
+        embed = model.embed_tokens
+        self.embed = embed.weight if type(embed) is torch.nn.Embedding else None
+        self.embed_module = embed
+        self.final_norm = model.norm.weight if model.norm is not None else None  # None before the last stage
         self.cos_sin, self.backend, self.scale = first.rotary.cos_sin, first.backend, first.scale
         # plain methods, not module __call__: nn.Linear.forward or PackedLinear.forward (minivllm's
         # panel kernel, or F.linear / the packed oneDNN weight by row count)
@@ -124,18 +136,27 @@ class CpuForward:
                        for layer in model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                output_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
+                output_rows: torch.Tensor | None = None, num_layers: int | None = None,
+                intermediate=None):
         """input_ids, positions: [T] -> final-normed hidden states [T, H] (a new tensor), or of
         the token rows output_rows only ([R] int64) -> [R, H]; through the first num_layers
-        layers only when given."""
-        residual = F.embedding(input_ids, self.embed)  # [T, H], owned: updated in place below
+        layers only when given. A later pipeline stage starts from `intermediate` (owned tensors:
+        updated in place); a stage before the last returns IntermediateTensors."""
+        if intermediate is None:  # [T, H], owned: updated in place below
+            residual = F.embedding(input_ids, self.embed) if self.embed is not None else self.embed_module(input_ids)
+            hidden = None
+        else:
+            residual, hidden = intermediate.residual, intermediate.hidden
+        if self.final_norm is None:
+            output_rows = None  # every row goes on to the next stage
         layers = self.layers[:num_layers]
         if self.ops is not None:
-            return self._forward_fused(residual, positions, meta, output_rows, layers)
+            return self._forward_fused(residual, hidden, positions, meta, output_rows, layers)
         cos2, sin2 = rotary_tables(self.cos_sin, positions)
-        hidden = None
         for layer in layers:
             hidden = self._layer(layer, hidden, residual, cos2, sin2, meta)
+        if self.final_norm is None:
+            return IntermediateTensors(hidden, residual)
         out = rms_norm_(residual.add_(hidden), self.final_norm, self.eps)
         return out if output_rows is None else out[output_rows]
 
@@ -155,13 +176,15 @@ class CpuForward:
         self.backend.store_kv(k, v, attn.k_cache, attn.v_cache, meta.slot_mapping, attn.k_scale, attn.v_scale)
         o = self.backend.attend(qk[:, :self.num_heads], attn.k_cache, attn.v_cache, meta, self.scale,
                                 attn.k_scale, attn.v_scale)
-        residual.add_(p.o(o.reshape(t, -1)))
+        attn_out = p.o(o.reshape(t, -1))
+        residual.add_(attn_out if self.tp is None else self.tp.all_reduce(attn_out))
         gate_up = p.gate_up(rms_norm_(residual, p.post_norm, self.eps))  # [T, 2 I]: gate | up
-        return p.down(F.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:]))
+        out = p.down(F.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:]))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
-    def _forward_fused(self, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       output_rows: torch.Tensor | None, layers: list[_Layer]) -> torch.Tensor:
+    def _forward_fused(self, residual: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor,
+                       meta: AttentionMetadata, output_rows: torch.Tensor | None, layers: list[_Layer]):
         """The same layers through the compiled kernels: four fused calls a layer. With
         output_rows, the last layer runs attention, o-proj and MLP for those rows only (its K/V
         are still written for every token): W5's prompt tokens skip ~1/30 of their prefill."""
@@ -171,7 +194,6 @@ class CpuForward:
         # the kernels index with these: checked once per step, in Python (kernels/cpu_kernels.py)
         check_rope_store(positions, meta.slot_mapping, self.cos_sin.shape[0],
                          first.k_cache.shape[0] * first.k_cache.shape[1])
-        hidden = None
         last = len(layers) - 1
         for i, p in enumerate(layers):
             attn = p.attn
@@ -188,9 +210,15 @@ class CpuForward:
                 o = self.backend.attend(q, attn.k_cache, attn.v_cache, meta, self.scale)
             # the width is spelled out: with no rows to output (a step of prompt chunks that
             # sample nothing) o is empty and reshape could not infer a -1
-            x = ops.add_rms_norm(residual, p.o(o.reshape(o.shape[0], self.num_heads * self.head_dim)),
-                                 p.post_norm, eps)
+            attn_out = p.o(o.reshape(o.shape[0], self.num_heads * self.head_dim))
+            if self.tp is not None:
+                self.tp.all_reduce(attn_out)
+            x = ops.add_rms_norm(residual, attn_out, p.post_norm, eps)
             hidden = p.down(p.gate_up_act(x) if p.gate_up_act is not None else ops.silu_mul(p.gate_up(x)))
+            if self.tp is not None:
+                self.tp.all_reduce(hidden)
+        if self.final_norm is None:
+            return IntermediateTensors(hidden, residual)
         return ops.add_rms_norm(residual, hidden, self.final_norm, eps)
 
     def _attend_rows(self, q: torch.Tensor, attn, meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:

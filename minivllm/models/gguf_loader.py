@@ -111,26 +111,43 @@ def _reverse_llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(reader, cfg: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, fp32 tensor) for every tensor of the file."""
-    from gguf import dequantize
+class _GgufTensor:
+    """One GGUF tensor, dequantized on demand: whole, or a range of its rows alone (quantized
+    blocks run along a row, so rows dequantize on their own); a column range is cut after."""
+
+    def __init__(self, tensor, hf_name: str, permute_heads_of: int | None) -> None:
+        self.tensor, self.hf_name = tensor, hf_name
+        self.shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+        self.permute_heads_of = permute_heads_of  # q/k of a llama file: rows per head (head_dim)
+
+    def read(self, cut: tuple[int, int, int] | None = None) -> torch.Tensor:
+        from gguf import dequantize
+        dim, start, stop = cut if cut is not None else (0, 0, self.shape[0])
+        rows = (start, stop) if dim == 0 else (0, self.shape[0])
+        data = self.tensor.data[rows[0]:rows[1]] if len(self.shape) > 1 else self.tensor.data
+        w = np.asarray(dequantize(data, self.tensor.tensor_type), dtype=np.float32)
+        w = w.reshape([rows[1] - rows[0], *self.shape[1:]] if len(self.shape) > 1 else self.shape)
+        if self.permute_heads_of is not None:  # within each head: a slice of whole heads is fine
+            w = _reverse_llama_permute(w, w.shape[0] // self.permute_heads_of)
+        elif self.hf_name.endswith("shared_expert_gate.weight") and w.ndim == 1:
+            w = w[None, :]  # llama.cpp stores the [1, H] gate as [H]
+        t = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+        return t.narrow(dim, start, stop - start) if dim != 0 else t
+
+
+def iter_gguf_weights(reader, cfg: ArchConfig) -> Iterator[tuple[str, _GgufTensor]]:
+    """Yield (HF parameter name, tensor dequantized to fp32 on read) for every tensor of the file."""
     is_llama = _field(reader, "general.architecture") == "llama"
     for t in reader.tensors:
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
         stacked = _stacked_expert_name(t.name)
         if stacked is not None:  # [E, rows, cols]: one tensor per expert
+            w = _GgufTensor(t, t.name, None).read()
             for e in range(w.shape[0]):
-                yield stacked.format(e=e), torch.from_numpy(np.array(w[e], dtype=np.float32, copy=True))
+                yield stacked.format(e=e), w[e].clone()
             continue
         name = _hf_name(t.name)
-        if is_llama and name.endswith("q_proj.weight"):
-            w = _reverse_llama_permute(w, cfg.num_heads)
-        elif is_llama and name.endswith("k_proj.weight"):
-            w = _reverse_llama_permute(w, cfg.num_kv_heads)
-        elif name.endswith("shared_expert_gate.weight") and w.ndim == 1:
-            w = w[None, :]  # llama.cpp stores the [1, H] gate as [H]
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+        permute = is_llama and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight"))
+        yield name, _GgufTensor(t, name, cfg.head_dim if permute else None)
 
 
 def _stacked_expert_name(gguf_name: str) -> str | None:

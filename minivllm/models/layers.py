@@ -9,6 +9,7 @@ from torch import nn
 
 from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.metadata import AttentionMetadata
+from minivllm.distributed.communication import TensorParallelGroup
 from minivllm.kernels.fused_ops import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
 from minivllm.quant.config import QuantConfig
 from minivllm.quant.layer import make_linear
@@ -81,12 +82,15 @@ class Attention(nn.Module):
     """QKV projection (one matmul), optional q/k RMSNorm, rotary, paged attention, output projection.
 
     quant / prefix: the model's quantization (None: plain nn.Linear) and this layer's HF name
-    (model.layers.N.self_attn), which the quantization's ignore list is matched against."""
+    (model.layers.N.self_attn), which the quantization's ignore list is matched against.
+    Under tensor parallelism num_heads / num_kv_heads are this rank's (distributed/sharding.py)
+    and tp sums o_proj's partial outputs over the ranks (None: a single rank)."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
                  qk_norm: bool, eps: float, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 quant: QuantConfig | None = None, prefix: str = "") -> None:
+                 quant: QuantConfig | None = None, prefix: str = "", tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = make_linear(hidden, [self.q_size, self.kv_size, self.kv_size], bias, quant, f"{prefix}.q_proj")
@@ -127,7 +131,8 @@ class Attention(nn.Module):
             calibrate_kv_scales(self, k, v)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 # calculate_kv_scales: scale = max|x| / range, so the calibration step's largest K sits at 200 and
@@ -143,12 +148,16 @@ def calibrate_kv_scales(attn: Attention, k: torch.Tensor, v: torch.Tensor) -> No
 
 
 class MLP(nn.Module):
-    """SwiGLU: gate and up projections as one matmul, then down."""
+    """SwiGLU: gate and up projections as one matmul, then down. Under tensor parallelism
+    `intermediate` is this rank's share and tp sums down_proj's partial outputs."""
 
-    def __init__(self, hidden: int, intermediate: int, quant: QuantConfig | None = None, prefix: str = "") -> None:
+    def __init__(self, hidden: int, intermediate: int, quant: QuantConfig | None = None, prefix: str = "",
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = make_linear(hidden, [intermediate, intermediate], False, quant, f"{prefix}.gate_proj")
         self.down_proj = make_linear(intermediate, [hidden], False, quant, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -1,15 +1,26 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral), Qwen2/Qwen3 and their mixture-of-experts
 variants (Qwen2-MoE, Qwen3-MoE, Mixtral) as one decoder: they differ only by config flags
 (qk-norm, attention bias, tied embeddings, rope scaling, and `cfg.moe`: which layers' MLP is a
-sparse MoE block, models/moe.py)."""
+sparse MoE block, models/moe.py).
+
+Under tensor/pipeline parallelism (distributed/) the same classes hold one rank's part: its
+heads, MLP features and vocabulary rows (distributed/sharding.py's ShardPlan), and only its
+pipeline stage's layers (`layers` holds layer_start .. layer_end - 1; the first stage alone has
+the embedding, the last alone the final norm and the LM head). MoE layers are not sharded
+(config_builder refuses a MoE model with more than one rank)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.metadata import AttentionMetadata
+from minivllm.distributed.layers import ParallelLMHead, VocabParallelEmbedding
+from minivllm.distributed.parallel_state import ParallelGroups
+from minivllm.distributed.sharding import RankInfo, ShardPlan
 from minivllm.models.arch import ArchConfig
 from minivllm.models.expert_parallel import ExpertComm, ExpertPlacement
 from minivllm.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
@@ -17,21 +28,30 @@ from minivllm.models.moe import SparseMoeBlock
 from minivllm.quant.config import QuantConfig
 
 
+@dataclass
+class IntermediateTensors:
+    """What a pipeline stage hands the next: the last layer's output and the residual stream,
+    each [num_tokens, hidden_size] (the next layer adds them before its norm)."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int,
-                 quant: QuantConfig | None = None, placement: ExpertPlacement | None = None,
-                 comm: ExpertComm | None = None) -> None:
+    def __init__(self, cfg: ArchConfig, plan: ShardPlan, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 index: int, quant: QuantConfig | None = None, placement: ExpertPlacement | None = None,
+                 comm: ExpertComm | None = None, tp=None) -> None:
         super().__init__()
         prefix = f"model.layers.{index}"
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        self.self_attn = Attention(cfg.hidden_size, plan.num_heads, plan.num_kv_heads, cfg.head_dim,
                                    cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps, rotary, backend,
-                                   quant, f"{prefix}.self_attn")
+                                   quant, f"{prefix}.self_attn", tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(index)
         # a sparse layer's routed experts stay unquantized (only its shared expert follows `quant`)
         self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, placement, comm, quant, f"{prefix}.mlp") if self.is_moe
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, quant, f"{prefix}.mlp"))
+                    else MLP(cfg.hidden_size, plan.intermediate_size, quant, f"{prefix}.mlp", tp))
 
     def forward(self, positions, hidden, residual, meta, token_valid: torch.Tensor | None = None):
         if residual is None:
@@ -47,39 +67,63 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, max_positions: int,
                  quant: QuantConfig | None = None, placement: ExpertPlacement | None = None,
-                 comm: ExpertComm | None = None) -> None:
+                 comm: ExpertComm | None = None, parallel: ParallelGroups | None = None) -> None:
         """quant: the model's quantization (its decoder linears become QuantLinear); None:
         unquantized. placement / comm: this rank's experts and the expert-parallel communicator
-        (MoE models under expert parallelism; None: every expert here)."""
+        (MoE models under expert parallelism; None: every expert here). parallel: this rank's
+        groups under tensor/pipeline parallelism; None: the whole model."""
         super().__init__()
         self.cfg = cfg
+        self.rank = parallel.rank if parallel is not None else RankInfo()
+        self.plan = ShardPlan.build(cfg, self.rank)
+        tp = parallel.tp if parallel is not None and parallel.tp.size > 1 else None
+        self.tp = tp
+        self.layer_start = self.plan.layer_start
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, i, quant, placement, comm)
-                                    for i in range(cfg.num_layers))
+        self.embed_tokens = None
+        if self.rank.is_first_stage:
+            self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
+                                 else VocabParallelEmbedding(cfg.hidden_size, self.plan, tp))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.plan, rotary, backend, i, quant, placement, comm, tp)
+                                    for i in range(self.plan.layer_start, self.plan.layer_end))
         self.moe_blocks: list[SparseMoeBlock] = [layer.mlp for layer in self.layers if layer.is_moe]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.norm = self.lm_head = None
+        if self.rank.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None
+                            else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, self.plan, tp))
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:
+                target = self.lm_head if tp is None else self.lm_head.linear
+                target.weight = self.embed_tokens.weight
         # CPU float32: the same math in fewer ops (models/cpu_forward.py), set by the runner
         self.cpu_forward = None
 
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                output_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
+                output_rows: torch.Tensor | None = None, num_layers: int | None = None,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size], or only
         the rows output_rows ([R] int64 token indices, e.g. the tokens that sample) -> [R, hidden_size].
         Every token's K/V is written either way; the CPU forward also skips the last layer's
         work after attention for the other tokens. num_layers: run only the first layers, then
-        the final norm (layer-skip self-speculation drafts with them)."""
+        the final norm (layer-skip self-speculation drafts with them).
+        Pipeline stages: a later stage starts from `intermediate` (the previous stage's output,
+        input_ids unused), and every stage but the last returns an IntermediateTensors."""
         if self.cpu_forward is not None:
-            return self.cpu_forward.forward(input_ids, positions, meta, output_rows, num_layers)
-        hidden = self.embed_tokens(input_ids)
-        residual = None
+            return self.cpu_forward.forward(input_ids, positions, meta, output_rows, num_layers, intermediate)
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
         # MoE token counters skip CUDA-graph padding tokens (slot -1)
         token_valid = meta.slot_mapping >= 0 if self.moe_blocks else None
         for layer in self.layers[:num_layers]:
             hidden, residual = layer(positions, hidden, residual, meta, token_valid)
+        if self.norm is None:
+            return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden if output_rows is None else hidden[output_rows]
 
@@ -96,6 +140,7 @@ class CausalLM(nn.Module):
             b.token_counts.zero_()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, vocab_size] (under tensor parallelism gathered from every rank)."""
         return self.lm_head(hidden)
 
     def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -61,3 +61,28 @@ def resolve_model_source(model: str | None) -> ModelSource:
 def read_hf_config(path: str) -> dict:
     with open(os.path.join(path, "config.json")) as f:
         return json.load(f)
+
+
+def load_arch(source: ModelSource):
+    """The model's ArchConfig, from its config.json or its GGUF metadata."""
+    from minivllm.models.arch import ArchConfig
+    if source.kind == "hf":
+        return ArchConfig.from_hf_dict(read_hf_config(source.path))
+    from minivllm.models.gguf_loader import gguf_arch_config, open_gguf
+    return gguf_arch_config(open_gguf(source.path))
+
+
+def resolve_quantization(source: ModelSource, quantization: str | None, device: str):
+    """The model's QuantConfig (its checkpoint's quantization_config, or `quantization`), None if
+    unquantized; FP8 weights need a GPU of compute capability >= 8.9."""
+    from minivllm.config import check
+    from minivllm.quant.config import resolve_quant_config
+    hf_qc = read_hf_config(source.path).get("quantization_config") if source.kind == "hf" else None
+    quant = resolve_quant_config(hf_qc, quantization, source.name)
+    if quant is not None and quant.scheme == "fp8" and device.startswith("cuda"):
+        import torch
+        cap = torch.cuda.get_device_capability(torch.device(device))
+        check(cap >= (8, 9), "quantization",
+              f"{quant.method!r} (FP8 weights) of model {source.name!r} needs a GPU with FP8 (compute capability "
+              f">= 8.9); {torch.cuda.get_device_name(torch.device(device))} is {cap[0]}.{cap[1]}")
+    return quant

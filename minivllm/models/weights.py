@@ -1,4 +1,8 @@
-"""Put HF-named weights into our modules (q/k/v and gate/up go into fused matrices)."""
+"""Put HF-named weights into our modules (q/k/v and gate/up go into fused matrices).
+
+Under tensor parallelism each rank reads only its slice of every sharded tensor straight from the
+file (safetensors slices; GGUF rows dequantized on their own), so no rank ever holds the whole
+model; under pipeline parallelism a stage skips the layers it does not run."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import glob
 import json
 import os
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -20,7 +25,32 @@ _FUSED = {
 }
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointTensor(Protocol):
+    """A tensor of a checkpoint file, read on demand: whole, or a slice along one dimension."""
+
+    shape: tuple[int, ...]
+
+    def read(self, cut: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The whole tensor, or its [start, stop) along dim for cut = (dim, start, stop)."""
+        ...
+
+
+class _SafetensorsTensor:
+    def __init__(self, handle, name: str) -> None:
+        self.handle, self.name = handle, name
+        self.shape = tuple(handle.get_slice(name).get_shape())
+
+    def read(self, cut: tuple[int, int, int] | None = None) -> torch.Tensor:
+        if cut is None:
+            return self.handle.get_tensor(self.name)
+        dim, start, stop = cut  # only these bytes are read
+        index = (slice(None),) * dim + (slice(start, stop),)
+        return self.handle.get_slice(self.name)[index]
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(HF name, tensor read on demand) for every tensor of the directory's files; each must be
+    read before the iteration moves on (its file is closed after its last tensor)."""
     from safetensors import safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -34,18 +64,19 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, _SafetensorsTensor(f, name)
 
 
 def _shard_bounds(model: CausalLM, fused: str, shard: int, target: str) -> tuple[int, int]:
-    """Output features of shard `shard` of the fused parameter `target` (gate_up: two halves as
-    wide as that MLP: a dense layer's intermediate_size, or a MoE shared expert's)."""
-    cfg = model.cfg
+    """Output features of shard `shard` (q, k, v / gate, up) of the fused parameter `target` on
+    this rank (gate_up: two halves as wide as that MLP: a dense layer's share of intermediate_size,
+    or a MoE shared expert's)."""
+    cfg, plan = model.cfg, model.plan
     if fused == "qkv_proj":
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, kv = plan.num_heads * cfg.head_dim, plan.num_kv_heads * cfg.head_dim
         return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
     shared = ".shared_expert." in target and cfg.moe is not None
-    inter = cfg.moe.shared_expert_intermediate_size if shared else cfg.intermediate_size
+    inter = cfg.moe.shared_expert_intermediate_size if shared else plan.intermediate_size
     return [(0, inter), (inter, 2 * inter)][shard]
 
 
@@ -58,17 +89,17 @@ _KV_SCALES = {"self_attn.k_scale": ("k_scale",), "self_attn.v_scale": ("v_scale"
               "self_attn.v_proj.output_scale": ("v_scale",)}
 
 
-def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy every weight into place; raise if a parameter of the model was never written."""
+def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
+    """Copy every weight (or this rank's slice of it) into place; raise if a parameter of the
+    model was never written."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     written: set[str] = set()
-    for hf_name, tensor in weights:
-        name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
-        if "rotary_emb" in name or name.endswith(_SKIP_SUFFIXES):
+    for hf_name, source in weights:
+        name = _local_name(model, params, hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp."))
+        if name is None:  # (Mixtral's MoE block is named block_sparse_moe)
             continue
-        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
-            continue
+        tensor = _read_shard(model, name, source)
         if is_expert_tensor(name):
             written.update(load_expert_tensor(modules, name, tensor, hf_name))
             continue
@@ -85,6 +116,53 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
             _copy(params, name, tensor, hf_name)
             written.add(name)
     _check_all_written(model, params, written)
+
+
+def _local_name(model: CausalLM, params: dict, name: str) -> str | None:
+    """The model's parameter name for a checkpoint name (HF's, "model." removed), None for a
+    tensor this rank does not load: unused ones, a tied LM head, another pipeline stage's."""
+    if "rotary_emb" in name or name.endswith(_SKIP_SUFFIXES):
+        return None
+    tied = model.cfg.tie_word_embeddings
+    if name.startswith("layers."):
+        _, index, rest = name.split(".", 2)
+        local = int(index) - model.layer_start
+        return f"layers.{local}.{rest}" if 0 <= local < len(model.layers) else None
+    if name == "lm_head.weight":
+        return None if tied or model.lm_head is None else _lm_head_param(params)
+    if name == "embed_tokens.weight" and model.embed_tokens is None:
+        # a later pipeline stage of a tied model: its LM head is the embedding
+        return _lm_head_param(params) if tied and model.lm_head is not None else None
+    if name == "norm.weight" and model.norm is None:
+        return None
+    return name
+
+
+def _lm_head_param(params: dict) -> str:
+    return "lm_head.weight" if "lm_head.weight" in params else "lm_head.linear.weight"
+
+
+def _read_shard(model: CausalLM, name: str, source) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor (distributed/sharding.py); rows past the real
+    vocabulary (the padding of a vocabulary-parallel layer) are zeros."""
+    parts = name.split(".")
+    kind = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) >= 2 else parts[0]
+    if kind == "linear":  # lm_head.linear.weight
+        kind = "lm_head"
+    cut = model.plan.checkpoint_slice(kind, model.rank, model.cfg.head_dim)
+    if cut is None or (parts[-1] == "bias" and cut[0] != 0):
+        return source if isinstance(source, torch.Tensor) else source.read()
+    dim, start, length = cut
+    stop = min(start + length, source.shape[dim])
+    if isinstance(source, torch.Tensor):
+        part = source.narrow(dim, start, max(stop - start, 0))
+    else:
+        part = source.read((dim, start, max(stop, start)))
+    if part.shape[dim] < length:
+        pad = list(part.shape)
+        pad[dim] = length - part.shape[dim]
+        part = torch.cat([part, part.new_zeros(pad)], dim)
+    return part
 
 
 def _load_kv_scale(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:

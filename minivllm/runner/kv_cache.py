@@ -13,16 +13,26 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
-def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_shape(of: ArchConfig | torch.nn.Module) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) whose K/V a cache holds: a whole architecture's, or a loaded
+    model's (a rank's: its pipeline stage's layers, its share of the KV heads)."""
+    if isinstance(of, ArchConfig):
+        return of.num_layers, of.num_kv_heads, of.head_dim
+    return len(of.layers), of.layers[0].self_attn.num_kv_heads, of.cfg.head_dim
+
+
+def bytes_per_block(of: ArchConfig | torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    layers, kv_heads, head_dim = kv_shape(of)
     elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+    return 2 * layers * block_size * kv_heads * head_dim * elem
 
 
-def allocate_kv_cache(arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+def allocate_kv_cache(of: ArchConfig | torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    layers, kv_heads, head_dim = kv_shape(of)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(arch.num_layers)]
+            for _ in range(layers)]
 
 
 def format_bytes(n: float) -> str:

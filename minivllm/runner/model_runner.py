@@ -3,6 +3,12 @@
 It keeps a small per-request state (block table, tokens for penalties), turns each
 SchedulerOutput into one flattened batch, runs the model (eagerly or through a captured CUDA
 graph), samples on the device and returns plain Python data (one device-to-host copy a step).
+
+Under tensor/pipeline parallelism there is one runner per rank (executor/worker.py), each given
+the same SchedulerOutput: it holds its shard of the model and of the KV cache, a stage after
+the first receives the step's hidden states from the one before and a stage before the last
+sends them on (returning no tokens); every rank of the last stage samples, from the same
+gathered logits with the same seeded generator, so all of them hold the same tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from torch import nn
 from minivllm.attention.backend import get_attention_backend
 from minivllm.config import EngineConfig
 from minivllm.core.interfaces import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
-from minivllm.models.llama import CausalLM
+from minivllm.core.swap_space import SwapCosts
+from minivllm.distributed.parallel_state import ParallelGroups
+from minivllm.models.llama import CausalLM, IntermediateTensors
 from minivllm.models.loader import build_model
 from minivllm.runner.extra_outputs import ExtraRows, plan_extra_rows, pool, prompt_logprobs
 from minivllm.runner.expert_counts import ExpertCountsReader
@@ -61,6 +69,16 @@ class ForwardStep:
     extras: tuple[dict | None, dict | None] = (None, None)
 
 
+@dataclass(frozen=True)
+class HostKVTiers:
+    """The host pools the runner allocated, in blocks, for the engine's core bookkeeping."""
+
+    num_swap_blocks: int
+    num_offload_blocks: int
+    block_bytes: int  # one block of the whole KV cache (every layer, K and V)
+    swap_costs: SwapCosts  # the swap-or-recompute cost model's estimates
+
+
 @dataclass
 class RunnerRequest:
     block_ids: list[int]
@@ -73,9 +91,13 @@ class RunnerRequest:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel: ParallelGroups | None = None,
+                 device: torch.device | None = None) -> None:
+        """parallel: this rank's process groups (None: world size 1); device: this rank's
+        device (default: config.device)."""
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = device if device is not None else torch.device(config.device)
+        self.parallel = parallel if parallel is not None else ParallelGroups.single(self.device)
         self.dtype = _DTYPES[config.model.dtype]
         # the KV cache's element type: the model's, or float8 e4m3 (kv_cache_dtype="fp8")
         self.kv_dtype = torch.float8_e4m3fn if config.cache.kv_cache_dtype == "fp8" else self.dtype
@@ -97,6 +119,12 @@ class ModelRunner:
         self.timings: dict[str, float] = {}
         self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
         self.lora = None  # lora.manager.LoRAManager with enable_lora
+        self.kv_transfer = None  # kv_transfer.BlockTransferEngine: swap space and offload tier
+        # several engines on one GPU: what was in use before this one loaded (memory.py)
+        self.others_bytes_at_start = 0
+        if config.cache.kv_budget_own_process and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.others_bytes_at_start = total - free
         # batch-invariant mode: the engine seed that per-request seeds derive from (None: off)
         self._invariant_seed = config.model.seed if config.batch_invariant else None
 
@@ -110,7 +138,7 @@ class ModelRunner:
             self.model = model
         else:
             backend = get_attention_backend(self.config.attention_backend)
-            self.model = build_model(self.config.model, backend, self.device, self.dtype)
+            self.model = build_model(self.config.model, backend, self.device, self.dtype, self.parallel)
             self.setup_cpu_model(self.model)
             self._setup_lora()
             if self.config.batch_invariant:
@@ -201,28 +229,60 @@ class ModelRunner:
 
     def init_kv_cache(self) -> int:
         """Size the KV cache from the memory budget, allocate it and hand it to the layers."""
+        return self.allocate_kv_blocks(self.plan_kv_blocks())
+
+    def plan_kv_blocks(self) -> int:
+        """How many KV blocks this rank's budget holds (profiled on a GPU), without allocating."""
+        return plan_num_blocks(self, self._bytes_per_block())
+
+    def _bytes_per_block(self) -> int:
+        """One block's K/V bytes on this rank (its layers, its KV heads), a draft model's included:
+        a draft model's K/V share the target's block ids (spec_decode/model_proposer.py)."""
         draft = self._draft_model()
-        per_block = bytes_per_block(self.arch, self.block_size, self.kv_dtype)
-        if draft is not None:  # a draft model's K/V share the target's block ids (spec_decode/model_proposer.py)
-            per_block += bytes_per_block(draft.cfg, self.block_size, self.kv_dtype)
-        self.num_blocks = plan_num_blocks(self, per_block)
-        self.kv_caches = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        per_block = bytes_per_block(self.model, self.block_size, self.kv_dtype)
+        if draft is not None:
+            per_block += bytes_per_block(draft, self.block_size, self.kv_dtype)
+        return per_block
+
+    def allocate_kv_blocks(self, num_blocks: int) -> int:
+        """Allocate num_blocks blocks (every rank the same number: the executor takes the smallest
+        a rank planned) and hand them to the layers; returns num_blocks."""
+        draft, per_block = self._draft_model(), self._bytes_per_block()
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_cache(self.model, self.num_blocks, self.block_size, self.kv_dtype, self.device)
         for layer, (k, v) in zip(self.model.layers, self.kv_caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
         if draft is not None:
-            self.draft_kv_caches = allocate_kv_cache(draft.cfg, self.num_blocks, self.block_size, self.kv_dtype,
+            self.draft_kv_caches = allocate_kv_cache(draft, self.num_blocks, self.block_size, self.kv_dtype,
                                                      self.device)
             for layer, (k, v) in zip(draft.layers, self.draft_kv_caches):
                 layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
         tokens = self.num_blocks * self.block_size
         if self.kv_dtype != self.dtype:  # the same bytes would hold this many tokens in the model's dtype
-            same_bytes = tokens * per_block // bytes_per_block(self.arch, self.block_size, self.dtype)
+            same_bytes = tokens * per_block // bytes_per_block(self.model, self.block_size, self.dtype)
             logger.info("KV cache (%s, per-tensor scales): %d blocks of %d tokens = %d tokens (%d tokens in %s)",
                         str(self.kv_dtype).removeprefix("torch."), self.num_blocks, self.block_size, tokens,
                         same_bytes, self.config.model.dtype)
         else:
             logger.info("KV cache: %d blocks of %d tokens = %d tokens", self.num_blocks, self.block_size, tokens)
         return self.num_blocks
+
+    def init_kv_transfer(self) -> HostKVTiers:
+        """Host pools for swap preemption and the prefix cache's offload tier (sized in blocks of
+        the whole KV cache, a draft model's included) and the copy engine that serves them."""
+        from minivllm.kv_transfer.block_transfer import make_transfer_engine
+        from minivllm.kv_transfer.cost import estimate_swap_costs
+        pool = [t for kv in self.kv_caches + self.draft_kv_caches for t in kv]
+        cache = self.config.cache
+        self.kv_transfer, num_swap, num_offload = make_transfer_engine(pool, cache.swap_space_bytes,
+                                                                       cache.kv_offloading_bytes)
+        block_bytes = sum(t[0].numel() * t.element_size() for t in pool)
+        if self.kv_transfer is not None:
+            logger.info("KV in host memory: swap space %d blocks, offload tier %d blocks (%s a block)",
+                        num_swap, num_offload, format_bytes(block_bytes))
+        costs = estimate_swap_costs(sum(p.numel() for p in self.model.parameters()), block_bytes,
+                                    self.device.type == "cuda")
+        return HostKVTiers(num_swap, num_offload, block_bytes, costs)
 
     def _draft_model(self) -> CausalLM | None:
         """A separate draft model of speculative decoding (it needs a KV cache of its own)."""
@@ -323,6 +383,9 @@ class ModelRunner:
         """Queue the step's forward only: the host can work out the step's grammar bitmask (it
         needs the previous step's tokens) while the device runs it."""
         self._update_states(sched)
+        if sched.kv_transfers:  # block copies between the KV cache and host memory, before the forward
+            self.kv_transfer.execute(sched.kv_transfers)
+            self.kv_transfer.wait()
         if sched.is_empty:
             return ForwardStep(None, [])
         block_ids = {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled}
@@ -334,14 +397,9 @@ class ModelRunner:
                                    [self.requests[s.req_id].lora_request for s in sched.scheduled],
                                    inputs.input_ids.shape[0])
         extra = plan_extra_rows(sched.scheduled, inputs.meta.query_start_loc_cpu, self.requests)
-        if self._calibrate_kv_pending:  # calculate_kv_scales: this first real step sets the FP8 scales
-            self._calibrate_kv_pending = False
-            for layer in self.model.layers:
-                layer.self_attn.calibrate_kv = True
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta,
-                                output_rows=self._output_rows(inputs, extra))
-        else:
-            hidden = self._forward_sampling_rows(inputs, extra)
+        hidden = self._forward(inputs, extra)
+        if hidden is None:  # a pipeline stage before the last: its output went to the next stage
+            return ForwardStep(None, [])
         num_sampling = inputs.logits_indices.shape[0]
         extras = self._extra_outputs(hidden[num_sampling:], extra)
         return ForwardStep(hidden[:num_sampling], inputs.sampling_req_ids, inputs, extras)
@@ -407,17 +465,42 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _forward_sampling_rows(self, inputs: StepInputs, extra: ExtraRows | None = None) -> torch.Tensor:
-        """The final hidden states of the tokens that sample, then of the extra rows (prompt
-        logprobs, pooling): [len(logits_indices) + len(extra.rows), H]."""
-        hidden = self.graphs.try_run(inputs) if self.graphs is not None else None
+    def _forward(self, inputs: StepInputs, extra: ExtraRows | None = None) -> torch.Tensor | None:
+        """This rank's part of the step's forward: the final hidden states of the sampling rows,
+        then of the extra rows (prompt logprobs, pooling), on the last pipeline stage; None on an
+        earlier one (its output went to the next stage)."""
+        link, rank = self.parallel.pipeline, self.parallel.rank
+        intermediate = None
+        if link is not None and not rank.is_first_stage:
+            intermediate = IntermediateTensors(*link.recv(inputs.input_ids.shape[0], self.arch.hidden_size,
+                                                          self.dtype, self.device))
+        if self._calibrate_kv_pending:  # calculate_kv_scales: this first real step sets the FP8 scales
+            self._calibrate_kv_pending = False
+            for layer in self.model.layers:
+                layer.self_attn.calibrate_kv = True
+            out = self.model(inputs.input_ids, inputs.positions, inputs.meta,
+                             output_rows=self._output_rows(inputs, extra), intermediate=intermediate)
+        else:
+            out = self._forward_sampling_rows(inputs, extra, intermediate)
+        if isinstance(out, IntermediateTensors):
+            link.send(out.hidden, out.residual)
+            return None
+        return out
+
+    def _forward_sampling_rows(self, inputs: StepInputs, extra: ExtraRows | None = None,
+                               intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """The final hidden states of the tokens that sample, then of the extra rows:
+        [len(logits_indices) + len(extra.rows), H] (a stage before the last: every token's
+        IntermediateTensors)."""
+        graphs = self.graphs if intermediate is None else None
+        hidden = graphs.try_run(inputs) if graphs is not None else None
         # as many logits rows as tokens: every token, in order (decode, or verify steps of drafts)
         every_token = extra is None and inputs.logits_indices.shape[0] == inputs.input_ids.shape[0]
         rows = None if every_token else self._output_rows(inputs, extra)
         if hidden is not None:
             return hidden if rows is None else hidden[rows]
         # only the sampling rows (the CPU forward then skips the last layer's work for the others)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta, output_rows=rows)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, output_rows=rows, intermediate=intermediate)
 
     def _launch_sampling(self, hidden: torch.Tensor, req_ids: list[str],
                          grammar: GrammarBitmask | None = None) -> LaunchedStep:
@@ -427,7 +510,7 @@ class ModelRunner:
         # ~11 ms for the LM head and argmax at 32 rows). Elsewhere the logits come first, as the
         # batch's device copies are queued behind them.
         logits = None if self.device.type == "cpu" else self.model.compute_logits(hidden)
-        vocab_size = logits.shape[-1] if logits is not None else self.model.lm_head.out_features
+        vocab_size = logits.shape[-1] if logits is not None else self.model.vocab_size
         batch = SamplingBatch.build(states, vocab_size, self.device, self.generator)
         if logits is None and batch.argmax_of_raw_logits and grammar is None:
             out = SamplerOutput(self.model.compute_greedy_tokens(hidden))
@@ -500,12 +583,23 @@ class ModelRunner:
         holds), before the LM head and sampling (CUDA only; 0 elsewhere)."""
         from minivllm.runner.profile import dummy_step_inputs
         inputs = dummy_step_inputs(num_tokens, num_seqs, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta,
+                            intermediate=self._dummy_intermediate(inputs.input_ids.shape[0]))
         forward_peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
+        if isinstance(hidden, IntermediateTensors):  # a pipeline stage before the last
+            return forward_peak
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         states = [SamplingRequestState(_profile_params(), [0], [], frozenset(), 0) for _ in range(num_seqs)]
         self.sampler(logits, SamplingBatch.build(states, logits.shape[-1], self.device, self.generator))
         return forward_peak
+
+
+    def _dummy_intermediate(self, num_tokens: int) -> IntermediateTensors | None:
+        """What a later pipeline stage starts a synthetic step from (zeros; None on the first)."""
+        if self.parallel.rank.is_first_stage:
+            return None
+        zeros = torch.zeros(num_tokens, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        return IntermediateTensors(zeros, zeros.clone())
 
 
 def _token_logprobs(states: list[SamplingRequestState], host: HostSamplerOutput) -> list[list[TokenLogprobs] | None] | None:

@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 def load_draft_model(path: str, runner):
     """The draft CausalLM at `path` for the runner's target (raises ValueError naming the field)."""
     from minivllm.attention.backend import get_attention_backend
-    from minivllm.engine.config_builder import load_arch
+    from minivllm.models.source import load_arch
     from minivllm.models.loader import build_model
     from minivllm.models.source import resolve_model_source
     target = runner.config.model
@@ -27,7 +27,7 @@ def load_draft_model(path: str, runner):
         raise ValueError(f"speculative_config.model: the draft {path!r} handles {arch.max_position_embeddings} "
                          f"positions, fewer than max_model_len={target.max_model_len}")
     # the draft's own quantization (its checkpoint's quantization_config), not the target's
-    from minivllm.engine.config_builder import resolve_quantization
+    from minivllm.models.source import resolve_quantization
     quant = resolve_quantization(source, None, runner.config.device)
     cfg = dataclasses.replace(target, model=path, source_kind=source.kind, source_path=source.path,
                               served_name=source.name, arch=arch, load_format="auto", quantization=quant)

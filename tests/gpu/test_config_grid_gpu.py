@@ -14,10 +14,10 @@ MAX_MODEL_LEN = 128
 
 @pytest.fixture(scope="module")
 def grid():
-    from minivllm.config import EngineConfig
+    from minivllm.engine.config_builder import build_engine_config
     from minivllm.engine.tokenizer import load_tokenizer
     points = [p for path in GPU_PATHS for p in quick_grid(path, MAX_MODEL_LEN)]
-    cfg = EngineConfig.create(device="cuda", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    cfg = build_engine_config(device="cuda", dtype="float32", max_model_len=MAX_MODEL_LEN)
     requests = grid_requests(load_tokenizer(cfg.model), MAX_MODEL_LEN, {p.block_size for p in points},
                              {p.max_num_batched_tokens for p in points})
     return GridRunner(requests, MAX_MODEL_LEN, device="cuda", dtype="float32"), points

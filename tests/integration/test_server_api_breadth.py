@@ -26,7 +26,7 @@ def adapter_dirs(hf_model, tmp_path_factory):
     from test_lora import make_adapter
     root = tmp_path_factory.mktemp("server_loras")
     make_adapter(hf_model, root / "a", seed=1, rank=8)
-    make_adapter(hf_model, root / "b", seed=2, rank=4, targets=["q_proj", "v_proj", "down_proj"])
+    make_adapter(hf_model, root / "b", seed=3, rank=8)
     return str(root / "a"), str(root / "b")
 
 
@@ -127,13 +127,13 @@ def test_embeddings(client, server, offline):
 def test_lora_by_name_and_at_run_time(client, server, offline, adapter_dirs):
     models = [m.id for m in client.models.list().data]
     assert models == [server[1], "sql"]
-    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     refs = [offline.generate([PROMPT], greedy, use_tqdm=False, lora_request=lora)[0].outputs[0].text
             for lora in (None, LoRARequest("a", 1, adapter_dirs[0]), LoRARequest("b", 2, adapter_dirs[1]))]
     assert len(set(refs)) == 3
 
     def complete(model):
-        return client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text
 
     assert complete(server[1]) == refs[0] and complete("sql") == refs[1]

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import EngineConfig
+from minivllm.engine.config_builder import build_engine_config
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.models.source import default_gguf_path
 
@@ -58,7 +58,7 @@ def _spec_llm(model, cfg: dict, medusa_dir: str | None = None, **kw) -> LLM:
     cfg = dict(cfg)
     if "model" in cfg:
         cfg["model"] = medusa_dir if cfg.get("method") == "medusa" else default_gguf_path()
-    config = EngineConfig.create(dtype="float32", device="cpu", speculative_config=cfg, **kw)
+    config = build_engine_config(dtype="float32", device="cpu", speculative_config=cfg, **kw)
     llm = LLM.__new__(LLM)
     llm.llm_engine = LLMEngine(config, model=model)
     return llm
@@ -162,7 +162,7 @@ def test_aborts_leak_nothing(base):
 ])
 def test_bad_configurations_fail_at_startup(cfg, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig.create(dtype="float32", device="cpu", speculative_config=cfg)
+        build_engine_config(dtype="float32", device="cpu", speculative_config=cfg)
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path, base):
@@ -170,7 +170,7 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path, base):
     cfg = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8192)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    config = EngineConfig.create(dtype="float32", device="cpu",
+    config = build_engine_config(dtype="float32", device="cpu",
                                  speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="vocabulary of 1000 tokens"):
         LLMEngine(config, model=base[0])
@@ -178,7 +178,7 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path, base):
 
 def test_async_scheduling_with_speculation_is_refused():
     with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig.create(dtype="float32", device="cpu", async_scheduling=True,
+        build_engine_config(dtype="float32", device="cpu", async_scheduling=True,
                             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
@@ -213,6 +213,6 @@ def test_server_with_speculation_and_its_metrics(base):
 
 
 def base_tokenizer_decode(ids: list[int]) -> str:
-    from minivllm.config import EngineConfig
+    from minivllm.engine.config_builder import build_engine_config
     from minivllm.engine.tokenizer import load_tokenizer
-    return load_tokenizer(EngineConfig.create(dtype="float32", device="cpu").model).decode(ids, skip_special_tokens=True)
+    return load_tokenizer(build_engine_config(dtype="float32", device="cpu").model).decode(ids, skip_special_tokens=True)

@@ -168,11 +168,11 @@ def test_tool_messages_go_through_the_chat_template():
     message with its tool_call_id, and the tools themselves."""
     import copy
 
-    from minivllm.config import EngineConfig
+    from minivllm.engine.config_builder import build_engine_config
     from minivllm.engine.tokenizer import load_tokenizer
     from minivllm.server.protocol import ChatMessage
     from minivllm.server.serving_chat import chat_prompt_ids
-    tok = copy.deepcopy(load_tokenizer(EngineConfig.create(device="cpu").model))
+    tok = copy.deepcopy(load_tokenizer(build_engine_config(device="cpu").model))
     tok.chat_template = TOOL_TEMPLATE
     msgs = [ChatMessage(**m) for m in [
         {"role": "user", "content": "Weather?"},

@@ -21,9 +21,9 @@ from minivllm.structured.manager import StructuredOutputManager  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from minivllm.config import EngineConfig
+    from minivllm.engine.config_builder import build_engine_config
     from minivllm.engine.tokenizer import load_tokenizer
-    return load_tokenizer(EngineConfig.create(device="cpu").model)
+    return load_tokenizer(build_engine_config(device="cpu").model)
 
 
 def _manager(tok, vocab=None, reasoning=None) -> StructuredOutputManager:

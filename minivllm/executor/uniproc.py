@@ -1,5 +1,4 @@
-"""Executors run the model runner: in-process now; a tensor-parallel executor would broadcast
-the same plain SchedulerOutput to one runner per GPU and return rank 0's RunnerOutput."""
+"""The in-process executor: one runner in the engine's own process (world size 1)."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ class UniProcExecutor:
         self.runner = ModelRunner(config)
         self.runner.load_model(model)
         self.num_blocks = self.runner.init_kv_cache()
+        self.host_kv = self.runner.init_kv_transfer()  # swap space and KV offload tier, in blocks
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_kernels()
         self.runner.expert_counts.reset()  # count requests' tokens only, not the startup passes
@@ -34,6 +34,9 @@ class UniProcExecutor:
     def finish(self, launched) -> RunnerOutput:
         return self.runner.finish(launched)
 
+    def check_health(self) -> None:
+        pass  # the runner lives and dies with this process
+
     def expert_token_counts(self) -> tuple[int, ...] | None:
         """A MoE model's tokens routed to each expert (summed over its layers), as of up to a
         second ago; None for a dense model."""
@@ -41,8 +44,3 @@ class UniProcExecutor:
 
     def shutdown(self) -> None:
         pass
-
-
-def make_executor(config: EngineConfig, model=None) -> UniProcExecutor:
-    """model: an already loaded CausalLM of the same model config to reuse (see LLMEngine)."""
-    return UniProcExecutor(config, model)

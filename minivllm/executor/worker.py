@@ -1,0 +1,169 @@
+"""One rank: its device, its shard of the model and of the KV cache, and its runner.
+
+`Worker` is the same for both distributed executors (mp: in a process started by
+`python -m minivllm.executor.worker`, see `main`; ray: inside a Ray actor). Its life:
+
+    Worker(config, rank, init_method, device_index)   join the process groups
+    load() -> planned KV blocks                        load this rank's shard, size its budget
+    init_kv(num_blocks)                                the executor's minimum over every rank
+    launch(sched) / finish(launched)                   every step, on every rank, in order
+    shutdown()
+
+The mp process loop (`serve`): one pickled ("step", SchedulerOutput, GrammarBitmask | None)
+message per step arrives on the connection (the bitmask only for a step with constrained rows) (the executor pickles it once and writes the same bytes to every rank); the
+driver rank (last stage, TP rank 0) answers each with ("out", RunnerOutput); the other ranks
+answer nothing. Any exception is sent as ("error", traceback) and the process exits; a closed
+connection (the engine is gone) makes it exit too, so no worker outlives its engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import traceback
+
+import torch
+
+from minivllm.config import EngineConfig
+from minivllm.core.interfaces import RunnerOutput, SchedulerOutput
+from minivllm.distributed.sharding import RankInfo
+from minivllm.structured.bitmask import GrammarBitmask
+
+logger = logging.getLogger(__name__)
+
+AUTHKEY_ENV = "MINIVLLM_WORKER_AUTHKEY"  # the executor's connection key (hex), never on a command line
+
+
+def rank_device(config: EngineConfig, rank: int, device_index: int | None = None) -> torch.device:
+    """CPU, or the rank's GPU: by default GPU dp_rank * world_size + rank of this machine (Ray
+    gives each actor its own GPU, index 0 of what it sees)."""
+    if not config.device.startswith("cuda"):
+        return torch.device("cpu")
+    if device_index is None:
+        device_index = config.parallel.data_parallel_rank * config.parallel.world_size + rank
+    return torch.device("cuda", device_index)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int, init_method: str, device_index: int | None = None,
+                 cpu_threads: int | None = None) -> None:
+        from minivllm.distributed.parallel_state import ParallelGroups, init_distributed
+        from minivllm.runner.model_runner import ModelRunner
+        p = config.parallel
+        self.rank = RankInfo.of(rank, p.tensor_parallel_size, p.pipeline_parallel_size)
+        device = rank_device(config, rank, device_index)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        elif cpu_threads is not None:
+            torch.set_num_threads(cpu_threads)  # the ranks share the machine's cores
+        self.parallel = (init_distributed(self.rank, init_method, device) if self.rank.world_size > 1
+                         else ParallelGroups.single(device))
+        self.runner = ModelRunner(config, self.parallel, device)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank.is_driver
+
+    def load(self) -> int:
+        """Load this rank's shard; returns the KV blocks this rank's budget holds."""
+        self.runner.load_model()
+        return self.runner.plan_kv_blocks()
+
+    def init_kv(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_blocks(num_blocks)
+        self.runner.capture_cuda_graphs()
+        self.runner.warm_up_kernels()
+
+    def launch(self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None):
+        return self.runner.launch_sampling(self.runner.launch_forward(sched), grammar)
+
+    def finish(self, launched) -> RunnerOutput | None:
+        """Every rank takes in its step (sampling state); only the driver's output goes back."""
+        out = self.runner.finish(launched)
+        return out if self.is_driver else None
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
+        return self.finish(self.launch(sched))
+
+    def shutdown(self) -> None:
+        from minivllm.distributed.parallel_state import destroy_distributed
+        if self.parallel.pipeline is not None:
+            self.parallel.pipeline.flush()
+        destroy_distributed()
+
+
+def serve(conn, worker: Worker, overlap: bool) -> None:
+    """The step loop of an mp worker (see the module docstring). overlap (async scheduling):
+    a step queued behind this one is launched before this one is finished, as the in-process
+    engine does, so the device never waits for the connection."""
+    pending = None
+    while True:
+        if pending is not None and not (overlap and conn.poll()):
+            _reply(conn, worker.finish(pending))
+            pending = None
+        msg = pickle.loads(conn.recv_bytes())
+        if msg[0] == "stop":
+            break
+        launched = worker.launch(msg[1], msg[2])
+        if pending is not None:
+            _reply(conn, worker.finish(pending))
+        pending = launched
+    if pending is not None:
+        _reply(conn, worker.finish(pending))
+
+
+def _reply(conn, out: RunnerOutput | None) -> None:
+    if out is not None:
+        conn.send_bytes(pickle.dumps(("out", out), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def main(argv: list[str]) -> int:
+    """python -m minivllm.executor.worker HOST PORT RANK: connect to the executor, then run."""
+    from multiprocessing.connection import Client
+    import faulthandler
+    import signal
+    host, port, rank = argv[0], int(argv[1]), int(argv[2])
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a stuck rank is
+    _exit_with_parent()
+    conn = Client((host, port), authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
+    conn.send(("hello", rank, os.getpid()))
+    try:
+        _, config, init_method, cpu_threads, log_level = conn.recv()
+        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+        worker = Worker(config, rank, init_method, cpu_threads=cpu_threads)
+        conn.send(("planned", worker.load()))
+        worker.init_kv(conn.recv()[1])
+        conn.send(("ready",))
+        serve(conn, worker, overlap=config.async_scheduling)
+    except (EOFError, ConnectionError):
+        os._exit(0)  # the engine is gone: nobody to answer (and no peer to wait for)
+    except BaseException:  # noqa: BLE001 - the executor must hear what killed this rank
+        logger.exception("worker rank %d failed", rank)
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except (OSError, EOFError):
+            pass
+        os._exit(1)  # no clean-up that could wait on a peer stuck in a collective
+    worker.shutdown()  # a clean stop: every step is done, every send was received
+    return 0
+
+
+def _exit_with_parent(interval_s: float = 1.0) -> None:
+    """A watchdog thread: when the engine's process is gone (this process is reparented), exit at
+    once, wherever the main thread is blocked (a collective waiting on a peer, loading)."""
+    import threading
+    import time
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="minivllm-parent-watchdog", daemon=True).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
