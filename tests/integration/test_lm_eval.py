@@ -54,9 +54,10 @@ def test_lm_eval_local_completions(llm_and_server, tmp_path, monkeypatch):
         lls = [r[0][0] for r in s["resps"]]
         want = []
         for choice in doc["choices"]:
-            # as lm-eval's API models do: context and continuation encoded apart, then joined
+            # as lm-eval does: the continuation is target_delimiter (" ") + the choice, encoded
+            # apart from the context, then joined
             ctx = tokenizer.encode(doc["question"], add_special_tokens=False)
-            full = ctx + tokenizer.encode(choice, add_special_tokens=False)
+            full = ctx + tokenizer.encode(" " + choice, add_special_tokens=False)
             out = oracle.generate([{"prompt_token_ids": full}], params, use_tqdm=False)[0]
             want.append(sum(out.prompt_logprobs[p][full[p]].logprob for p in range(len(ctx), len(full))))
         assert lls == pytest.approx(want, abs=1e-3)
