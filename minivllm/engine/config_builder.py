@@ -178,7 +178,6 @@ def resolve_parallel(arch: ArchConfig, device: str, tp: int, pp: int, dp: int, b
     check(backend != "uni" or world == 1, "distributed_executor_backend",
           f"'uni' runs one rank in the engine's process; tensor_parallel_size x pipeline_parallel_size = {world} "
           "needs 'mp' or 'ray'")
-    check(backend != "ray", "distributed_executor_backend", "'ray' is not available yet; use 'mp'")
     check(arch.num_heads % tp == 0, "tensor_parallel_size",
           f"must divide the model's number of attention heads ({arch.num_heads}), got {tp}")
     kv = arch.num_kv_heads
