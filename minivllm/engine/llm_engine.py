@@ -55,6 +55,8 @@ class EngineStats:
     # MoE models: tokens routed to each expert, summed over the layers (refreshed about once a
     # second, runner/expert_counts.py); None for dense models
     expert_token_counts: tuple[int, ...] | None = None
+    # data parallelism (engine/dp_engine.py): each replica's own stats; the fields above are their sum
+    replicas: tuple[EngineStats, ...] = ()
 
 
 class LLMEngine:
@@ -112,7 +114,8 @@ class LLMEngine:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
-        return cls(build_engine_config(**kwargs))
+        """An engine, or data_parallel_size > 1 replicas behind the same interface."""
+        return make_engine(build_engine_config(**kwargs))
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.config.model.arch.eos_token_ids)
@@ -376,3 +379,11 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+
+
+def make_engine(config: EngineConfig):
+    """LLMEngine, or a DataParallelEngine of data_parallel_size LLMEngines (same interface)."""
+    if config.parallel.data_parallel_size > 1:
+        from minivllm.engine.dp_engine import DataParallelEngine
+        return DataParallelEngine(config)
+    return LLMEngine(config)
