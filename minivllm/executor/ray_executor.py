@@ -22,7 +22,7 @@ import time
 
 from minivllm.config import EngineConfig
 from minivllm.core.interfaces import RunnerOutput, SchedulerOutput
-from minivllm.executor.errors import ExecutorDeadError
+from minivllm.executor.errors import DeathLatch
 from minivllm.structured.bitmask import GrammarBitmask
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,9 @@ def _actor_class(config: EngineConfig):
     return ray.remote(**resources)(RankActor)
 
 
-class RayExecutor:
+class RayExecutor(DeathLatch):
+    _name = "ray executor"
+
     def __init__(self, config: EngineConfig) -> None:
         import ray
         self.config = config
@@ -89,7 +91,6 @@ class RayExecutor:
         self._pg = None
         self._steps: dict[int, list] = {}
         self._launched = 0
-        self._dead: ExecutorDeadError | None = None
         self._last_health = 0.0
         try:
             self._start()
@@ -171,16 +172,8 @@ class RayExecutor:
             self._last_health = now
             self._get([a.ping.remote() for a in self._actors], timeout_s=60.0)
 
-    def _raise_if_dead(self) -> None:
-        if self._dead is not None:
-            raise self._dead
-
-    def _fail(self, reason: str):
-        if self._dead is None:
-            self._dead = ExecutorDeadError(reason)
-            logger.error("ray executor: %s", reason)
-            self._kill_actors()  # the others may wait in a collective
-        raise self._dead
+    def _stop_ranks(self) -> None:
+        self._kill_actors()
 
     def _kill_actors(self) -> None:
         import ray

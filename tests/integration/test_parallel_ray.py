@@ -4,14 +4,12 @@ tokens equal one rank's, and a killed rank fails every request."""
 
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from minivllm import LLM, SamplingParams  # noqa: E402
+from minivllm import LLM, SamplingParams
+from minivllm.server.testing import pid_gone  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 33, 7], list(range(3, 40)), [100, 200, 300], [7] * 20]
 
@@ -61,15 +59,5 @@ def test_tp2_across_two_nodes_equals_one_rank(tiny_llama, two_nodes):
         assert engine.dead_error is not None
     finally:
         llm.llm_engine.shutdown()
-    assert all(_gone(pid) for pid in executor.worker_pids)  # (both nodes are this machine)
+    assert all(pid_gone(pid) for pid in executor.worker_pids)  # (both nodes are this machine)
 
-
-def _gone(pid: int, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.2)
-    return False
