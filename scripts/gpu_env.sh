@@ -8,6 +8,11 @@ export PYTHONUNBUFFERED=1
 [ -d .vllm ] && bash scripts/vllm_stage.sh | tail -2
 [ -d .gpu ] && bash scripts/gguf_stage.sh
 _pp=$(pwd):/tmp/gguf-site
+# single wheels carried in .whl (e.g. gguf alone, for the default model without vLLM's site)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && _pp=$_pp:/tmp/site
+elif [ -d /tmp/site ]; then _pp=$_pp:/tmp/site; fi
 [ -f /tmp/vllm-site/.minivllm-installed ] && _pp=$_pp:/tmp/vllm-site
 export PYTHONPATH=$_pp${PYTHONPATH:+:$PYTHONPATH}
 unset _pp
