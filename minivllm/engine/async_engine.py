@@ -328,6 +328,7 @@ class AsyncEngine(EngineClient):
                     return None
                 self._cond.wait(self._wait_timeout())
                 self._maybe_expire_drain()
+                self.engine.check_health()  # idle: a rank that died fails the engine now (raises)
             items = list(self._commands)
             self._commands.clear()
         cmds = _Commands()
