@@ -44,6 +44,14 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, per-tensor scales)
     calculate_kv_scales: bool = False  # fp8: scales from the first step's K/V (else checkpoint or 1.0)
     prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (core/block_hash.py)
+    # KV in host memory (kv_transfer/): swap preemption's pool (swap_space GiB), its mode ("swap",
+    # "recompute", None: per request by cost) and the prefix cache's offload tier (kv_offloading_size GiB)
+    swap_space_bytes: int = 0
+    preemption_mode: str | None = None
+    kv_offloading_bytes: int = 0
+    # several models on one GPU (server/multi_model.py): gpu_memory_utilization is this engine's
+    # share of the GPU, and memory other processes held when it started is not its to count
+    kv_budget_own_process: bool = False
 
 
 @dataclass(frozen=True)

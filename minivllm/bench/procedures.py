@@ -105,7 +105,7 @@ def timed_run(adapter: Adapter, wl: Workload, prepared: list, want_ttft: bool, l
 def run_throughput(adapter: Adapter, wl: Workload, repeats: int = 1, want_ttft: bool | None = None) -> dict:
     """W1 / W1-8B / W4: a short warm-up call, then one generate over every request (timed);
     repeats > 1 adds runs after reset_prefix_cache(). The figure is the first timed run."""
-    want_ttft = (wl.name == "W4") if want_ttft is None else want_ttft
+    want_ttft = (wl.name in ("W4", "W12")) if want_ttft is None else want_ttft
     prepared = adapter.prepare(wl.params)
     warm = warm_up(adapter, wl)
     runs = [timed_run(adapter, wl, prepared, want_ttft, "run1 (after warm-up, prefix cache reset)")]

@@ -72,6 +72,10 @@ class MinivllmAdapter:
             return {}
         details = {"model_param_bytes_measured": param_bytes(model)}
         s = self.engine_obj.get_stats()
+        if s.num_preemptions or s.kv_transfer_bytes:  # W12
+            details["kv_tiers"] = {k: getattr(s, k) for k in (
+                "num_preemptions", "num_blocks_swapped_out", "num_blocks_swapped_in", "offload_hit_blocks",
+                "offload_stored_blocks", "kv_transfer_bytes", "prefix_cache_queries", "prefix_cache_hits")}
         if s.spec_num_drafts:
             details["spec_decode"] = {"num_drafts": s.spec_num_drafts, "num_draft_tokens": s.spec_num_draft_tokens,
                                       "num_accepted_tokens": s.spec_num_accepted_tokens,
@@ -129,6 +133,8 @@ def add_minivllm_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="explicit KV budget (CPU default 1 GiB)")
+    p.add_argument("--preemption-mode", default=None, choices=["swap", "recompute"], help="W12")
+    p.add_argument("--swap-space", type=float, default=None, help="W12: GiB of host memory for swap preemption")
 
 
 def engine_kwargs(args) -> dict:
@@ -136,7 +142,8 @@ def engine_kwargs(args) -> dict:
     kw = {"max_model_len": args.max_model_len, "dtype": args.dtype, "device": args.device,
           "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
           "enable_prefix_caching": args.enable_prefix_caching, "seed": args.seed, "block_size": args.block_size}
-    for k in ("attention_backend", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+    for k in ("attention_backend", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+              "preemption_mode", "swap_space"):
         if getattr(args, k, None) is not None:
             kw[k] = getattr(args, k)
     return dict(kw, **quant_engine_kwargs(args))
@@ -175,7 +182,7 @@ def _on_gpu(device: str) -> bool:
 def add_parsers(sub) -> None:
     from minivllm.bench.common import add_common_engine_args, add_workload_args
     t = sub.add_parser("throughput", help="W1 / W1-8B / W4 offline throughput on dummy weights")
-    add_workload_args(t, ["W1", "W1-8B", "W4", "W10"], "W1")
+    add_workload_args(t, ["W1", "W1-8B", "W4", "W10", "W12"], "W1")
     add_common_engine_args(t)
     add_minivllm_engine_args(t)
     t.set_defaults(bench_func=cmd_throughput)

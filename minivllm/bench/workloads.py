@@ -44,7 +44,7 @@ WARMUP_PARAMS = {"max_tokens": 16}
 
 # workload name -> bundled model config (minivllm/bench/configs/<name>/config.json)
 DEFAULT_MODEL = {"W1": "qwen3-0.6b", "W1-8B": "qwen3-8b", "W2": "llama-3.1-8b", "W4": "qwen3-8b",
-                 "W6": "qwen3-0.6b", "W10": "qwen3-30b-a3b", "W10-decode": "qwen3-30b-a3b"}
+                 "W6": "qwen3-0.6b", "W10": "qwen3-30b-a3b", "W10-decode": "qwen3-30b-a3b", "W12": "qwen3-8b"}
 
 
 @dataclass
@@ -165,6 +165,25 @@ def w4(model_config: str | None = None) -> Workload:
                     W4_NUM_REQUESTS * W4_OUTPUT_LEN, {"shared_prefix_len": W4_PREFIX_LEN, "suffix_len": W4_SUFFIX_LEN})
 
 
+# ---- W12: KV pressure (16 shared prefixes, more than the device KV cache holds) ------------------------
+W12_NUM_PREFIXES = 16
+W12_NUM_REQUESTS = 512
+W12_SEED = 12
+
+
+def w12(model_config: str | None = None) -> Workload:
+    rng = random.Random(W12_SEED)
+    prefixes = [[rng.randint(*W1_TOKEN_RANGE) for _ in range(W4_PREFIX_LEN)] for _ in range(W12_NUM_PREFIXES)]
+    prompts = [prefixes[i % W12_NUM_PREFIXES] + [rng.randint(*W1_TOKEN_RANGE) for _ in range(W4_SUFFIX_LEN)]
+               for i in range(W12_NUM_REQUESTS)]  # round-robin over the prefixes
+    params = [{"temperature": 0.0, "ignore_eos": True, "max_tokens": W4_OUTPUT_LEN} for _ in prompts]
+    return Workload("W12", model_config or DEFAULT_MODEL["W12"], prompts, params, W1_MAX_MODEL_LEN,
+                    "512 requests = one of 16 random 2,000-token prefixes in round-robin order + a unique random "
+                    "64-token suffix (Random(12)); 128 output tokens, greedy, ignore_eos; run with a KV cache that "
+                    "holds about 4 prefixes (kv_cache_memory_bytes)", W12_NUM_REQUESTS * W4_OUTPUT_LEN,
+                    {"shared_prefix_len": W4_PREFIX_LEN, "num_prefixes": W12_NUM_PREFIXES, "suffix_len": W4_SUFFIX_LEN})
+
+
 # ---- W5: CPU default (real SmolLM2, chat prompts) -------------------------------------------------------
 W5_SYSTEM = "You are a helpful assistant."
 W5_QUESTIONS = [
@@ -237,7 +256,9 @@ def get(name: str, model_config: str | None = None) -> Workload:
         return w2(model_config, name)
     if name == "W4":
         return w4(model_config)
-    raise ValueError(f"workload must be one of W1, W1-8B, W2, W4, W10, W10-decode, got {name!r}")
+    if name == "W12":
+        return w12(model_config)
+    raise ValueError(f"workload must be one of W1, W1-8B, W2, W4, W10, W10-decode, W12, got {name!r}")
 
 
 def warmup_workload(vocab_size: int | None = None) -> tuple[list[dict], list[dict]]:

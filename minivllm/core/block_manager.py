@@ -9,6 +9,9 @@ core/block_hash.py), registered once its tokens are computed.
 A freed block keeps its hash and stays findable until it is reused: the free queue is LRU by
 release time, and a request releases its tail blocks first so they are evicted first.
 
+With an offload tier (core/offload_cache.py) an evicted block's content is copied to host memory
+first, and a prefix that continues there is loaded back into free blocks.
+
 Invariant (tested): every block is either referenced (ref_cnt > 0) or in the free queue, never both.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minivllm.core.block_hash import BlockHash, block_hash_fn, extra_key, sha256_block
+from minivllm.core.offload_cache import OffloadCache
 from minivllm.core.request import Request
 
 
@@ -76,8 +80,11 @@ def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...], extra:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, hash_algo: str = "sha256") -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, hash_algo: str = "sha256",
+                 offload: OffloadCache | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
+        assert offload is None or enable_caching, "the offload tier extends the prefix cache"
+        self.offload = offload
         self.block_size = block_size
         self.enable_caching = enable_caching
         self._hash = block_hash_fn(hash_algo)
@@ -148,10 +155,41 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
+        if self.offload is not None and len(hits) < max_blocks:
+            hits += self._load_offloaded(req.block_hashes[len(hits):max_blocks], hits)
         if self.enable_caching:
             self.prefix_queries += req.num_tokens
             self.prefix_hits += len(hits) * self.block_size
         return hits
+
+    def _load_offloaded(self, hashes: list[BlockHash], hits: list[KVBlock]) -> list[KVBlock]:
+        """The prefix's next blocks found in the offload tier (or, past the first, on the device
+        again), the host ones loaded into free blocks (the copies go into this step's
+        SchedulerOutput). Loaded blocks join the cache as free, findable blocks, so a request that
+        then does not fit still finds them next step. The blocks found are held meanwhile, so that
+        taking free blocks never evicts them."""
+        found: list[KVBlock] = []
+        if not hashes or hashes[0] not in self.offload:
+            return found
+        for block in hits:
+            self._touch(block)
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                # one free block always stays, for at least one token of the request itself
+                if h not in self.offload or self.num_free_blocks <= 1:
+                    break
+                block = self._pop_free()
+                self.offload.load(h, block.block_id)
+                block.block_hash = h
+                self.cached[h] = block
+                block.ref_cnt = 1
+            else:
+                self._touch(block)
+            found.append(block)
+        for block in hits + found:  # back to the free queue's tail if unused: evicted last
+            self._release_block(block)
+        return found
 
     # ---- allocation -----------------------------------------------------------------------
     def can_allocate(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = ()) -> bool:
@@ -197,6 +235,8 @@ class BlockManager:
         if block.block_hash is not None:  # evict: the cached content is about to be overwritten
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.offload is not None:  # ... copied to host memory first
+                    self.offload.store(block.block_hash, block.block_id)
             block.block_hash = None
         return block
 
@@ -231,14 +271,17 @@ class BlockManager:
         table = self.req_blocks.pop(req.request_id, [])
         self.num_registered.pop(req.request_id, None)
         for block in reversed(table):
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0
-            if block.ref_cnt == 0:
-                if not self.enable_caching and block.block_hash is not None:
-                    # sharing among siblings only: forget the content once nobody uses it
-                    self.cached.pop(block.block_hash, None)
-                    block.block_hash = None
-                self.free_queue.append(block)
+            self._release_block(block)
+
+    def _release_block(self, block: KVBlock) -> None:
+        block.ref_cnt -= 1
+        assert block.ref_cnt >= 0
+        if block.ref_cnt == 0:
+            if not self.enable_caching and block.block_hash is not None:
+                # sharing among siblings only: forget the content once nobody uses it
+                self.cached.pop(block.block_hash, None)
+                block.block_hash = None
+            self.free_queue.append(block)
 
     def forget_unwritten(self, req: Request, from_token: int) -> None:
         """A step that was to write the request's K/V from token `from_token` on failed: its
@@ -260,6 +303,8 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.offload is not None:
+            self.offload.clear()
         return True
 
     def block_ids(self, req_id: str) -> list[int]:

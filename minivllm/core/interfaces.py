@@ -39,6 +39,25 @@ class ScheduledRequest:
     num_draft_tokens: int = 0
 
 
+BlockPairs = list[tuple[int, int]]  # (source block id, destination block id)
+
+
+@dataclass
+class KVTransfers:
+    """Block copies between the device KV pool and the host pools (kv_transfer/), made by the
+    runner before the step's forward: every copy to the host first, then every copy to the device
+    (a device block whose content leaves this step may be the destination of one that comes in;
+    the scheduler never reuses in one step a host block that a copy of that step still reads)."""
+
+    swap_out: BlockPairs = field(default_factory=list)  # device -> swap pool (preemption by swapping)
+    offload: BlockPairs = field(default_factory=list)  # device -> offload pool (evicted prefix blocks)
+    swap_in: BlockPairs = field(default_factory=list)  # swap pool -> device (a swapped request resumes)
+    load: BlockPairs = field(default_factory=list)  # offload pool -> device (a prefix hit in host memory)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.offload or self.swap_in or self.load)
+
+
 @dataclass
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -46,6 +65,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)  # dropped too; re-sent as new later
     num_scheduled_tokens: int = 0
+    kv_transfers: KVTransfers | None = None  # block copies to make before the forward (None: none)
 
     @property
     def is_empty(self) -> bool:

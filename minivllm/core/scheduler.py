@@ -8,7 +8,8 @@ waiting requests fill what is left. While requests are decoding, prompt tokens p
 be capped (max_prefill_tokens_with_decodes) so that a prompt arriving mid-stream never stalls
 the decoding requests for one long step. When blocks run out, the lowest-priority running
 request is preempted: its blocks are freed and it is recomputed later (its output so far is
-kept).
+kept), or, with swap space (core/swap_space.py), its computed blocks are copied to host memory
+and copied back when it resumes. Block copies travel in SchedulerOutput.kv_transfers.
 
 num_computed_tokens advances when tokens are scheduled, so the next step can be scheduled while
 this one runs (async scheduling): a token the running step will sample counts as pending
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.interfaces import (
     PLACEHOLDER_TOKEN,
+    KVTransfers,
     NewRequestData,
     RunnerOutput,
     ScheduledRequest,
@@ -37,6 +39,7 @@ from minivllm.core.interfaces import (
 )
 from minivllm.core.queues import RequestQueue, make_request_queue
 from minivllm.core.request import Request, RequestStatus
+from minivllm.core.swap_space import SwapSpace
 
 
 @dataclass(frozen=True)
@@ -107,9 +110,10 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, swap: SwapSpace | None = None) -> None:
         self.limits = limits
         self.block_manager = block_manager
+        self.swap = swap  # swap preemption's host blocks (None: preemption always recomputes)
         self.waiting: RequestQueue = make_request_queue(limits.policy)
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -149,6 +153,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.block_manager.free(req)
+        if self.swap is not None:
+            self.swap.discard(req.request_id)
         if req.grammar is not None:
             req.grammar.release()
         self._in_flight.discard(req.request_id)
@@ -183,7 +189,18 @@ class Scheduler:
         out.num_scheduled_tokens = sum(len(s.token_ids) for s in out.scheduled)
         out.preempted_req_ids |= self._requeued_since_last_step
         self._requeued_since_last_step = set()
+        self._collect_transfers(out)
         return out
+
+    def _collect_transfers(self, out: SchedulerOutput) -> None:
+        """The offload tier's copies of this step join the swaps in out.kv_transfers."""
+        offload = self.block_manager.offload
+        if offload is not None:
+            stores, loads = offload.take_transfers()
+            if stores or loads:
+                out.kv_transfers = out.kv_transfers or KVTransfers()
+                out.kv_transfers.offload += stores
+                out.kv_transfers.load += loads
 
     def _prefill_cap(self) -> int:
         """Prompt tokens this step may carry (see SchedulerLimits.max_prefill_tokens_with_decodes)."""
@@ -275,6 +292,13 @@ class Scheduler:
             if self._must_wait(req):
                 skipped.append(self.waiting.pop())
                 continue
+            if self.swap is not None and req.request_id in self.swap.swapped:
+                n = self._swap_in(req, out, budget)
+                if n == 0:
+                    break  # no room: wait for running requests to finish
+                budget -= n
+                self._prefill_left -= n
+                continue
             cached = self.block_manager.find_cached_prefix(req)
             num_cached = len(cached) * self.block_manager.block_size
             n = req.num_tokens - num_cached
@@ -298,6 +322,22 @@ class Scheduler:
         # (push() would append it behind requests that arrived later)
         for req in reversed(skipped):
             self.waiting.push_front(req)
+
+    def _swap_in(self, req: Request, out: SchedulerOutput, budget: int) -> int:
+        """Resume a swapped request: device blocks for its swapped ones and its next tokens, the
+        swapped ones copied back before the step's forward. Returns the tokens scheduled (0: no room)."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget, self._prefill_left)  # (>= 1 token left)
+        if n <= 0:
+            return 0
+        new_blocks = self.block_manager.allocate(req, n)
+        if new_blocks is None:
+            return 0
+        self.waiting.pop()
+        out.kv_transfers = out.kv_transfers or KVTransfers()
+        out.kv_transfers.swap_in += self.swap.swap_in(req.request_id, new_blocks)
+        self._admit(req, req.num_computed_tokens, out)
+        self._add_scheduled(out, req, n, new_blocks)
+        return n
 
     @staticmethod
     def _must_wait(req: Request) -> bool:
@@ -363,16 +403,24 @@ class Scheduler:
             if req is not None and req.status == RequestStatus.RUNNING:
                 self._preempt(req, None)
                 done.append(req_id)
+            elif req is not None and self.swap is not None and self.swap.discard(req_id):
+                req.num_computed_tokens = 0  # swapped from blocks the failed step never wrote
         return done
 
     def _preempt(self, req: Request, out: SchedulerOutput | None) -> int:
-        """Free the request's blocks and queue it for recompute. Returns the tokens it had been
-        given earlier in this step (back to the budget); out None: outside scheduling (requeue),
-        the next step's output tells the runner."""
+        """Free the request's blocks and queue it for recompute, or swap its computed blocks out
+        (swap space). Returns the tokens it had been given earlier in this step (back to the
+        budget); out None: outside scheduling (requeue), the next step's output tells the runner."""
         self.running.remove(req)
+        given = 0 if out is None else sum(len(s.token_ids) for s in out.scheduled if s.req_id == req.request_id)
+        # tokens whose K/V earlier steps wrote (or are writing: the copies are queued after them);
+        # at least the last known token is computed again, to sample what a step in flight was sampling
+        kept = min(req.num_computed_tokens - given, req.num_tokens - 1)
+        if out is None or not self._swap_out(req, kept, out):
+            kept = 0
         self.block_manager.free(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = kept
         req.num_pending_tokens = 0  # a token still in flight is dropped and sampled again later
         req.spec_token_ids = []
         req.num_preemptions += 1
@@ -384,10 +432,21 @@ class Scheduler:
         if out is None:
             return 0
         # a request preempted in the step it was scheduled in must not stay in the output
-        given = sum(len(s.token_ids) for s in out.scheduled if s.req_id == req.request_id)
         out.scheduled = [s for s in out.scheduled if s.req_id != req.request_id]
         out.new_requests = [n for n in out.new_requests if n.req_id != req.request_id]
         return given
+
+    def _swap_out(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Swap the blocks of the request's first num_tokens tokens to host memory if the swap
+        space says so (mode, room, cost); the copies go into out."""
+        if self.swap is None or num_tokens <= 0:
+            return False
+        blocks = self.block_manager.block_ids(req.request_id)[:self.block_manager.blocks_needed(num_tokens)]
+        if not self.swap.should_swap(num_tokens, len(blocks)):
+            return False
+        out.kv_transfers = out.kv_transfers or KVTransfers()
+        out.kv_transfers.swap_out += self.swap.swap_out(req.request_id, blocks)
+        return True
 
     # ---- results of a step ----------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:

@@ -8,7 +8,9 @@ import json
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--model", action="append", default=None,
+                   help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct); `minivllm serve` "
+                        "takes it several times: several models, each with its own engine and KV pool")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or GGUF file (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -61,6 +63,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='structured outputs options as JSON, e.g. \'{"backend": "xgrammar"}\'')
     g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
                    help="block hash of the prefix cache: sha256 (default) or xxhash (faster, not cryptographic)")
+    g.add_argument("--swap-space", type=float, default=None,
+                   help="GiB of host memory per engine for preempted requests' KV (swap preemption; default 0, "
+                        "4 with --preemption-mode swap)")
+    g.add_argument("--preemption-mode", default=None, choices=["swap", "recompute"],
+                   help="how a preempted request gives back its KV blocks (default: per request, by cost, "
+                        "swapping while --swap-space has room)")
+    g.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="GiB of host memory that keeps blocks evicted from the prefix cache (CPU offload tier)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise the same result for a request whatever else is batched with it (slower; "
                         "VLLM_BATCH_INVARIANT=1 does the same)")
@@ -75,11 +85,17 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
          "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config",
          "prefix_caching_hash_algo", "batch_invariant", "tensor_parallel_size", "pipeline_parallel_size",
-         "data_parallel_size", "distributed_executor_backend"]
+         "data_parallel_size", "distributed_executor_backend",
+         "swap_space", "preemption_mode", "kv_offloading_size"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {k: getattr(args, k) for k in _KEYS if hasattr(args, k)}
+    models = kwargs.get("model")
+    if isinstance(models, list):  # (--model appends)
+        if len(models) > 1:
+            raise ValueError(f"--model was given {len(models)} times: only `minivllm serve` serves several models")
+        kwargs["model"] = models[0]
     if kwargs.get("seed") is None:
         kwargs["seed"] = 0
     return kwargs

@@ -90,6 +90,10 @@ def build_engine_config(
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
     calculate_kv_scales: bool = False,
+    swap_space: float | None = None,
+    preemption_mode: str | None = None,
+    kv_offloading_size: float | None = None,
+    memory_share: float | None = None,
     batch_invariant: bool = False,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
@@ -135,9 +139,14 @@ def build_engine_config(
         chat_template=chat_template, seed=seed, quantization=quant)
     from minivllm.core.block_hash import block_hash_fn
     block_hash_fn(prefix_caching_hash_algo)  # validates the name (and that xxhash is installed)
+    gpu_memory_utilization, kv_cache_memory_bytes, own_process = _apply_memory_share(
+        memory_share, on_gpu, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks)
+    swap_bytes, offload_bytes = resolve_host_kv(swap_space, preemption_mode, kv_offloading_size, enable_prefix_caching)
     cache = CacheConfig(block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks,
                         kv_cache_dtype, calculate_kv_scales and kv_cache_dtype == "fp8",
-                        prefix_caching_hash_algo=prefix_caching_hash_algo)
+                        prefix_caching_hash_algo=prefix_caching_hash_algo, swap_space_bytes=swap_bytes,
+                        preemption_mode=preemption_mode, kv_offloading_bytes=offload_bytes,
+                        kv_budget_own_process=own_process)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, enable_chunked_prefill,
                             max_prefill_tokens_with_decodes or None)
     from minivllm.spec_decode.config import parse_speculative_config
@@ -147,6 +156,8 @@ def build_engine_config(
           "cannot be on with speculative decoding (a step's drafts depend on the previous step's result)")
     parallel = resolve_parallel(arch, device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
                                 distributed_executor_backend, quant, speculative)
+    check(parallel.world_size == 1 or not (swap_bytes or offload_bytes), "swap_space / kv_offloading_size",
+          f"need one rank (the multi-process executor has no host KV tiers yet), got world size {parallel.world_size}")
     # pipeline stages need each step's tokens on the host (a later stage cannot fill in a token
     # the step before samples): several whole batches are in flight instead
     check(not (async_scheduling and parallel.pipeline_parallel_size > 1), "async_scheduling",
@@ -217,6 +228,46 @@ def _resolve_batch_invariant(requested: bool, device: str, dtype: str, quantized
     why = unsupported_reason("cpu" if device == "cpu" else "cuda", dtype, quantized, moe, kv_cache_dtype, speculative)
     check(why is None, "batch_invariant", f"cannot be on with {why}")
     return True
+
+
+def _apply_memory_share(share: float | None, on_gpu: bool, utilization: float, kv_bytes: int | None,
+                        num_kv_blocks: int | None) -> tuple[float, int | None, bool]:
+    """One of several models on a device (server/multi_model.py): its KV memory is `share` of
+    the explicit or default budget (CPU, kv_cache_memory_bytes) or of gpu_memory_utilization.
+    Returns (gpu_memory_utilization, kv_cache_memory_bytes, whether the budget is this process's own)."""
+    if share is None or num_kv_blocks is not None:
+        return utilization, kv_bytes, False
+    check(isinstance(share, (int, float)) and 0 < share <= 1, "memory_share", f"must be in (0, 1], got {share!r}")
+    if kv_bytes is not None or not on_gpu:
+        from minivllm.runner.kv_cache import CPU_DEFAULT_KV_BYTES
+        return utilization, int(share * (kv_bytes or CPU_DEFAULT_KV_BYTES)), False
+    return utilization * share, None, True
+
+
+def resolve_host_kv(swap_space: float | None, preemption_mode: str | None, kv_offloading_size: float | None,
+                    enable_prefix_caching: bool) -> tuple[int, int]:
+    """swap_space and kv_offloading_size (GiB, vLLM's) -> bytes, checked against the host memory
+    now available (both pools are allocated, pinned on a GPU, at startup)."""
+    from minivllm.core.swap_space import PREEMPTION_MODES
+    check(preemption_mode is None or preemption_mode in PREEMPTION_MODES, "preemption_mode",
+          f"must be one of {list(PREEMPTION_MODES)} or unset, got {preemption_mode!r}")
+    for name, gib in (("swap_space", swap_space), ("kv_offloading_size", kv_offloading_size)):
+        check(gib is None or (isinstance(gib, (int, float)) and gib >= 0), name, f"must be >= 0 GiB, got {gib!r}")
+    if swap_space is None:  # vLLM's default swap space, where swapping was asked for
+        swap_space = 4.0 if preemption_mode == "swap" else 0.0
+    check(not (preemption_mode == "swap" and swap_space == 0), "swap_space",
+          "must be > 0 GiB with preemption_mode='swap'")
+    offload = kv_offloading_size or 0.0
+    check(offload == 0 or enable_prefix_caching, "kv_offloading_size",
+          "needs enable_prefix_caching (the offload tier keeps the prefix cache's evicted blocks)")
+    swap_bytes, offload_bytes = int(swap_space * (1 << 30)), int(offload * (1 << 30))
+    if swap_bytes + offload_bytes:
+        import psutil
+        available = psutil.virtual_memory().available
+        check(swap_bytes + offload_bytes <= available, "swap_space + kv_offloading_size",
+              f"({(swap_bytes + offload_bytes) / (1 << 30):.2f} GiB) must fit in the host memory available "
+              f"now ({available / (1 << 30):.2f} GiB)")
+    return swap_bytes, offload_bytes
 
 
 def _structured_config(given: StructuredOutputsConfig | dict | None, reasoning_parser: str | None) -> StructuredOutputsConfig:

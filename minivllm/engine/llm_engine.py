@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from minivllm.config import EngineConfig
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.interfaces import RequestFault
+from minivllm.core.offload_cache import OffloadCache
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler, SchedulerLimits
+from minivllm.core.swap_space import SwapSpace
 from minivllm.engine.config_builder import build_engine_config
 from minivllm.engine.errors import EngineDeadError
 from minivllm.engine.gc_heap import freeze_startup_heap
@@ -55,6 +57,15 @@ class EngineStats:
     # MoE models: tokens routed to each expert, summed over the layers (refreshed about once a
     # second, runner/expert_counts.py); None for dense models
     expert_token_counts: tuple[int, ...] | None = None
+    # KV in host memory (kv_transfer/): blocks swapped out and in (swap preemption), requests
+    # swapped now, blocks loaded back from the prefix cache's offload tier (hits) and stored
+    # there, and the bytes all those copies moved
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    num_swapped: int = 0
+    offload_hit_blocks: int = 0
+    offload_stored_blocks: int = 0
+    kv_transfer_bytes: int = 0
     # data parallelism (engine/dp_engine.py): each replica's own stats; the fields above are their sum
     replicas: tuple[EngineStats, ...] = ()
 
@@ -78,8 +89,15 @@ class LLMEngine:
         if faults is not None:
             faults.install(self.executor)
         num_blocks = self.executor.num_blocks
+        # host KV tiers (kv_transfer/): the in-process executor's; none with several ranks (refused in config)
+        self.host_kv = getattr(self.executor, "host_kv", None)
+        host = self.host_kv
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                          config.cache.prefix_caching_hash_algo)
+                                          config.cache.prefix_caching_hash_algo,
+                                          OffloadCache(host.num_offload_blocks) if host and host.num_offload_blocks
+                                          else None)
+        swap = SwapSpace(host.num_swap_blocks, config.cache.preemption_mode, host.swap_costs) \
+            if host and host.num_swap_blocks else None
         s, spec = config.scheduler, config.speculative
         self.scheduler = Scheduler(SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
                                                    s.policy, s.enable_chunked_prefill,
@@ -87,7 +105,7 @@ class LLMEngine:
                                                    spec.num_lookahead_tokens if spec else 0,
                                                    spec.disable_by_batch_size if spec else None,
                                                    config.parallel.pipeline_parallel_size),
-                                   self.block_manager)
+                                   self.block_manager, swap)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.structured = StructuredOutputManager(config.structured_outputs, self.tokenizer, config.model.arch.vocab_size,
@@ -236,7 +254,7 @@ class LLMEngine:
         """Launches the step: (sched, launched step), or None if there is nothing to run. A step
         with constrained rows launches its forward, takes in the step in flight (the grammars
         need its tokens), fills the bitmask while the forward runs, then launches the sampling."""
-        if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids:
+        if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids and not sched.kv_transfers:
             return None
         t = time.perf_counter()
         try:
@@ -355,7 +373,17 @@ class LLMEngine:
                            bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
                            self.prompt_tokens_total, self.generation_tokens_total, spec.num_drafts,
                            spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_pos),
-                           self.scheduler.tokens_in_flight, self.executor.expert_token_counts())
+                           self.scheduler.tokens_in_flight, self.executor.expert_token_counts(),
+                           **self._host_kv_stats())
+
+    def _host_kv_stats(self) -> dict[str, int]:
+        swap, offload = self.scheduler.swap, self.block_manager.offload
+        out, in_ = (swap.num_blocks_swapped_out, swap.num_blocks_swapped_in) if swap else (0, 0)
+        hits, stored = (offload.num_loaded_blocks, offload.num_stored_blocks) if offload else (0, 0)
+        return {"num_blocks_swapped_out": out, "num_blocks_swapped_in": in_,
+                "num_swapped": len(swap.swapped) if swap else 0, "offload_hit_blocks": hits,
+                "offload_stored_blocks": stored,
+                "kv_transfer_bytes": (out + in_ + hits + stored) * (self.host_kv.block_bytes if self.host_kv else 0)}
 
     def _log_spec_stats(self) -> None:
         """Every SPEC_LOG_INTERVAL_S with speculative decoding: the acceptance since the last line."""

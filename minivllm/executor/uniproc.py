@@ -12,6 +12,7 @@ class UniProcExecutor:
         self.runner = ModelRunner(config)
         self.runner.load_model(model)
         self.num_blocks = self.runner.init_kv_cache()
+        self.host_kv = self.runner.init_kv_transfer()  # swap space and KV offload tier, in blocks
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_kernels()
         self.runner.expert_counts.reset()  # count requests' tokens only, not the startup passes

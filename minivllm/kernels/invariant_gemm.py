@@ -17,12 +17,17 @@ cuBLAS's best at large M; the mode states its cost in docs/perf.md.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-# the fixed launch: changing any of these changes the bits (not the correctness)
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 64, 4, 3
+# the fixed launch: changing any of these changes the bits (not the correctness). One process uses
+# one tile; MINIVLLM_INVARIANT_GEMM_TILE="BM,BN,BK,warps,stages" picks another (tuning runs only)
+TILE_ENV = "MINIVLLM_INVARIANT_GEMM_TILE"
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = (
+    tuple(int(v) for v in os.environ[TILE_ENV].split(",")) if os.environ.get(TILE_ENV) else (64, 128, 64, 4, 3))
 
 
 @triton.jit

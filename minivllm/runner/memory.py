@@ -48,6 +48,8 @@ def _profile_gpu_blocks(runner, per_block: int) -> int:
     torch.cuda.synchronize()
     free0, total = torch.cuda.mem_get_info()
     outside_torch = total - free0 - torch.cuda.memory_reserved()
+    if runner.config.cache.kv_budget_own_process:  # one of several engines: the others' memory is theirs
+        outside_torch = max(0, outside_torch - runner.others_bytes_at_start)
     weights = torch.cuda.memory_allocated()
     # a temporary cache just big enough for the profiling step
     tmp = allocate_kv_cache(runner.model, tmp_blocks, runner.block_size, runner.kv_dtype, runner.device)

@@ -25,6 +25,7 @@ from torch import nn
 from minivllm.attention.backend import get_attention_backend
 from minivllm.config import EngineConfig
 from minivllm.core.interfaces import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
+from minivllm.core.swap_space import SwapCosts
 from minivllm.distributed.parallel_state import ParallelGroups
 from minivllm.models.llama import CausalLM, IntermediateTensors
 from minivllm.models.loader import build_model
@@ -62,6 +63,16 @@ class ForwardStep:
     inputs: StepInputs | None = None
 
 
+@dataclass(frozen=True)
+class HostKVTiers:
+    """The host pools the runner allocated, in blocks, for the engine's core bookkeeping."""
+
+    num_swap_blocks: int
+    num_offload_blocks: int
+    block_bytes: int  # one block of the whole KV cache (every layer, K and V)
+    swap_costs: SwapCosts  # the swap-or-recompute cost model's estimates
+
+
 @dataclass
 class RunnerRequest:
     block_ids: list[int]
@@ -96,6 +107,12 @@ class ModelRunner:
         self._calibrate_kv_pending = config.cache.calculate_kv_scales
         self.timings: dict[str, float] = {}
         self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
+        self.kv_transfer = None  # kv_transfer.BlockTransferEngine: swap space and offload tier
+        # several engines on one GPU: what was in use before this one loaded (memory.py)
+        self.others_bytes_at_start = 0
+        if config.cache.kv_budget_own_process and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.others_bytes_at_start = total - free
         # batch-invariant mode: the engine seed that per-request seeds derive from (None: off)
         self._invariant_seed = config.model.seed if config.batch_invariant else None
 
@@ -223,6 +240,23 @@ class ModelRunner:
             logger.info("KV cache: %d blocks of %d tokens = %d tokens", self.num_blocks, self.block_size, tokens)
         return self.num_blocks
 
+    def init_kv_transfer(self) -> HostKVTiers:
+        """Host pools for swap preemption and the prefix cache's offload tier (sized in blocks of
+        the whole KV cache, a draft model's included) and the copy engine that serves them."""
+        from minivllm.kv_transfer.block_transfer import make_transfer_engine
+        from minivllm.kv_transfer.cost import estimate_swap_costs
+        pool = [t for kv in self.kv_caches + self.draft_kv_caches for t in kv]
+        cache = self.config.cache
+        self.kv_transfer, num_swap, num_offload = make_transfer_engine(pool, cache.swap_space_bytes,
+                                                                       cache.kv_offloading_bytes)
+        block_bytes = sum(t[0].numel() * t.element_size() for t in pool)
+        if self.kv_transfer is not None:
+            logger.info("KV in host memory: swap space %d blocks, offload tier %d blocks (%s a block)",
+                        num_swap, num_offload, format_bytes(block_bytes))
+        costs = estimate_swap_costs(sum(p.numel() for p in self.model.parameters()), block_bytes,
+                                    self.device.type == "cuda")
+        return HostKVTiers(num_swap, num_offload, block_bytes, costs)
+
     def _draft_model(self) -> CausalLM | None:
         """A separate draft model of speculative decoding (it needs a KV cache of its own)."""
         proposer = getattr(self.speculator, "proposer", None)
@@ -305,6 +339,9 @@ class ModelRunner:
         """Queue the step's forward only: the host can work out the step's grammar bitmask (it
         needs the previous step's tokens) while the device runs it."""
         self._update_states(sched)
+        if sched.kv_transfers:  # block copies between the KV cache and host memory, before the forward
+            self.kv_transfer.execute(sched.kv_transfers)
+            self.kv_transfer.wait()
         if sched.is_empty:
             return ForwardStep(None, [])
         block_ids = {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled}

@@ -37,7 +37,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` on the API routes (default: $MINIVLLM_API_KEY)")
     g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) the API accepts as `model`; the first is reported (default: the model's)")
+                   help="name(s) the API accepts as `model`; the first is reported (default: the model's); with "
+                        "several --model flags, one name per model, in their order")
+    g.add_argument("--models-config", default=None,
+                   help="a YAML file naming several models, their memory shares and engine options "
+                        "(server/multi_model.py); each gets its own engine and KV pool")
     g.add_argument("--max-queue", type=int, default=None,
                    help="refuse new requests with 429 + Retry-After while N requests are already waiting")
     g.add_argument("--max-tokens-in-flight", type=int, default=None,
@@ -77,23 +81,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from minivllm.engine.gc_heap import freeze_startup_heap
     from minivllm.engine.mp_async_engine import MPAsyncEngine
     from minivllm.server.app import create_app
+    from minivllm.server.multi_model import ModelRouter
 
     settings = server_settings(args)  # bad flag values fail before the model loads
-    kwargs = engine_kwargs(args)
-    kwargs["serving"] = True  # serving defaults for the scheduler limits (as vLLM's API server)
-    if args.model_tag is not None:
-        kwargs["model"] = args.model_tag
-    if settings.served_model_names:
-        kwargs["served_model_name"] = settings.served_model_names[0]
-    engine = (MPAsyncEngine if args.engine_process else AsyncEngine).from_kwargs(**kwargs)
-    if settings.max_tokens_in_flight is None:  # default: 8x what the KV cache holds
-        stats = engine.get_stats()
-        settings = dataclasses.replace(settings, max_tokens_in_flight=8 * stats.num_kv_blocks * engine.config.cache.block_size)
-    app = create_app(engine, settings)
+    served = _served_models(args, settings)
+    engine_cls = MPAsyncEngine if args.engine_process else AsyncEngine
+    engines, apps = [], []
+    try:
+        for kwargs, model_settings in served:
+            engines.append(engine_cls.from_kwargs(**kwargs))
+            apps.append(create_app(engines[-1], _with_token_cap(model_settings, engines[-1])))
+    except BaseException:
+        for e in engines:
+            e.shutdown(0.0)
+        raise
+    app = apps[0] if len(apps) == 1 else ModelRouter(apps)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10, lifespan="on")
-    server = DrainingServer(config, on_exit=lambda: engine.begin_drain(settings.shutdown_grace_s))
-    engine.add_death_callback(server.stop_for_engine_death)
+    server = DrainingServer(config, on_exit=lambda: [e.begin_drain(settings.shutdown_grace_s) for e in engines])
+    for engine in engines:
+        engine.add_death_callback(server.stop_for_engine_death)
     freeze_startup_heap()  # the HTTP process's own heap (tokenizer, FastAPI, pydantic models)
     # uvicorn re-raises a caught SIGTERM once it has shut down; a no-op handler makes that a
     # clean exit (status 0) instead of death by signal
@@ -103,7 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-        engine.shutdown(0.0)  # no-op if the lifespan already did it
+        for engine in engines:
+            engine.shutdown(0.0)  # no-op if the lifespan already did it
         if profile is not None:
             profile.disable()
             profile.dump_stats(os.environ["MINIVLLM_PROFILE_HTTP"])
@@ -111,6 +119,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.error("exiting with status 1: %s", server.engine_died)
         return 1  # a supervisor (systemd, Kubernetes) restarts the server
     return 0
+
+
+def _served_models(args: argparse.Namespace, settings) -> list[tuple[dict, object]]:
+    """(engine kwargs, server settings) of each model to serve: one, or several (--model given
+    several times, or --models-config), each with its own name and memory share."""
+    from minivllm.server.multi_model import model_specs
+    models = ([args.model_tag] if args.model_tag is not None else []) + list(args.model or [])
+    args.model = None
+    base = engine_kwargs(args)
+    base["serving"] = True  # serving defaults for the scheduler limits (as vLLM's API server)
+    names = settings.served_model_names
+    if len(models) <= 1 and args.models_config is None:
+        kwargs = dict(base, model=models[0] if models else None)
+        if names:
+            kwargs["served_model_name"] = names[0]
+        return [(kwargs, settings)]
+    return [(spec.kwargs, dataclasses.replace(settings, served_model_names=[spec.name] if spec.name else []))
+            for spec in model_specs(models, args.models_config, base, names)]
+
+
+def _with_token_cap(settings, engine):
+    """Default --max-tokens-in-flight: 8x what the engine's KV cache holds."""
+    if settings.max_tokens_in_flight is not None:
+        return settings
+    stats = engine.get_stats()
+    return dataclasses.replace(settings, max_tokens_in_flight=8 * stats.num_kv_blocks * engine.config.cache.block_size)
 
 
 def _http_profiler():

@@ -5,7 +5,8 @@ process). Two sources:
 - per-request histograms and the request_success counter, fed by an observer that runs on the
   engine thread after every step (so requests whose clients left are counted too);
 - engine totals and gauges (running, waiting, KV usage, prefix cache, preemptions, tokens),
-  read from the engine's stats snapshot when /metrics is scraped; for MoE models also
+  read from the engine's stats snapshot when /metrics is scraped (swap and offload counters
+  included, `vllm:num_blocks_swapped_out_total`, `vllm:kv_offload_hits_total`, ...); for MoE models also
   `minivllm:moe_expert_tokens_total{expert}` (vLLM has no such family): tokens routed to each
   expert, summed over the layers, so load imbalance shows (refreshed about once a second).
 """
@@ -165,10 +166,20 @@ class _EngineStatsCollector:
                  ("vllm:generation_tokens", "generation_tokens", "Number of generation tokens processed."),
                  ("vllm:spec_decode_num_drafts", "spec_num_drafts", "Number of spec decoding drafts."),
                  ("vllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Number of draft tokens."),
-                 ("vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Number of accepted tokens.")]
+                 ("vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Number of accepted tokens."),
+                 # KV in host memory (kv_transfer/): swap preemption and the prefix cache's offload tier
+                 ("vllm:num_blocks_swapped_out", "num_blocks_swapped_out", "KV blocks swapped out to host memory."),
+                 ("vllm:num_blocks_swapped_in", "num_blocks_swapped_in", "KV blocks swapped in from host memory."),
+                 ("vllm:kv_offload_hits", "offload_hit_blocks",
+                  "KV blocks of prefix-cache hits loaded back from the CPU offload tier."),
+                 ("vllm:kv_offload_stores", "offload_stored_blocks",
+                  "KV blocks evicted from the device prefix cache and kept in the CPU offload tier."),
+                 ("vllm:kv_transfer_bytes", "kv_transfer_bytes",
+                  "Bytes of KV blocks copied between the device and host memory.")]
     _GAUGES = [("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),
                ("vllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
-               ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage.")]
+               ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
+               ("vllm:num_requests_swapped", "num_swapped", "Number of requests swapped to CPU.")]
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine

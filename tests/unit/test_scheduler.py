@@ -63,7 +63,23 @@ class FakeRunner:
         self.script = script or {}
         self.state: dict[str, _RunnerReq] = {}
         self.kv: list[list[int | None]] = [[None] * self.bs for _ in range(sched.block_manager.num_blocks)]
+        # host pools (swap space, offload tier): block id -> the tokens its slots hold
+        self.host: dict[str, dict[int, list[int | None]]] = {"swap": {}, "offload": {}}
         self.steps = 0
+
+    def _copy_blocks(self, out: SchedulerOutput) -> set[int]:
+        """Make the step's KV block copies, to the host first (as the runner does); returns the
+        device blocks a swap-in filled."""
+        t = out.kv_transfers
+        if t is None:
+            return set()
+        for pairs, pool in ((t.swap_out, "swap"), (t.offload, "offload")):
+            for dev, host in pairs:
+                self.host[pool][host] = list(self.kv[dev])
+        for pairs, pool in ((t.swap_in, "swap"), (t.load, "offload")):
+            for host, dev in pairs:
+                self.kv[dev] = list(self.host[pool][host])
+        return {dev for _, dev in t.swap_in}
 
     def token_for(self, rid: str, k: int) -> int:
         s = self.script.get(rid, [])
@@ -71,6 +87,7 @@ class FakeRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.steps += 1
+        swapped_in = self._copy_blocks(out)
         for rid in out.finished_req_ids | out.preempted_req_ids:
             assert rid in self.state, f"runner told to drop unknown request {rid}"
             del self.state[rid]
@@ -87,12 +104,15 @@ class FakeRunner:
             nd = s.num_draft_tokens
             assert nd == 0 or self.propose is not None
             first_fresh = len(st_.table) if st_.num_computed is not None else s.num_computed_tokens // self.bs
+            resumed = st_.num_computed is None and bool(swapped_in & set(s.new_block_ids))
+            if resumed:  # swapped back in: its blocks up to the one holding num_computed_tokens hold its KV
+                first_fresh = -(-s.num_computed_tokens // self.bs)
             st_.table += s.new_block_ids
             for b in st_.table[first_fresh:]:  # fresh blocks (not prefix hits) hold nothing yet
                 self.kv[b] = [None] * self.bs
             if st_.num_computed is None:  # first chunk: the cached prefix must hold our tokens
                 st_.num_computed = s.num_computed_tokens
-                assert st_.num_computed % self.bs == 0 and st_.num_computed < len(st_.tokens)
+                assert (st_.num_computed % self.bs == 0 or resumed) and st_.num_computed < len(st_.tokens)
                 for i in range(st_.num_computed):
                     assert self.kv[st_.table[i // self.bs]][i % self.bs] == st_.tokens[i], "bad prefix hit"
             assert s.num_computed_tokens == st_.num_computed

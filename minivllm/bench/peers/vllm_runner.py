@@ -183,7 +183,7 @@ def llm_kwargs(model_dir: str, max_model_len: int, gpu_memory_utilization: float
           "enable_prefix_caching": enable_prefix_caching}
     for k, v in (extra or {}).items():
         if k in ("max_num_seqs", "max_num_batched_tokens", "dtype", "quantization", "kv_cache_dtype",
-                 "moe_backend") and v is not None:
+                 "moe_backend", "kv_offloading_size", "kv_cache_memory_bytes") and v is not None:
             kw[k] = v
     return kw
 
@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minivllm.bench.peers.vllm_runner",
                                 description="BENCHMARKS.md workloads on vLLM (peer).")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, choices, default, func in (("throughput", ["W1", "W1-8B", "W4", "W10"], "W1", cmd_throughput),
+    for name, choices, default, func in (("throughput", ["W1", "W1-8B", "W4", "W10", "W12"], "W1", cmd_throughput),
                                          ("latency", ["W2", "W10-decode"], "W2", cmd_latency)):
         s = sub.add_parser(name)
         add_workload_args(s, choices, default)
@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--moe-backend", default=None,
                        help="vLLM's MoE kernel (W10: 'triton'; its default FlashInfer CUTLASS choice did not "
                             "finish starting in 9 minutes on the GPU machine's image)")
+        s.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="W12: vLLM's explicit KV budget")
         s.add_argument("--dry-run", action="store_true", help="print the plan; needs no vLLM")
         if name == "latency":
             s.add_argument("--reps", type=int, default=5)
