@@ -296,7 +296,7 @@ class ModelRunner:
           idle: a step launched behind a 100 ms step blocked the host for 100-220 ms, holding
           back the tokens of the step before it (W3 all at once; perf.md, session 5). So each
           row count runs once here (~1 s for Qwen3-8B)."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.parallel.rank.pp_size > 1:  # (a stage has no embedding or no head)
             return
         from minivllm.runner.profile import dummy_step_inputs
         t = time.perf_counter()
