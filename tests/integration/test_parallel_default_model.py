@@ -1,6 +1,6 @@
-"""Tensor parallelism on the bundled model (9 heads, 3 KV heads, 30 layers): tp=3 over three mp
-worker processes equals one rank token for token, offline and through the server (with a
-preempting KV cache), and a killed worker turns the server's /health to 503 and fails the
+"""Parallelism on the bundled model (9 heads, 3 KV heads, 30 layers): tp=3 over three mp worker
+processes, pp=2 and dp=2 equal one rank token for token offline (with a preempting KV cache;
+dp=2 has two such caches), tp=3 also through the server, and a killed worker turns the server's /health to 503 and fails the
 request in flight. Prompts are short and few: every rank shares this machine's cores."""
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ def single():
     return [o.outputs[0].text for o in outs], [o.outputs[0].token_ids for o in outs]
 
 
-def test_tp3_offline_equals_one_rank(single):
-    llm = LLM(tensor_parallel_size=3, **KW)
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=3), dict(pipeline_parallel_size=2),
+                                      dict(data_parallel_size=2)], ids=["tp3", "pp2", "dp2"])
+def test_offline_equals_one_rank(single, parallel):
+    llm = LLM(**parallel, **KW)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == single[1]
-        assert llm.llm_engine.get_stats().num_preemptions > 0
+        assert llm.llm_engine.get_stats().num_preemptions > 0 or "data_parallel_size" in parallel
     finally:
         llm.llm_engine.shutdown()
 
