@@ -36,5 +36,12 @@ def test_two_replicas_route_by_load_and_prefix(tiny_llama):
         replica = engine.route({"prompt_token_ids": long_prefix})
         assert replica is engine.replicas[1]
         assert engine.route({"prompt_token_ids": [8] * 40}) is engine.replicas[0]  # no hit: the least loaded
+        # /metrics: one sample per replica, labelled engine="0" and engine="1"
+        from types import SimpleNamespace
+
+        from minivllm.server.metrics import _EngineStatsCollector
+        fams = {f.name: f for f in _EngineStatsCollector(SimpleNamespace(get_stats=lambda: stats), "tiny").collect()}
+        prompt = {s.labels["engine"]: s.value for s in fams["vllm:prompt_tokens"].samples}
+        assert prompt == {"0": 8.0, "1": 57.0}
     finally:
         engine.shutdown()
