@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 OutputObserver = Callable[[list[RequestOutput], float], None]  # (this step's outputs, time.time())
 
 
-
-
 class RequestStream:
     """The outputs of one request, as an async iterator of cumulative RequestOutputs.
 

@@ -246,6 +246,7 @@ class EngineCore:
             self.engine.check_health()
         except EngineDeadError:
             self._step()  # sends the error outputs of whatever was left, then raises the engine's error
+
     def _wait_s(self) -> float:
         if self.drain_deadline is None:
             return self.IDLE_WAIT_S

@@ -1,7 +1,7 @@
 """The mp executor: one worker process per rank on this machine (executor/worker.py).
 
     engine core ── Listener (127.0.0.1, random port, random key) ◄── connect ── worker rank r
-      launch: pickle ("step", SchedulerOutput) once, send the same bytes to every rank
+      launch: pickle ("step", SchedulerOutput, bitmask or None) once, send the same bytes to every rank
       finish: wait for the driver's ("out", RunnerOutput), watching every other rank meanwhile
 
 Workers are plain `python -m minivllm.executor.worker` processes (not multiprocessing children:

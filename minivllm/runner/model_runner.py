@@ -510,7 +510,6 @@ class ModelRunner:
         self.sampler(logits, SamplingBatch.build(states, logits.shape[-1], self.device, self.generator))
         return forward_peak
 
-
     def _dummy_intermediate(self, num_tokens: int) -> IntermediateTensors | None:
         """What a later pipeline stage starts a synthetic step from (zeros; None on the first)."""
         if self.parallel.rank.is_first_stage:
