@@ -141,6 +141,19 @@ class BlockManager:
             extra = extra_key(req.cache_salt, req.lora_int_id) if i == 0 else b""
             hashes.append(self._hash(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
 
+    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """How many leading full blocks of this prompt are resident now (a data-parallel router's
+        question: no request, no statistics, nothing changes)."""
+        if not self.enable_caching:
+            return 0
+        bs, parent, n = self.block_size, None, 0
+        for i in range((len(token_ids) - 1) // bs):
+            parent = self._hash(parent, token_ids[i * bs:(i + 1) * bs], extra_key(cache_salt) if i == 0 else b"")
+            if parent not in self.cached:
+                break
+            n += 1
+        return n
+
     def find_cached_prefix(self, req: Request) -> list[KVBlock]:
         """Longest run of the request's leading full blocks found in the cache. At least one
         token is always left to compute, so the last token's logits can be sampled."""

@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 OutputObserver = Callable[[list[RequestOutput], float], None]  # (this step's outputs, time.time())
 
 
-
-
 class RequestStream:
     """The outputs of one request, as an async iterator of cumulative RequestOutputs.
 
@@ -332,6 +330,7 @@ class AsyncEngine(EngineClient):
                     return None
                 self._cond.wait(self._wait_timeout())
                 self._maybe_expire_drain()
+                self.engine.check_health()  # idle: a rank that died fails the engine now (raises)
             items = list(self._commands)
             self._commands.clear()
         cmds = _Commands()

@@ -209,12 +209,11 @@ def resolve_parallel(arch: ArchConfig, device: str, tp: int, pp: int, dp: int, b
     for value, name in ((tp, "tensor_parallel_size"), (pp, "pipeline_parallel_size"), (dp, "data_parallel_size")):
         _positive_int(value, name)
     world = tp * pp
-    backend = backend or ("uni" if world == 1 else "mp")
+    backend = backend or ("uni" if world == 1 and dp == 1 else "mp")  # replicas: each its own worker(s)
     check(backend in EXECUTOR_BACKENDS, "distributed_executor_backend", f"must be one of {list(EXECUTOR_BACKENDS)}, got {backend!r}")
     check(backend != "uni" or world == 1, "distributed_executor_backend",
           f"'uni' runs one rank in the engine's process; tensor_parallel_size x pipeline_parallel_size = {world} "
           "needs 'mp' or 'ray'")
-    check(backend != "ray", "distributed_executor_backend", "'ray' is not available yet; use 'mp'")
     check(arch.num_heads % tp == 0, "tensor_parallel_size",
           f"must divide the model's number of attention heads ({arch.num_heads}), got {tp}")
     kv = arch.num_kv_heads

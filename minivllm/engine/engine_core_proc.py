@@ -70,9 +70,9 @@ def engine_core_main(config, cmd_conn, out_conn, log_level: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
-    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.engine.llm_engine import make_engine
     try:
-        engine = LLMEngine(config)
+        engine = make_engine(config)
     except BaseException as e:  # noqa: BLE001 - the parent must hear why startup failed
         logger.exception("engine startup failed")
         out_conn.send(("failed", portable_error(e)))
@@ -251,6 +251,7 @@ class EngineCore:
             self.engine.check_health()
         except EngineDeadError:
             self._step()  # sends the error outputs of whatever was left, then raises the engine's error
+
     def _wait_s(self) -> float:
         if self.drain_deadline is None:
             return self.IDLE_WAIT_S

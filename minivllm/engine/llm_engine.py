@@ -72,6 +72,8 @@ class EngineStats:
     offload_hit_blocks: int = 0
     offload_stored_blocks: int = 0
     kv_transfer_bytes: int = 0
+    # data parallelism (engine/dp_engine.py): each replica's own stats; the fields above are their sum
+    replicas: tuple[EngineStats, ...] = ()
 
 
 class LLMEngine:
@@ -138,7 +140,8 @@ class LLMEngine:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
-        return cls(build_engine_config(**kwargs))
+        """An engine, or data_parallel_size > 1 replicas behind the same interface."""
+        return make_engine(build_engine_config(**kwargs))
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.config.model.arch.eos_token_ids)
@@ -470,3 +473,11 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+
+
+def make_engine(config: EngineConfig):
+    """LLMEngine, or a DataParallelEngine of data_parallel_size LLMEngines (same interface)."""
+    if config.parallel.data_parallel_size > 1:
+        from minivllm.engine.dp_engine import DataParallelEngine
+        return DataParallelEngine(config)
+    return LLMEngine(config)

@@ -323,7 +323,7 @@ class ModelRunner:
           idle: a step launched behind a 100 ms step blocked the host for 100-220 ms, holding
           back the tokens of the step before it (W3 all at once; perf.md, session 5). So each
           row count runs once here (~1 s for Qwen3-8B)."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.parallel.rank.pp_size > 1:  # (a stage has no embedding or no head)
             return
         from minivllm.runner.profile import dummy_step_inputs
         t = time.perf_counter()
@@ -592,7 +592,6 @@ class ModelRunner:
         states = [SamplingRequestState(_profile_params(), [0], [], frozenset(), 0) for _ in range(num_seqs)]
         self.sampler(logits, SamplingBatch.build(states, logits.shape[-1], self.device, self.generator))
         return forward_peak
-
 
     def _dummy_intermediate(self, num_tokens: int) -> IntermediateTensors | None:
         """What a later pipeline stage starts a synthetic step from (zeros; None on the first)."""
