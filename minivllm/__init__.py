@@ -1,10 +1,21 @@
 """minivllm: a small, fast LLM inference and serving engine in the vLLM lineage."""
 
-from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.lora.request import LoRARequest
+from minivllm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+)
+from minivllm.pooling_params import PoolerConfig, PoolingParams
+from minivllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "PoolingParams", "PoolerConfig",
+           "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchOutput", "BeamSearchSequence",
+           "EmbeddingRequestOutput", "__version__"]
 
 
 def __getattr__(name: str):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minivllm.lora.config import LoRAConfig
 from minivllm.models.arch import ArchConfig
-from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.pooling_params import PoolerConfig
 from minivllm.quant.config import QuantConfig
+from minivllm.spec_decode.config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -108,6 +110,8 @@ class EngineConfig:
     # schedule step N+1 while step N runs on the device (default: on for CUDA)
     async_scheduling: bool = False
     speculative: SpeculativeConfig | None = None  # speculative decoding (spec_decode/config.py)
+    lora: LoRAConfig | None = None  # multi-LoRA (enable_lora); None: no adapters
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)  # embeddings: pooling type, normalize
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # every request's result bitwise independent of the batch (models/batch_invariant.py)
     batch_invariant: bool = False

@@ -6,8 +6,10 @@ from collections.abc import Sequence
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.input_processor import PromptInput
-from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.lora.request import LoRARequest
+from minivllm.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
+from minivllm.pooling_params import PoolingParams
+from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict]
 
@@ -24,6 +26,8 @@ class LLM:
     structured_outputs_config ({"backend": "xgrammar"}), reasoning_parser ("qwen3" or
     "deepseek_r1": structured output then constrains only what follows the reasoning section).
     A request's output constraint is SamplingParams(structured_outputs=StructuredOutputsParams(...)).
+    enable_lora, max_loras (1), max_lora_rank (16), max_cpu_loras (max_loras); pooler_config
+    ({"pooling_type": "LAST" or "MEAN", "normalize": True}).
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
@@ -38,13 +42,50 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in the order of the prompts."""
+        """Runs every prompt to completion; outputs come back in the order of the prompts.
+        lora_request: one adapter for every prompt, or one (or None) per prompt."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
-        ids = self._add_all(prompts, params, priority)
+        ids = self._add_all(prompts, params, priority, _as_lora_list(lora_request, len(prompts)))
+        return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over every prompt (vLLM's API): the beam_width best sequences of each,
+        best first. The beams run in the engine like other sequences, sharing KV blocks."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"beam_search needs BeamSearchParams, got {type(params).__name__}")
+        prompts = _as_prompt_list(prompts)
+        ids = self._add_all(prompts, [params] * len(prompts), None, _as_lora_list(lora_request, len(prompts)))
+        return [_beam_output(out) for out in self._run(ids, use_tqdm)]
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt: the model's final hidden states pooled (LAST token or MEAN,
+        the engine's pooler_config unless the params say) and normalized."""
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"pooling_params must be one PoolingParams or one per prompt ({len(prompts)}), "
+                                 f"got {len(params)}")
+        ids = self._add_all(prompts, params, None, _as_lora_list(lora_request, len(prompts)))
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -68,14 +109,15 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
-    def _add_all(self, prompts, params, priority) -> list[str]:
+    def _add_all(self, prompts, params, priority, loras=None) -> list[str]:
         engine, ids = self.llm_engine, []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 sp = sp.clone()
                 sp.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, at the end
                 rid = engine.next_request_id()
-                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
+                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0,
+                                   lora_request=loras[i] if loras else None)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)  # the batch is refused as a whole; the engine keeps serving
@@ -94,7 +136,8 @@ class LLM:
             for out in engine.step():
                 if out.finished and out.request_id in wanted:
                     finished[out.request_id] = out
-                    generated += sum(len(o.token_ids) for o in out.outputs)
+                    if isinstance(out, RequestOutput):
+                        generated += sum(len(o.token_ids) for o in out.outputs)
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix_str(f"{generated / max(bar.format_dict['elapsed'], 1e-6):.0f} tok/s out")
@@ -123,6 +166,21 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({n}), got {len(params)}")
     return params
+
+
+def _as_lora_list(lora, n: int) -> list[LoRARequest | None] | None:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n if lora is not None else None
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"lora_request must be one LoRARequest or one per prompt ({n}), got {len(lora)}")
+    return lora
+
+
+def _beam_output(out: RequestOutput) -> BeamSearchOutput:
+    return BeamSearchOutput([BeamSearchSequence(list(out.prompt_token_ids) + o.token_ids, o.logprobs or [],
+                                                o.cumulative_logprob or 0.0, o.text, o.finish_reason, o.stop_reason)
+                             for o in out.outputs])
 
 
 def _progress_bar(total: int):

@@ -61,3 +61,50 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+
+# one dict per prompt token: None for the first (nothing predicts it), then the prompt token and the
+# top-k (SamplingParams.prompt_logprobs)
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of an embedding request (LLM.embed, /v1/embeddings): mirrors vLLM's."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class BeamSearchSequence:
+    """One result of beam search (vLLM's): tokens = prompt + generated, the per-step candidate
+    logprobs of each generated token, cum_logprob, the generated text (a final eos left out)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best beam_width sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: top logprobs per token, generated or prompt
 
 # the constraint kinds of StructuredOutputsParams, exactly one of which is set
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -100,6 +101,8 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per generated token (plus the sampled one)
+    # number of top logprobs per prompt token (plus the prompt token itself); computed during prefill
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
@@ -141,9 +144,14 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        if self.logprobs is not None:
-            _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs",
-                   f"must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None:
+                _check(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS, name,
+                       f"must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids",
+                   "must not be empty (it would allow no token at all); leave it out for no restriction")
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         for s in self.stop_strings:
@@ -171,3 +179,43 @@ class SamplingParams:
 def _check(ok: bool, name: str, msg: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name} {msg}")
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search (mirrors vLLM's): keep the `beam_width` most likely sequences, each step
+    extending every beam by its 2 * beam_width most likely tokens. A beam that emits eos is
+    complete (unless ignore_eos); at max_tokens the complete and running beams are ranked by
+    cum_logprob / len(prompt + output) ** length_penalty (eos not counted). temperature 0 ranks by
+    the model's log-probabilities, T > 0 by log_softmax(logits / T)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY  # beams change until the end
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check_beam(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool)
+                    and self.beam_width >= 1, "beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+        _check_beam(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+                    and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check_beam(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check_beam(self.length_penalty == self.length_penalty, "length_penalty", "must be a number, got NaN")
+
+    @property
+    def n(self) -> int:
+        return self.beam_width
+
+    def clone(self) -> BeamSearchParams:
+        return BeamSearchParams(**self.__dict__)
+
+
+def _check_beam(ok: bool, name: str, msg: str) -> None:
+    if not ok:
+        raise ValueError(f"BeamSearchParams.{name} {msg}")

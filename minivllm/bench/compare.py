@@ -103,6 +103,13 @@ def _jobs() -> list[Job]:
     j += _pair("W11-awq", awq, awq, 130, 200, _LAT_TINY + ["--quant-group-size", "32"])
     fp8 = tp + ["W1-8B", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
     j += _pair("W11-fp8", fp8, fp8, 180, 260, _TINY)
+    # issue 23: W1 with 4 dummy rank-16 LoRA adapters spread over the requests (vs W1 without), and
+    # beam search of width 4 on W1's prompts (128 tokens each, ignore_eos)
+    lora = tp + ["W1", "--num-loras", "4", "--lora-rank", "16"]
+    j += _pair("W1-lora4", lora, lora, 150, 200, _TINY + ["--num-loras", "2", "--lora-rank", "4"])
+    beam = tp + ["W1", "--beam-width", "4", "--beam-max-tokens", "128"]
+    j += _pair("W1-beam4", beam, beam, 200, 260, _TINY + ["--beam-width", "2", "--beam-max-tokens", "8"],
+               ["W1-beam4"])
     j.append(Job("hf:W1", "hf", HF + ["throughput", "--workload", "W1"], 330, 570,
                  _TINY + ["--device", "cpu", "--batch-size", "2"]))
     j.append(Job("hf:decode-0.6b", "hf", HF + ["decode", "--model-config", "qwen3-0.6b"], 90, 300,

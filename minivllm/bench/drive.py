@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from minivllm.bench import model_dirs, workloads
+from minivllm.bench import api_variants, model_dirs, workloads
 from minivllm.bench.common import (copy_bandwidth_in_subprocess, device_name, emit_all, envelope, log,
                                    quant_dir_config)
 from minivllm.bench.observe import observe_run
@@ -47,16 +47,20 @@ def _with_quant(settings: dict, args) -> dict:
 
 
 def _variant(args) -> str:
-    return "prefix caching on" if args.enable_prefix_caching else "prefix caching off"
+    base = "prefix caching on" if args.enable_prefix_caching else "prefix caching off"
+    extra = api_variants.variant_name(args)
+    return f"{base}, {extra}" if extra else base
 
 
 def throughput(args: argparse.Namespace, engine: str, make_adapter: AdapterFactory, settings: dict,
                device: str = "auto") -> int:
     wls, cfg = load_workloads(args)
+    wls = [api_variants.workload(wl, args) for wl in wls]  # beam search: one max_tokens for all
     settings = _with_quant(dict(settings, max_model_len=settings.get("max_model_len") or wls[0].max_model_len), args)
     model_dir = model_dirs.write_model_dir(wls[0].model_config, quantization_config=quant_dir_config(args))
     log(f"{engine} {'+'.join(w.name for w in wls)} on {model_dirs.config_name(wls[0].model_config)}: {settings}")
     adapter = make_adapter(model_dir, wls[0])
+    api_variants.attach(adapter, args, model_dir)  # LoRA adapters, beam width (issue 23's variants)
     log(f"{engine} {adapter.version} ready in {adapter.startup_s:.1f} s")
     probe = first_token_probe(adapter, cfg["vocab_size"])
     results, ok = [], True

@@ -39,7 +39,13 @@ class MinivllmAdapter:
         return [SamplingParams(**p) for p in params]
 
     def generate(self, prompts: list[dict], prepared: list, want_ttft: bool = False) -> list[GenResult]:
-        outs = self.llm.generate(prompts, prepared, use_tqdm=False)
+        from minivllm import BeamSearchParams, LoRARequest
+        from minivllm.bench import api_variants
+        if getattr(self, "beam_width", 0):
+            params = BeamSearchParams(beam_width=self.beam_width, max_tokens=prepared[0].max_tokens, ignore_eos=True)
+            return api_variants.beam_results(self.llm.beam_search(prompts, params), prompts)
+        loras = api_variants.lora_list(self, LoRARequest, len(prompts))
+        outs = self.llm.generate(prompts, prepared, use_tqdm=False, lora_request=loras)
         res = []
         for o in outs:
             m = o.metrics
@@ -146,7 +152,8 @@ def engine_kwargs(args) -> dict:
               "preemption_mode", "swap_space"):
         if getattr(args, k, None) is not None:
             kw[k] = getattr(args, k)
-    return dict(kw, **quant_engine_kwargs(args))
+    from minivllm.bench.api_variants import lora_engine_kwargs
+    return dict(kw, **quant_engine_kwargs(args), **lora_engine_kwargs(args))
 
 
 def _settings(kw: dict) -> dict:
@@ -187,6 +194,8 @@ def add_parsers(sub) -> None:
     add_common_engine_args(t)
     add_minivllm_engine_args(t)
     add_observe_args(t)
+    from minivllm.bench.api_variants import add_api_args
+    add_api_args(t)
     t.set_defaults(bench_func=cmd_throughput)
 
     lat = sub.add_parser("latency", help="W2 batch-1 latency: TTFT, decode tok/s, roofline share")

@@ -52,6 +52,10 @@ def block_hash_fn(algo: str) -> HashFn:
     return sha256_block
 
 
-def extra_key(cache_salt: str | None) -> bytes:
-    """The first block's extra key of a request: its cache salt (empty: no salt)."""
-    return b"" if not cache_salt else b"salt:" + cache_salt.encode("utf-8")
+def extra_key(cache_salt: str | None, lora_int_id: int | None = None) -> bytes:
+    """The first block's extra key of a request: its cache salt and its LoRA adapter's id (empty:
+    no salt, the base model). K/V computed under one adapter never serve another."""
+    key = b"" if not cache_salt else b"salt:" + cache_salt.encode("utf-8")
+    if lora_int_id is not None:
+        key += b"|lora:" + str(lora_int_id).encode("ascii")
+    return key

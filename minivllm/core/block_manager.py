@@ -9,6 +9,15 @@ core/block_hash.py), registered once its tokens are computed.
 A freed block keeps its hash and stays findable until it is reused: the free queue is LRU by
 release time, and a request releases its tail blocks first so they are evicted first.
 
+Beam search forks a sequence by copying its block table (every block's ref_cnt + 1), so beams
+share the prompt's and their common prefix's blocks. A shared block is never written in place:
+full blocks are never written again, and before a sequence writes into a shared, partly filled
+last block, `allocate` gives it a copy (copy-on-write): a fresh block in its table at that index,
+recorded in `cow` for the runner, which copies the source's K/V before the step's forward pass.
+
+    parent  [b0 b1 b2*]        b2* partly filled         fork -> child [b0 b1 b2*]  (ref 2 each)
+    child writes its next token: b2* is shared -> child [b0 b1 b5], copy b2* -> b5 first
+
 With an offload tier (core/offload_cache.py) an evicted block's content is copied to host memory
 first, and a prefix that continues there is loaded back into free blocks.
 
@@ -93,6 +102,9 @@ class BlockManager:
         self.cached: dict[BlockHash, KVBlock] = {}  # block hash -> block holding it
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_registered: dict[str, int] = {}  # full blocks of a request registered so far
+        # copy-on-write done by allocate and not yet sent to the runner: req id -> (table index,
+        # source block id, new block id); the scheduler takes it into the step's ScheduledRequest
+        self.cow: dict[str, tuple[int, int, int]] = {}
         # prefix-cache statistics in tokens (vLLM's prefix_cache_queries / prefix_cache_hits)
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -115,8 +127,8 @@ class BlockManager:
 
     # ---- prefix caching -------------------------------------------------------------------
     def _uses_cache(self, req: Request) -> bool:
-        # siblings of an n>1 prompt always share through the table, even with caching off
-        return self.enable_caching or (req.group is not None and req.group.size > 1)
+        # siblings of an n>1 prompt and beams always share through the table, even with caching off
+        return self.enable_caching or (req.group is not None and req.group.size > 1) or req.beam is not None
 
     def update_block_hashes(self, req: Request) -> None:
         """Extend req.block_hashes to cover every full block of req.all_token_ids."""
@@ -126,8 +138,21 @@ class BlockManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             # the request's extra keys (its cache salt) go into the first block; the chain carries them
-            extra = extra_key(req.cache_salt) if i == 0 else b""
+            extra = extra_key(req.cache_salt, req.lora_int_id) if i == 0 else b""
             hashes.append(self._hash(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
+
+    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """How many leading full blocks of this prompt are resident now (a data-parallel router's
+        question: no request, no statistics, nothing changes)."""
+        if not self.enable_caching:
+            return 0
+        bs, parent, n = self.block_size, None, 0
+        for i in range((len(token_ids) - 1) // bs):
+            parent = self._hash(parent, token_ids[i * bs:(i + 1) * bs], extra_key(cache_salt) if i == 0 else b"")
+            if parent not in self.cached:
+                break
+            n += 1
+        return n
 
     def find_cached_prefix(self, req: Request) -> list[KVBlock]:
         """Longest run of the request's leading full blocks found in the cache. At least one
@@ -136,6 +161,9 @@ class BlockManager:
             return []
         self.update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size
+        limit = req.max_cached_prefix  # prompt logprobs / mean pooling compute what they still need
+        if limit is not None:
+            max_blocks = min(max_blocks, limit // self.block_size)
         hits: list[KVBlock] = []
         for h in req.block_hashes[:max_blocks]:
             block = self.cached.get(h)
@@ -182,20 +210,35 @@ class BlockManager:
     def can_allocate(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = ()) -> bool:
         have = len(self.req_blocks.get(req.request_id, ())) + len(cached)
         total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        need = self.blocks_needed(total) - have
+        need = self.blocks_needed(total) - have + (self._cow_index(req) is not None)
         # cached blocks that sit in the free queue are taken out of it too
         reused_free = sum(1 for b in cached if b.ref_cnt == 0)
         return need + reused_free <= self.num_free_blocks
 
+    def _cow_index(self, req: Request) -> int | None:
+        """Table index of the block the request writes next if that block is shared and partly
+        filled (it must be copied first); None otherwise."""
+        pos = req.num_computed_tokens
+        if pos % self.block_size == 0:
+            return None  # the next write starts a new block
+        table = self.req_blocks.get(req.request_id)
+        i = pos // self.block_size
+        if table is None or i >= len(table) or table[i].ref_cnt <= 1:
+            return None
+        return i
+
     def allocate(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = ()) -> list[int] | None:
         """Give the request blocks for `num_new_tokens` more tokens (after taking `cached`
-        prefix blocks). Returns the ids of the blocks added to its table, or None if they don't fit."""
+        prefix blocks). Returns the ids of the blocks added to its table, or None if they don't fit.
+        A shared, partly filled block about to be written is replaced by a copy (see `cow`)."""
         if not cached:  # fast path, most decode steps: the last block still has room
             table = self.req_blocks.get(req.request_id)
-            if table is not None and len(table) * self.block_size >= req.num_computed_tokens + num_new_tokens:
+            if table is not None and len(table) * self.block_size >= req.num_computed_tokens + num_new_tokens \
+                    and self._cow_index(req) is None:
                 return []
         if not self.can_allocate(req, num_new_tokens, cached):
             return None
+        self._copy_on_write(req)
         table = self.req_blocks.setdefault(req.request_id, [])
         added: list[int] = []
         for block in cached:
@@ -211,6 +254,26 @@ class BlockManager:
             table.append(block)
             added.append(block.block_id)
         return added
+
+    def _copy_on_write(self, req: Request) -> None:
+        i = self._cow_index(req)
+        if i is None:
+            return
+        table = self.req_blocks[req.request_id]
+        old, new = table[i], self._pop_free()
+        new.ref_cnt = 1
+        old.ref_cnt -= 1  # still >= 1: the other sharers keep it
+        table[i] = new
+        self.cow[req.request_id] = (i, old.block_id, new.block_id)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Beam search: the child's table is a copy of the parent's, every block shared (ref_cnt + 1).
+        The child must have the parent's tokens and num_computed_tokens."""
+        table = self.req_blocks.get(parent.request_id, [])
+        for block in table:
+            block.ref_cnt += 1
+        self.req_blocks[child.request_id] = list(table)
+        self.num_registered[child.request_id] = self.num_registered.get(parent.request_id, 0)
 
     def _touch(self, block: KVBlock) -> None:
         if block.ref_cnt == 0:
@@ -257,6 +320,7 @@ class BlockManager:
         """Release the request's blocks, tail first (so the tail is evicted first)."""
         table = self.req_blocks.pop(req.request_id, [])
         self.num_registered.pop(req.request_id, None)
+        self.cow.pop(req.request_id, None)
         for block in reversed(table):
             self._release_block(block)
 

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.lora.request import LoRARequest
+    from minivllm.pooling_params import PoolingParams
 
 # Stands for a token sampled by the step still running on the device (async scheduling): the
 # runner fills it in on the device from that step's sampled ids.
@@ -21,6 +26,10 @@ class NewRequestData:
     sampling_params: SamplingParams
     sample_index: int
     eos_token_ids: frozenset[int]
+    lora_request: LoRARequest | None = None  # the adapter the request runs with (None: base model)
+    pooling: PoolingParams | None = None  # an embedding request: the pooled hidden state, no sampling
+    # beam search: candidates are ranked by log_softmax(logits / beam_temperature) (None: the logits)
+    beam_temperature: float | None = None
 
 
 @dataclass(slots=True)
@@ -37,6 +46,14 @@ class ScheduledRequest:
     # speculative decoding: the last num_draft_tokens of token_ids are proposed tokens to verify
     # (the step then yields 1 to num_draft_tokens + 1 tokens)
     num_draft_tokens: int = 0
+    # prompt logprobs: (first position, count) of this chunk's positions whose logits give the
+    # logprobs of the prompt tokens after them; None: none this step
+    prompt_logprob_rows: tuple[int, int] | None = None
+    pool: bool = False  # an embedding request's last prompt chunk: the step returns its pooled vector
+    # copy-on-write before this step writes: (table index, source block, new block). The block at
+    # that index was shared (a forked beam) and partly filled: the runner copies the source's K/V
+    # into the new block and puts it in the table before the forward pass
+    cow: tuple[int, int, int] | None = None
 
 
 BlockPairs = list[tuple[int, int]]  # (source block id, destination block id)
@@ -101,3 +118,8 @@ class RunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None
     # speculative decoding: tokens proposed for each request's next step
     draft_token_ids: dict[str, list[int]] | None = None
+    # prompt logprobs of the step's prompt_logprob_rows, by request: one TokenLogprobs per row, in
+    # position order (column 0 the prompt token that follows the row, then the top-k)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
+    # embedding requests whose prompt completed this step: the pooled (and normalized) vector
+    pooled: dict[str, list[float]] | None = None

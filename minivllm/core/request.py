@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.core.beam import BeamGroup
+    from minivllm.lora.request import LoRARequest
+    from minivllm.pooling_params import PoolingParams
 
 
 class RequestStatus(enum.Enum):
@@ -84,6 +89,15 @@ class Request:
     # hashed); dropped on preemption
     spec_token_ids: list[int] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured outputs only; kept across preemption
+    # prompt logprobs: prompt positions whose logits were delivered (positions 0 .. n-1 give the
+    # logprobs of prompt tokens 1 .. n); only sample 0 of a request computes them
+    num_prompt_logprobs: int = 0
+    pooling: PoolingParams | None = None  # an embedding request: pooled hidden states, no tokens
+    lora_request: LoRARequest | None = None
+    beam: BeamGroup | None = None  # the beam-search group this sequence is a beam of
+    # a beam that reported its candidates and then gave its KV blocks back (preempted while it
+    # waited for its siblings): it is in neither queue until the group selects the next beams
+    parked: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -107,6 +121,25 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return None if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None and self.sample_index == 0
+
+    @property
+    def max_cached_prefix(self) -> int | None:
+        """Leading tokens the prefix cache may serve (None: any). A prompt-logprobs request needs
+        the logits of every prompt position it has not delivered yet; mean pooling needs the hidden
+        state of every token."""
+        if self.pooling is not None and self.pooling.pooling_type == "MEAN":
+            return 0
+        if self.wants_prompt_logprobs:
+            return self.num_prompt_logprobs
+        return None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from minivllm.core.beam import BeamGroup
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.interfaces import (
     PLACEHOLDER_TOKEN,
@@ -65,6 +66,9 @@ class SchedulerLimits:
     spec_disable_batch_size: int | None = None
     # batches in flight at once (pipeline stages); above 1 a request sits out while in flight
     max_concurrent_batches: int = 1
+    # multi-LoRA: distinct adapters the running requests may use at once (the runner's device
+    # slots); a request of another adapter waits. None: no adapters
+    max_loras: int | None = None
 
 
 LIGHT_LOAD_WAITING = 4  # queue length up to which the prefill cap above applies
@@ -101,12 +105,15 @@ class SpecDecodeStats:
 
 @dataclass(slots=True)
 class RequestUpdate:
-    """What one step did to one request, for output processing."""
+    """What one step did to one request, for output processing. A finished beam-search group
+    comes as one update of one of its beams (request.beam.result holds the hypotheses)."""
 
     request: Request
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None
     finished: bool
+    prompt_logprobs: list[TokenLogprobs] | None = None  # the step's prompt logprobs, in position order
+    pooled: list[float] | None = None  # an embedding request's vector (it is then finished)
 
 
 class Scheduler:
@@ -121,6 +128,8 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self._requeued_since_last_step: set[str] = set()  # requeue(): the runner drops their state
         self._sent_to_runner: set[str] = set()
+        self.beam_groups: dict[str, BeamGroup] = {}  # beam-search requests by their request id
+        self._unsent_forks: set[str] = set()  # running forked beams the runner has not seen yet
         self._in_flight: set[str] = set()  # (max_concurrent_batches > 1) in a batch not yet updated
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
@@ -130,29 +139,55 @@ class Scheduler:
     # ---- requests in and out --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        if req.beam is not None:  # the prompt is the group's first beam
+            assert req.beam.request_id not in self.beam_groups, f"duplicate request id {req.beam.request_id}"
+            self.beam_groups[req.beam.request_id] = req.beam
+            req.beam.add_root(req)
         self.requests[req.request_id] = req
         self.tokens_in_flight += req.num_prompt_tokens + req.max_tokens
         self.waiting.push(req)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Finish (stop string, abort, error) requests wherever they are; frees their blocks now."""
+        """Finish (stop string, abort, error) requests wherever they are; frees their blocks now.
+        A beam-search request id, or any of its beams, finishes every beam of the group."""
         assert status.finished
         done = []
-        for req_id in req_ids:
-            req = self.requests.get(req_id)
-            if req is None or req.is_finished:
+        for req in self._expand_beams(req_ids):
+            if req.is_finished:
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
+            self._unqueue(req)
             req.status = status
             self._release(req)
             done.append(req)
         return done
 
+    def _expand_beams(self, req_ids: Iterable[str]) -> list[Request]:
+        out: dict[str, Request] = {}
+        for req_id in req_ids:
+            group = self.beam_groups.get(req_id)
+            req = self.requests.get(req_id)
+            if group is None and req is not None and req.beam is not None:
+                group = req.beam
+            if group is not None:
+                self.beam_groups.pop(group.request_id, None)
+                out.update((r.request_id, r) for r in group.live)
+                group.live = []
+            elif req is not None:
+                out[req_id] = req
+        return list(out.values())
+
+    def _unqueue(self, req: Request) -> None:
+        """Take a request out of the running list or the waiting queue (a parked beam is in neither)."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.parked:
+            req.parked = False
+        else:
+            self.waiting.remove(req)
+
     def _release(self, req: Request) -> None:
         self.block_manager.free(req)
+        self._unsent_forks.discard(req.request_id)
         if self.swap is not None:
             self.swap.discard(req.request_id)
         if req.grammar is not None:
@@ -185,6 +220,8 @@ class Scheduler:
         self._prefill_left = self._prefill_cap()
         budget = self._schedule_running(out, budget)
         if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        if not out.scheduled and self.waiting and self._park_reported_beams(out):
             self._schedule_waiting(out, budget)
         out.num_scheduled_tokens = sum(len(s.token_ids) for s in out.scheduled)
         out.preempted_req_ids |= self._requeued_since_last_step
@@ -223,7 +260,7 @@ class Scheduler:
             remaining = req.num_tokens_with_pending - req.num_computed_tokens
             prefilling = remaining > 1  # an unfinished prompt, or a recompute after preemption
             n = min(remaining, budget, self._prefill_left if prefilling else budget)
-            if n <= 0 or self._finishes_with_pending(req):
+            if n <= 0 or self._finishes_with_pending(req) or (req.beam is not None and req.num_pending_tokens):
                 i += 1
                 continue
             drafts = [] if prefilling else self._drafts_to_verify(req, budget - n)
@@ -289,7 +326,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting.peek()
-            if self._must_wait(req):
+            if self._must_wait(req) or self._no_lora_slot(req):
                 skipped.append(self.waiting.pop())
                 continue
             if self.swap is not None and req.request_id in self.swap.swapped:
@@ -323,6 +360,14 @@ class Scheduler:
         for req in reversed(skipped):
             self.waiting.push_front(req)
 
+    def _no_lora_slot(self, req: Request) -> bool:
+        """The request's adapter would be one more than the runner's max_loras device slots."""
+        lora = req.lora_int_id
+        if lora is None or self.limits.max_loras is None:
+            return False
+        running = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
+        return lora not in running and len(running) >= self.limits.max_loras
+
     def _swap_in(self, req: Request, out: SchedulerOutput, budget: int) -> int:
         """Resume a swapped request: device blocks for its swapped ones and its next tokens, the
         swapped ones copied back before the step's forward. Returns the tokens scheduled (0: no room)."""
@@ -354,6 +399,9 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.time()
         self.running.append(req)
+        self._send_new(req, out)
+
+    def _send_new(self, req: Request, out: SchedulerOutput) -> None:
         self._sent_to_runner.add(req.request_id)
         out.new_requests.append(NewRequestData(
             req_id=req.request_id,
@@ -362,6 +410,9 @@ class Scheduler:
             sampling_params=req.sampling_params,
             sample_index=req.sample_index,
             eos_token_ids=req.eos_token_ids,
+            lora_request=req.lora_request,
+            pooling=req.pooling,
+            beam_temperature=req.beam.params.temperature or None if req.beam is not None else None,
         ))
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int, new_blocks: list[int],
@@ -371,8 +422,16 @@ class Scheduler:
         token_ids = req.all_token_ids[start:start + known]
         token_ids += [PLACEHOLDER_TOKEN] * (known - len(token_ids))  # tokens the running step samples
         token_ids += drafts
-        samples = start + known == req.num_tokens_with_pending
-        out.scheduled.append(ScheduledRequest(req.request_id, token_ids, start, new_blocks, samples, len(drafts)))
+        ends = start + known == req.num_tokens_with_pending
+        samples = ends and req.pooling is None  # an embedding request pools instead
+        if req.request_id in self._unsent_forks:  # a forked beam's first step: the runner gets its table
+            self._unsent_forks.discard(req.request_id)
+            self._send_new(req, out)
+            new_blocks = self.block_manager.block_ids(req.request_id)
+        out.scheduled.append(ScheduledRequest(
+            req.request_id, token_ids, start, new_blocks, samples, len(drafts),
+            prompt_logprob_rows=self._prompt_logprob_rows(req, start, known), pool=ends and not samples,
+            cow=self.block_manager.cow.pop(req.request_id, None)))
         req.num_computed_tokens += n
         if samples:
             req.num_pending_tokens += 1
@@ -383,6 +442,16 @@ class Scheduler:
         self.block_manager.register_computed_blocks(req)
         if req.group is not None and req.num_computed_tokens >= req.num_prompt_tokens:
             req.group.prompt_computed = True
+
+    @staticmethod
+    def _prompt_logprob_rows(req: Request, start: int, known: int) -> tuple[int, int] | None:
+        """The chunk's positions whose logits give prompt logprobs not delivered yet: position p
+        gives the logprob of prompt token p + 1 (the last prompt position samples instead)."""
+        if not req.wants_prompt_logprobs:
+            return None
+        first = max(start, req.num_prompt_logprobs)
+        end = min(start + known, req.num_prompt_tokens - 1)
+        return (first, end - first) if end > first else None
 
     def _pick_victim(self) -> Request | None:
         """FCFS: the most recently admitted request; priority: the least important one. Never one
@@ -409,16 +478,19 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput | None) -> int:
         """Free the request's blocks and queue it for recompute, or swap its computed blocks out
-        (swap space). Returns the tokens it had been given earlier in this step (back to the
-        budget); out None: outside scheduling (requeue), the next step's output tells the runner."""
+        (swap space; never a beam: its blocks are shared). A beam that already reported is parked
+        instead (nothing to compute until its group selects). Returns the tokens it had been given
+        earlier in this step (back to the budget); out None: outside scheduling (requeue), the next
+        step's output tells the runner."""
         self.running.remove(req)
         given = 0 if out is None else sum(len(s.token_ids) for s in out.scheduled if s.req_id == req.request_id)
         # tokens whose K/V earlier steps wrote (or are writing: the copies are queued after them);
         # at least the last known token is computed again, to sample what a step in flight was sampling
         kept = min(req.num_computed_tokens - given, req.num_tokens - 1)
-        if out is None or not self._swap_out(req, kept, out):
+        if out is None or req.beam is not None or not self._swap_out(req, kept, out):
             kept = 0
         self.block_manager.free(req)
+        self._unsent_forks.discard(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = kept
         req.num_pending_tokens = 0  # a token still in flight is dropped and sampled again later
@@ -428,13 +500,24 @@ class Scheduler:
         if req.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(req.request_id)
             (out.preempted_req_ids if out is not None else self._requeued_since_last_step).add(req.request_id)
-        self.waiting.push_front(req)
+        if req.beam is not None and req.beam.has_reported(req):
+            req.parked = True
+        else:
+            self.waiting.push_front(req)
         if out is None:
             return 0
         # a request preempted in the step it was scheduled in must not stay in the output
         out.scheduled = [s for s in out.scheduled if s.req_id != req.request_id]
         out.new_requests = [n for n in out.new_requests if n.req_id != req.request_id]
         return given
+
+    def _park_reported_beams(self, out: SchedulerOutput) -> bool:
+        """Nothing could run: running beams waiting for their siblings may hold the blocks (or
+        sequence slots) the waiting requests need. Park them (their candidates are kept)."""
+        stuck = [r for r in self.running if r.beam is not None and r.beam.has_reported(r)]
+        for req in reversed(stuck):
+            self._preempt(req, out)
+        return bool(stuck)
 
     def _swap_out(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Swap the blocks of the request's first num_tokens tokens to host memory if the swap
@@ -453,15 +536,27 @@ class Scheduler:
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
         logprobs = dict(zip(result.req_ids, result.logprobs)) if result.logprobs else {}
         drafts = result.draft_token_ids or {}
-        updates = []
+        prompt_lps, pooled = result.prompt_logprobs or {}, result.pooled or {}
+        updates, beam_updates = [], []
         for s in sched.scheduled:
             self._in_flight.discard(s.req_id)
             req = self.requests.get(s.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted while the step ran
+            plp = self._take_prompt_logprobs(req, s, prompt_lps.get(s.req_id))
             tokens = sampled.get(s.req_id)
             if tokens is None:
                 self.block_manager.register_computed_blocks(req)  # blocks a prompt chunk completed
+                if s.req_id in pooled:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    updates.append(RequestUpdate(req, [], None, True, plp, pooled[s.req_id]))
+                elif plp:
+                    updates.append(RequestUpdate(req, [], None, False, plp))
+                continue
+            if req.beam is not None:
+                update = self._take_beam_step(req, logprobs.get(s.req_id))
+                if update is not None:
+                    beam_updates.append(update)
                 continue
             if s.num_draft_tokens:
                 self._take_verified(req, s.num_draft_tokens, len(tokens) - 1)
@@ -470,14 +565,100 @@ class Scheduler:
             # only tokens now known and computed: rejected drafts never reach a block hash
             self.block_manager.register_computed_blocks(req)
             lp = logprobs.get(s.req_id)
-            updates.append(RequestUpdate(req, new, lp[:len(new)] if lp else None, finished))
+            updates.append(RequestUpdate(req, new, lp[:len(new)] if lp else None, finished, plp))
             # a constrained request takes no drafts: they were proposed without its grammar
             req.spec_token_ids = [] if finished or req.grammar is not None else drafts.get(s.req_id, [])
         for u in updates:
             if u.finished:
                 self.running.remove(u.request)
                 self._release(u.request)
-        return updates
+        return updates + beam_updates
+
+    @staticmethod
+    def _take_prompt_logprobs(req: Request, s: ScheduledRequest,
+                              plp: list[TokenLogprobs] | None) -> list[TokenLogprobs] | None:
+        """Count the step's prompt logprobs as delivered (they continue the ones before: a step
+        whose rows do not start there, possible only after a preemption, is dropped)."""
+        if not plp or s.prompt_logprob_rows is None or s.prompt_logprob_rows[0] != req.num_prompt_logprobs:
+            return None
+        req.num_prompt_logprobs += len(plp)
+        return plp
+
+    # ---- beam search ----------------------------------------------------------------------
+    def _take_beam_step(self, req: Request, lp: list[TokenLogprobs] | None) -> RequestUpdate | None:
+        """A beam computed its last token: its candidates go to the group; when every live beam
+        has reported, the group selects the next beams. Returns the group's final update."""
+        req.num_pending_tokens -= 1
+        self.block_manager.register_computed_blocks(req)
+        assert lp, "a beam's step must return its candidates' logprobs"
+        group = req.beam
+        group.report(req, lp[0])
+        if not group.all_reported:
+            return None
+        return self._advance_beam_group(group)
+
+    def _advance_beam_group(self, group: BeamGroup) -> RequestUpdate | None:
+        keep = group.select()
+        parents = list(group.live)
+        new_len = parents[0].num_output_tokens + 1
+        if not keep or new_len >= parents[0].max_tokens or parents[0].num_tokens + 1 >= self.limits.max_model_len:
+            group.finish(keep)
+            self.beam_groups.pop(group.request_id, None)
+            last = parents[0]
+            for beam in parents:
+                self._unqueue(beam)
+                beam.status = RequestStatus.FINISHED_LENGTH
+                self._release(beam)
+            return RequestUpdate(last, [], None, True)
+        # forks first (they copy their parent's tokens before the parent takes its own next token)
+        chosen: dict[str, list] = {}
+        for c in keep:
+            chosen.setdefault(c.parent.request_id, []).append(c)
+        beams: dict[int, Request] = {}
+        for cands in chosen.values():
+            for c in cands[1:]:
+                beams[id(c)] = self._fork_beam(c.parent)
+        for cands in chosen.values():
+            beams[id(cands[0])] = cands[0].parent
+        for c in keep:
+            self._extend_beam(beams[id(c)], c.token_id)
+        for beam in parents:
+            if beam.request_id not in chosen:
+                self._unqueue(beam)
+                beam.status = RequestStatus.FINISHED_STOPPED
+                self._release(beam)
+        group.set_live([(beams[id(c)], c) for c in keep])
+        return None
+
+    def _fork_beam(self, parent: Request) -> Request:
+        """A new beam with the parent's tokens: sharing its blocks when the parent holds them and
+        a sequence slot is free, else queued to recompute (the prefix cache holds its full blocks)."""
+        child = Request(parent.beam.new_beam_id(), parent.prompt_token_ids, parent.sampling_params,
+                        parent.eos_token_ids, parent.arrival_time, parent.max_tokens, parent.priority,
+                        output_token_ids=list(parent.output_token_ids), lora_request=parent.lora_request,
+                        cache_salt=parent.cache_salt, beam=parent.beam)
+        child.block_hashes = list(parent.block_hashes)
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.requests[child.request_id] = child
+        self.tokens_in_flight += child.num_prompt_tokens + child.max_tokens  # _release takes it back
+        if parent.status == RequestStatus.RUNNING and len(self.running) < self.limits.max_num_seqs:
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.block_manager.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            self._unsent_forks.add(child.request_id)
+        else:
+            child.status = RequestStatus.PREEMPTED
+            child.parked = True  # queued by _extend_beam
+        return child
+
+    def _extend_beam(self, beam: Request, token_id: int) -> None:
+        beam.append_output_token(token_id)
+        if beam.parked:  # it gave its blocks back: recompute, first in line
+            beam.parked = False
+            beam.status = RequestStatus.PREEMPTED
+            self.waiting.push_front(beam)
 
     @staticmethod
     def _check_grammar(req: Request, token: int) -> bool:

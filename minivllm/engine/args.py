@@ -46,6 +46,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="with --kv-cache-dtype fp8: per-layer scales from the first step's K/V (else the "
                         "checkpoint's, or 1.0)")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters one step may mix (device slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded on the host (default: --max-loras)")
+    g.add_argument("--pooler-config", default=None,
+                   help='embeddings: JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+                        '(default: LAST token, normalized)')
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks each layer is split over (heads, MLP features, vocabulary)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
@@ -86,7 +94,8 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config",
          "prefix_caching_hash_algo", "batch_invariant", "tensor_parallel_size", "pipeline_parallel_size",
          "data_parallel_size", "distributed_executor_backend",
-         "swap_space", "preemption_mode", "kv_offloading_size"]
+         "swap_space", "preemption_mode", "kv_offloading_size", "enable_lora", "max_loras", "max_lora_rank",
+         "max_cpu_loras", "pooler_config"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

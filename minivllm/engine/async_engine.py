@@ -38,8 +38,6 @@ logger = logging.getLogger(__name__)
 OutputObserver = Callable[[list[RequestOutput], float], None]  # (this step's outputs, time.time())
 
 
-
-
 class RequestStream:
     """The outputs of one request, as an async iterator of cumulative RequestOutputs.
 
@@ -101,6 +99,7 @@ class _Add:
     arrival_time: float | None
     priority: int
     future: asyncio.Future
+    lora_request: Any = None
 
 
 @dataclass
@@ -139,7 +138,9 @@ class EngineClient:
                 logger.exception("engine death callback failed")
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                          arrival_time: float | None = None, priority: int = 0) -> RequestStream:
+                          arrival_time: float | None = None, priority: int = 0,
+                          lora_request: Any = None) -> RequestStream:
+        """params: SamplingParams, BeamSearchParams or PoolingParams (as LLMEngine.add_request)."""
         raise NotImplementedError
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
@@ -225,7 +226,8 @@ class AsyncEngine(EngineClient):
 
     # ---- public API --------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                          arrival_time: float | None = None, priority: int = 0) -> RequestStream:
+                          arrival_time: float | None = None, priority: int = 0,
+                          lora_request: Any = None) -> RequestStream:
         """Queues a request and returns its stream once the engine accepted it.
 
         Raises ValueError (bad input, from LLMEngine.add_request), EngineClosedError (draining)
@@ -236,7 +238,7 @@ class AsyncEngine(EngineClient):
         future = loop.create_future()
         with self._cond:
             self._check_open()
-            self._commands.append(_Add(stream, prompt, params, arrival_time, priority, future))
+            self._commands.append(_Add(stream, prompt, params, arrival_time, priority, future, lora_request))
             self._cond.notify()
         try:
             await future
@@ -352,6 +354,7 @@ class AsyncEngine(EngineClient):
                     return None
                 self._cond.wait(self._wait_timeout())
                 self._maybe_expire_drain()
+                self.engine.check_health()  # idle: a rank that died fails the engine now (raises)
             items = list(self._commands)
             self._commands.clear()
         cmds = _Commands()
@@ -387,7 +390,7 @@ class AsyncEngine(EngineClient):
         try:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
-            self.engine.add_request(rid, add.prompt, add.params, add.arrival_time, add.priority)
+            self.engine.add_request(rid, add.prompt, add.params, add.arrival_time, add.priority, add.lora_request)
         except Exception as e:  # noqa: BLE001 - input errors go back to the caller, not up
             _resolve(add.future, e)
             return

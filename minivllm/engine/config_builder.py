@@ -13,7 +13,9 @@ from minivllm.config import (
     StructuredOutputsConfig,
     check,
 )
+from minivllm.lora.config import LoRAConfig
 from minivllm.models.arch import ArchConfig
+from minivllm.pooling_params import PoolerConfig
 from minivllm.distributed.sharding import padded_vocab_size
 from minivllm.models.source import load_arch, resolve_model_source, resolve_quantization
 from minivllm.quant.config import QuantConfig
@@ -90,6 +92,11 @@ def build_engine_config(
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
     calculate_kv_scales: bool = False,
+    enable_lora: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
+    pooler_config=None,
     swap_space: float | None = None,
     preemption_mode: str | None = None,
     kv_offloading_size: float | None = None,
@@ -169,7 +176,25 @@ def build_engine_config(
     batch_invariant = _resolve_batch_invariant(batch_invariant, device, dtype, quant is not None, arch.moe is not None,
                                                kv_cache_dtype, speculative is not None)
     return EngineConfig(model_cfg, cache, sched, parallel, device, eager, attention_backend, async_scheduling,
-                        speculative, _structured_config(structured_outputs_config, reasoning_parser), batch_invariant)
+                        speculative,
+                        lora=_lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, speculative, arch,
+                                          batch_invariant, parallel),
+                        pooler=PoolerConfig.parse(pooler_config),
+                        structured_outputs=_structured_config(structured_outputs_config, reasoning_parser),
+                        batch_invariant=batch_invariant)
+
+
+def _lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu: int | None,
+                 speculative, arch: ArchConfig, batch_invariant: bool, parallel) -> LoRAConfig | None:
+    if not enable:
+        return None
+    check(speculative is None, "enable_lora", "cannot be combined with speculative decoding (not supported yet)")
+    check(arch.moe is None, "enable_lora", "is not supported for mixture-of-experts models yet")
+    check(not batch_invariant, "enable_lora", "cannot be combined with batch_invariant (the LoRA ops are not "
+          "batch-invariant)")
+    check(parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1, "enable_lora",
+          "is not supported with tensor/pipeline parallelism yet")
+    return LoRAConfig(max_loras, max_rank, max_cpu)
 
 
 def _positive_int(value, name: str) -> None:
@@ -184,12 +209,11 @@ def resolve_parallel(arch: ArchConfig, device: str, tp: int, pp: int, dp: int, b
     for value, name in ((tp, "tensor_parallel_size"), (pp, "pipeline_parallel_size"), (dp, "data_parallel_size")):
         _positive_int(value, name)
     world = tp * pp
-    backend = backend or ("uni" if world == 1 else "mp")
+    backend = backend or ("uni" if world == 1 and dp == 1 else "mp")  # replicas: each its own worker(s)
     check(backend in EXECUTOR_BACKENDS, "distributed_executor_backend", f"must be one of {list(EXECUTOR_BACKENDS)}, got {backend!r}")
     check(backend != "uni" or world == 1, "distributed_executor_backend",
           f"'uni' runs one rank in the engine's process; tensor_parallel_size x pipeline_parallel_size = {world} "
           "needs 'mp' or 'ray'")
-    check(backend != "ray", "distributed_executor_backend", "'ray' is not available yet; use 'mp'")
     check(arch.num_heads % tp == 0, "tensor_parallel_size",
           f"must divide the model's number of attention heads ({arch.num_heads}), got {tp}")
     kv = arch.num_kv_heads

@@ -33,7 +33,7 @@ from collections import deque
 
 from minivllm.engine.errors import EngineDeadError
 from minivllm.engine.profiler import apply_profile_command
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import EmbeddingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +44,18 @@ logger = logging.getLogger(__name__)
 PackedOutput = tuple
 
 
-def pack_output(out: RequestOutput) -> PackedOutput:
+def pack_output(out: RequestOutput | EmbeddingRequestOutput) -> PackedOutput:
+    """(request id, finished, samples, metrics, cached tokens, extra): extra holds an embedding
+    request's vector, or a request's prompt logprobs (DELTA outputs carry them once)."""
     m = out.metrics
     metrics = None if m is None else (m.arrival_time, m.first_scheduled_time, m.first_token_time,
                                       m.last_token_time, m.finished_time)
+    if isinstance(out, EmbeddingRequestOutput):
+        return out.request_id, out.finished, [], metrics, out.num_cached_tokens, {"embedding": out.outputs.embedding}
     samples = [(o.index, o.text, o.token_ids, o.cumulative_logprob, o.logprobs, o.finish_reason, o.stop_reason)
                for o in out.outputs]
-    return out.request_id, out.finished, samples, metrics, out.num_cached_tokens
+    extra = {} if out.prompt_logprobs is None else {"prompt_logprobs": out.prompt_logprobs}
+    return out.request_id, out.finished, samples, metrics, out.num_cached_tokens, extra
 
 
 def portable_error(e: BaseException) -> BaseException:
@@ -66,9 +71,9 @@ def engine_core_main(config, cmd_conn, out_conn, log_level: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
-    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.engine.llm_engine import make_engine
     try:
-        engine = LLMEngine(config)
+        engine = make_engine(config)
     except BaseException as e:  # noqa: BLE001 - the parent must hear why startup failed
         logger.exception("engine startup failed")
         out_conn.send(("failed", portable_error(e)))
@@ -298,10 +303,10 @@ class EngineCore:
                 self.stopping = True
         return added
 
-    def _add(self, request_id, prompt, params, arrival_time, priority) -> BaseException | None:
+    def _add(self, request_id, prompt, params, arrival_time, priority, lora_request=None) -> BaseException | None:
         """prompt: {"prompt": text, "prompt_token_ids": [...], "cache_salt"?}, tokenized by the client."""
         try:
-            self.engine.add_request(request_id, prompt, params, arrival_time, priority)
+            self.engine.add_request(request_id, prompt, params, arrival_time, priority, lora_request)
         except Exception as e:  # noqa: BLE001 - bad input goes back to the caller
             return portable_error(e)
         return None

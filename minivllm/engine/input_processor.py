@@ -41,14 +41,18 @@ def parse_prompt(prompt: PromptInput, tokenizer) -> ProcessedPrompt:
     raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
 
-def validate_prompt(tokens: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                    max_tokens_in_cache: int) -> int:
-    """Checks the prompt against the limits; returns the resolved max_tokens."""
+def _check_token_ids(tokens: list[int], vocab_size: int) -> None:
     if not tokens:
         raise ValueError("prompt is empty: it must contain at least one token")
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token id {bad} is out of range: token ids must be in [0, {vocab_size})")
+
+
+def validate_prompt(tokens: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                    max_tokens_in_cache: int) -> int:
+    """Checks the prompt against the limits; returns the resolved max_tokens."""
+    _check_token_ids(tokens, vocab_size)
     n = len(tokens)
     if n >= max_model_len:
         raise ValueError(f"prompt is {n} tokens long, but the maximum context length (max_model_len) is "
@@ -66,7 +70,7 @@ def validate_prompt(tokens: list[int], params: SamplingParams, vocab_size: int, 
 
 def make_sample_requests(request_id: str, tokens: list[int], params: SamplingParams, max_tokens: int,
                          eos_token_ids: frozenset[int], priority: int, arrival_time: float | None,
-                         cache_salt: str | None = None) -> list[Request]:
+                         lora_request=None, cache_salt: str | None = None) -> list[Request]:
     """One scheduler Request per sample; seeded samples get seed + index (as vLLM does)."""
     arrival = arrival_time if arrival_time is not None else time.time()
     group = PromptGroup(params.n) if params.n > 1 else None
@@ -78,9 +82,48 @@ def make_sample_requests(request_id: str, tokens: list[int], params: SamplingPar
             if p.seed is not None:
                 p.seed = params.seed + i
         reqs.append(Request(child_request_id(request_id, i, params.n), tokens, p, eos_token_ids, arrival,
-                            max_tokens, priority=priority, sample_index=i, group=group, cache_salt=cache_salt))
+                            max_tokens, priority=priority, sample_index=i, group=group, lora_request=lora_request,
+                            cache_salt=cache_salt))
     return reqs
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
+
+
+def validate_pooling_prompt(tokens: list[int], vocab_size: int, max_model_len: int, max_tokens_in_cache: int) -> None:
+    """An embedding request computes its prompt only: it may fill the whole context."""
+    _check_token_ids(tokens, vocab_size)
+    n = len(tokens)
+    if n > min(max_model_len, max_tokens_in_cache):
+        limit = "max_model_len" if max_model_len <= max_tokens_in_cache else "the KV cache's capacity"
+        raise ValueError(f"input is {n} tokens long, but {limit} is {min(max_model_len, max_tokens_in_cache)} "
+                         "tokens")
+
+
+def make_pooling_request(request_id: str, tokens: list[int], pooling, eos_token_ids: frozenset[int],
+                         priority: int, arrival_time: float | None, lora_request=None,
+                         cache_salt: int | None = None) -> Request:
+    """One scheduler Request that computes the prompt and returns its pooled hidden state."""
+    arrival = arrival_time if arrival_time is not None else time.time()
+    return Request(request_id, tokens, SamplingParams(max_tokens=1), eos_token_ids, arrival, 1, priority=priority,
+                   pooling=pooling, lora_request=lora_request, cache_salt=cache_salt)
+
+
+def beam_sampling_params(params) -> SamplingParams:
+    """What a beam's step computes: the argmax and the 2 * beam_width most likely tokens' logprobs
+    (set past SamplingParams' user limit on logprobs: the engine asks, not a user)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
+    sp.logprobs = 2 * params.beam_width
+    return sp
+
+
+def make_beam_request(request_id: str, tokens: list[int], params, max_tokens: int, eos_token_ids: frozenset[int],
+                      priority: int, arrival_time: float | None, lora_request=None,
+                      cache_salt: int | None = None) -> Request:
+    """The first beam of a beam-search request (the scheduler forks the others from it)."""
+    from minivllm.core.beam import BeamGroup
+    arrival = arrival_time if arrival_time is not None else time.time()
+    group = BeamGroup(request_id, params, len(tokens), eos_token_ids)
+    return Request(group.new_beam_id(), tokens, beam_sampling_params(params), eos_token_ids, arrival, max_tokens,
+                   priority=priority, lora_request=lora_request, cache_salt=cache_salt, beam=group)

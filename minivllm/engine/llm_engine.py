@@ -19,18 +19,24 @@ from minivllm.core.swap_space import SwapSpace
 from minivllm.engine.config_builder import build_engine_config
 from minivllm.engine.errors import EngineDeadError
 from minivllm.engine.gc_heap import freeze_startup_heap
+from minivllm.sample.batch import validate_for_vocab
 from minivllm.engine.input_processor import (
     PromptInput,
+    make_beam_request,
+    make_pooling_request,
     make_sample_requests,
     parse_prompt,
+    validate_pooling_prompt,
     validate_prompt,
 )
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.profiler import EngineProfiler
 from minivllm.engine.step_history import StepHistory
+from minivllm.lora.checker import AdapterChecker
 from minivllm.executor.errors import ExecutorDeadError
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.pooling_params import PoolingParams
+from minivllm.sampling_params import BeamSearchParams, SamplingParams
 from minivllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -69,6 +75,8 @@ class EngineStats:
     offload_hit_blocks: int = 0
     offload_stored_blocks: int = 0
     kv_transfer_bytes: int = 0
+    # data parallelism (engine/dp_engine.py): each replica's own stats; the fields above are their sum
+    replicas: tuple[EngineStats, ...] = ()
 
 
 class LLMEngine:
@@ -105,10 +113,12 @@ class LLMEngine:
                                                    s.max_prefill_tokens_with_decodes,
                                                    spec.num_lookahead_tokens if spec else 0,
                                                    spec.disable_by_batch_size if spec else None,
-                                                   config.parallel.pipeline_parallel_size),
+                                                   config.parallel.pipeline_parallel_size,
+                                                   max_loras=config.lora.max_loras if config.lora else None),
                                    self.block_manager, swap)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
+        self.adapters = AdapterChecker(config.lora, config.model.arch, config.model.served_name)
         self.structured = StructuredOutputManager(config.structured_outputs, self.tokenizer, config.model.arch.vocab_size,
                                                   self.eos_token_ids, s.max_num_seqs,
                                                   pin_memory=config.device.startswith("cuda"))
@@ -138,7 +148,8 @@ class LLMEngine:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
-        return cls(build_engine_config(**kwargs))
+        """An engine, or data_parallel_size > 1 replicas behind the same interface."""
+        return make_engine(build_engine_config(**kwargs))
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.config.model.arch.eos_token_ids)
@@ -154,9 +165,12 @@ class LLMEngine:
         return str(next(self._ids))
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
-        """Validate and queue a request; raises ValueError (naming the field and limit) if it can't run."""
+    def add_request(self, request_id: str, prompt: PromptInput,
+                    params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
+        """Validate and queue a request; raises ValueError (naming the field and limit) if it can't run.
+        params: sampling (generate), BeamSearchParams (beam search) or PoolingParams (an embedding);
+        lora_request: the LoRARequest the request runs with (enable_lora)."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error}")
         params = params or SamplingParams()
@@ -164,20 +178,67 @@ class LLMEngine:
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         parsed = parse_prompt(prompt, self.tokenizer)
-        max_tokens = validate_prompt(parsed.token_ids, params, self.config.model.arch.vocab_size,
-                                     self.max_model_len, self.block_manager.num_blocks * self.config.cache.block_size)
-        so = params.structured_outputs
-        if so is not None:
-            self.structured.validate(params)
-        reqs = make_sample_requests(request_id, parsed.token_ids, params, max_tokens, self.eos_token_ids,
-                                    priority, arrival_time, parsed.cache_salt)
-        if so is not None:  # one matcher per sample; the compile starts now, off the step loop
-            for r in reqs:
-                r.grammar = self.structured.new_handle(r.request_id, so, parsed.token_ids)
+        self.adapters.check(lora_request)
+        keys = dict(lora_request=lora_request, cache_salt=parsed.cache_salt)
+        if isinstance(params, PoolingParams):
+            reqs = [self._pooling_request(request_id, parsed.token_ids, params, priority, arrival_time, keys)]
+        elif isinstance(params, BeamSearchParams):
+            reqs = [self._beam_request(request_id, parsed.token_ids, params, priority, arrival_time, keys)]
+        else:
+            reqs = self._sample_requests(request_id, parsed, params, priority, arrival_time, keys)
         self.output_processor.add_request(request_id, parsed.text, parsed.token_ids, params,
                                           [r.request_id for r in reqs], reqs[0].arrival_time)
         for r in reqs:
             self.scheduler.add_request(r)
+
+    def _sample_requests(self, request_id, parsed, params: SamplingParams, priority, arrival_time, keys):
+        validate_for_vocab(params, self.config.model.arch.vocab_size)
+        max_tokens = validate_prompt(parsed.token_ids, params, self.config.model.arch.vocab_size,
+                                     self.max_model_len, self._cache_tokens)
+        so = params.structured_outputs
+        if so is not None:
+            self.structured.validate(params)
+        reqs = make_sample_requests(request_id, parsed.token_ids, params, max_tokens, self.eos_token_ids,
+                                    priority, arrival_time, **keys)
+        if so is not None:  # one matcher per sample; the compile starts now, off the step loop
+            for r in reqs:
+                r.grammar = self.structured.new_handle(r.request_id, so, parsed.token_ids)
+        return reqs
+
+    @property
+    def _cache_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.config.cache.block_size
+
+    def _pooling_request(self, request_id, tokens, params: PoolingParams, priority, arrival_time, lora):
+        arch = self.config.model.arch
+        validate_pooling_prompt(tokens, arch.vocab_size, self.max_model_len, self._cache_tokens)
+        return make_pooling_request(request_id, tokens, params.resolved(self.config.pooler, arch.hidden_size),
+                                    self.eos_token_ids, priority, arrival_time, **lora)
+
+    def _beam_request(self, request_id, tokens, params: BeamSearchParams, priority, arrival_time, lora):
+        """Beam search: checks the beam width against the engine (every beam is a sequence, and may
+        hold its own copy of the tail of the prompt and its output)."""
+        if self.config.speculative is not None:
+            raise ValueError("beam search cannot run with speculative decoding: start an engine without "
+                             "speculative_config")
+        if self.config.parallel.pipeline_parallel_size > 1:
+            raise ValueError("beam search is not supported with pipeline parallelism yet "
+                             f"(pipeline_parallel_size={self.config.parallel.pipeline_parallel_size})")
+        s, bs = self.config.scheduler, self.config.cache.block_size
+        if params.beam_width > s.max_num_seqs:
+            raise ValueError(f"BeamSearchParams.beam_width must be <= max_num_seqs={s.max_num_seqs} (every beam is "
+                             f"a sequence), got {params.beam_width}")
+        if 2 * params.beam_width > self.config.model.arch.vocab_size:
+            raise ValueError(f"BeamSearchParams.beam_width must be <= half the vocabulary, got {params.beam_width}")
+        max_tokens = validate_prompt(tokens, SamplingParams(max_tokens=params.max_tokens),
+                                     self.config.model.arch.vocab_size, self.max_model_len, self._cache_tokens)
+        need = len(tokens) // bs + params.beam_width * self.block_manager.blocks_needed(len(tokens) % bs + max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"BeamSearchParams.beam_width={params.beam_width} with a {len(tokens)}-token prompt and "
+                             f"max_tokens={max_tokens} may need {need} KV blocks; the cache has "
+                             f"{self.block_manager.num_blocks}: lower beam_width or max_tokens")
+        return make_beam_request(request_id, tokens, params, max_tokens, self.eos_token_ids, priority, arrival_time,
+                                 **lora)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Finish requests now with finish_reason 'abort'; their KV blocks are freed at once."""
@@ -204,6 +265,11 @@ class LLMEngine:
         if self._max_batches > 1:
             return self._step_pipelined()
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        if self._inflight is not None and self.scheduler.beam_groups:
+            # a beam's next token is chosen on the host from its whole group's results: no step
+            # is scheduled before those are in
+            outputs += self._complete(self._inflight)[0]
+            self._inflight = None
         outputs += self._fail_broken_grammars()
         sched = self._schedule()
         if self._inflight is not None and self._needs_sync(sched):
@@ -332,7 +398,8 @@ class LLMEngine:
     def _count_tokens(self, updates) -> None:
         for u in updates:
             self.generation_tokens_total += len(u.new_token_ids)
-            if u.request.num_output_tokens == len(u.new_token_ids):  # its first token: prompt done
+            first = u.new_token_ids and u.request.num_output_tokens == len(u.new_token_ids)
+            if first or u.pooled is not None:  # its first token (or its embedding): prompt done
                 self.prompt_tokens_total += u.request.num_prompt_tokens
 
     def _fail_scheduled(self, sched, error: BaseException | None = None) -> list[RequestOutput]:
@@ -353,8 +420,10 @@ class LLMEngine:
             children = [c for c in children if c in culprits]
         elif error is not None:
             logger.error("model step failed; failing the step's %d requests", len(children), exc_info=error)
+        # a beam's output belongs to its beam-search request (the whole group fails)
+        outputs_of = [reqs[c].beam.request_id if c in reqs and reqs[c].beam is not None else c for c in children]
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
-        return self.output_processor.finish_children(children, "error")
+        return self.output_processor.finish_children(list(dict.fromkeys(outputs_of)), "error")
 
     def _die(self, error: BaseException) -> list[RequestOutput]:
         """A rank is gone: no step can run again. Every request ends now with finish_reason
@@ -419,3 +488,11 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+
+
+def make_engine(config: EngineConfig):
+    """LLMEngine, or a DataParallelEngine of data_parallel_size LLMEngines (same interface)."""
+    if config.parallel.data_parallel_size > 1:
+        from minivllm.engine.dp_engine import DataParallelEngine
+        return DataParallelEngine(config)
+    return LLMEngine(config)

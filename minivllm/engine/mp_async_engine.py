@@ -37,7 +37,14 @@ from minivllm.engine.async_engine import (
 from minivllm.engine.engine_core_proc import PackedOutput, engine_core_main
 from minivllm.engine.input_processor import parse_prompt
 from minivllm.engine.step_history import StepHistory
-from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -104,7 +111,8 @@ class MPAsyncEngine(EngineClient):
 
     # ---- public API (as AsyncEngine) ---------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                          arrival_time: float | None = None, priority: int = 0) -> RequestStream:
+                          arrival_time: float | None = None, priority: int = 0,
+                          lora_request: Any = None) -> RequestStream:
         """Tokenizes here, queues the request in the engine core and returns its stream once
         accepted; raises ValueError (bad input), EngineClosedError or EngineDeadError."""
         self._check_open()
@@ -115,7 +123,7 @@ class MPAsyncEngine(EngineClient):
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, self, snapshot=_snapshot)
         future = loop.create_future()
-        output = RequestOutput(request_id, parsed.text, parsed.token_ids, [], False)
+        output = _empty_output(request_id, parsed, params)
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -125,7 +133,7 @@ class MPAsyncEngine(EngineClient):
             engine_prompt = {"prompt": parsed.text, "prompt_token_ids": parsed.token_ids}
             if parsed.cache_salt is not None:
                 engine_prompt["cache_salt"] = parsed.cache_salt
-            self._send(("add", request_id, engine_prompt, wire_params, arrival, priority))
+            self._send(("add", request_id, engine_prompt, wire_params, arrival, priority, lora_request))
             await future
         except asyncio.CancelledError:
             self.abort(request_id)
@@ -276,9 +284,23 @@ class MPAsyncEngine(EngineClient):
                 _call_soon(t.stream.loop, t.stream._put, error)
 
 
-def _fold(acc: RequestOutput, packed: PackedOutput) -> None:
+def _empty_output(request_id: str, parsed, params) -> RequestOutput | EmbeddingRequestOutput:
+    if isinstance(params, PoolingParams):
+        return EmbeddingRequestOutput(request_id, EmbeddingOutput([]), parsed.token_ids, False, parsed.text)
+    return RequestOutput(request_id, parsed.text, parsed.token_ids, [], False)
+
+
+def _fold(acc: RequestOutput | EmbeddingRequestOutput, packed: PackedOutput) -> None:
     """Applies one step's delta to the cumulative output `acc`."""
-    _, finished, samples, metrics, num_cached = packed
+    _, finished, samples, metrics, num_cached, extra = packed
+    if isinstance(acc, EmbeddingRequestOutput):
+        acc.outputs.embedding = extra.get("embedding") or acc.outputs.embedding
+        acc.finished, acc.num_cached_tokens = finished, num_cached
+        if metrics is not None:
+            acc.metrics = RequestMetrics(*metrics, num_cached_tokens=num_cached)
+        return
+    if extra.get("prompt_logprobs") is not None:  # sent once, with the first output that has them
+        acc.prompt_logprobs = extra["prompt_logprobs"]
     for index, text, token_ids, cum_logprob, logprobs, finish_reason, stop_reason in samples:
         while len(acc.outputs) <= index:
             acc.outputs.append(CompletionOutput(len(acc.outputs), "", []))
@@ -296,10 +318,13 @@ def _fold(acc: RequestOutput, packed: PackedOutput) -> None:
         acc.metrics = RequestMetrics(*metrics, num_cached_tokens=num_cached)
 
 
-def _snapshot(acc: RequestOutput) -> RequestOutput:
+def _snapshot(acc: RequestOutput | EmbeddingRequestOutput) -> RequestOutput | EmbeddingRequestOutput:
     """An independent copy of the cumulative output (the consumer may keep or change it)."""
+    if isinstance(acc, EmbeddingRequestOutput):
+        return EmbeddingRequestOutput(acc.request_id, EmbeddingOutput(list(acc.outputs.embedding)),
+                                      acc.prompt_token_ids, acc.finished, acc.prompt, acc.metrics, acc.num_cached_tokens)
     outs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
                              list(o.logprobs) if o.logprobs is not None else None, o.finish_reason, o.stop_reason)
             for o in acc.outputs]
     return RequestOutput(acc.request_id, acc.prompt, acc.prompt_token_ids, outs, acc.finished, metrics=acc.metrics,
-                         num_cached_tokens=acc.num_cached_tokens)
+                         prompt_logprobs=acc.prompt_logprobs, num_cached_tokens=acc.num_cached_tokens)

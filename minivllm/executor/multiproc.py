@@ -1,7 +1,7 @@
 """The mp executor: one worker process per rank on this machine (executor/worker.py).
 
     engine core ── Listener (127.0.0.1, random port, random key) ◄── connect ── worker rank r
-      launch: pickle ("step", SchedulerOutput) once, send the same bytes to every rank
+      launch: pickle ("step", SchedulerOutput, bitmask or None) once, send the same bytes to every rank
       finish: wait for the driver's ("out", RunnerOutput), watching every other rank meanwhile
 
 Workers are plain `python -m minivllm.executor.worker` processes (not multiprocessing children:
@@ -29,7 +29,7 @@ from multiprocessing.connection import Listener, wait
 
 from minivllm.config import EngineConfig
 from minivllm.core.interfaces import RunnerOutput, SchedulerOutput
-from minivllm.executor.errors import ExecutorDeadError
+from minivllm.executor.errors import DeathLatch
 from minivllm.executor.worker import AUTHKEY_ENV
 from minivllm.structured.bitmask import GrammarBitmask
 
@@ -46,7 +46,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(DeathLatch):
+    _name = "mp executor"
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.parallel.world_size
@@ -55,7 +57,6 @@ class MultiprocExecutor:
         self.driver = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
         self._procs: list[subprocess.Popen] = []
         self._conns: list = []
-        self._dead: ExecutorDeadError | None = None
         self._launched = self._finished = 0
         self._finalizer = weakref.finalize(self, _stop_processes, self._procs, self._conns)
         atexit.register(self._finalizer)
@@ -212,16 +213,8 @@ class MultiprocExecutor:
         self._raise_if_dead()
         self._check_procs("idle")
 
-    def _raise_if_dead(self) -> None:
-        if self._dead is not None:
-            raise self._dead
-
-    def _fail(self, reason: str):
-        if self._dead is None:
-            self._dead = ExecutorDeadError(reason)
-            logger.error("mp executor: %s", reason)
-            _stop_processes(self._procs, self._conns, graceful=False)  # the others may wait in a collective
-        raise self._dead
+    def _stop_ranks(self) -> None:
+        _stop_processes(self._procs, self._conns, graceful=False)
 
     @property
     def worker_pids(self) -> list[int]:

@@ -29,6 +29,7 @@ from minivllm.core.swap_space import SwapCosts
 from minivllm.distributed.parallel_state import ParallelGroups
 from minivllm.models.llama import CausalLM, IntermediateTensors
 from minivllm.models.loader import build_model
+from minivllm.runner.extra_outputs import ExtraRows, plan_extra_rows, pool, prompt_logprobs
 from minivllm.runner.expert_counts import ExpertCountsReader
 from minivllm.runner.input_batch import StepInputs, build_step_inputs
 from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, format_bytes
@@ -52,6 +53,9 @@ class LaunchedStep:
     host_buf: torch.Tensor | None = None  # pinned [B] int64, filled by an async copy
     event: torch.cuda.Event | None = None  # recorded after that copy
     spec: RunnerOutput | None = None  # speculative decoding: the finished step's output
+    # prompt logprobs and pooled vectors of the step (already on the host)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
+    pooled: dict[str, list[float]] | None = None
 
 
 @dataclass
@@ -61,6 +65,8 @@ class ForwardStep:
     hidden: torch.Tensor | None  # [rows, H]: the final hidden states of the sampling rows (and drafts)
     req_ids: list[str]  # requests that sample, in row order
     inputs: StepInputs | None = None
+    # (prompt logprobs, pooled vectors) of the step, already on the host (runner/extra_outputs.py)
+    extras: tuple[dict | None, dict | None] = (None, None)
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,11 @@ class HostKVTiers:
 class RunnerRequest:
     block_ids: list[int]
     sampling: SamplingRequestState
+    lora_request: object | None = None  # LoRARequest
+    pooling: object | None = None  # PoolingParams (resolved: pooling_type set)
+    beam_temperature: float | None = None
+    pool_sum: torch.Tensor | None = None  # mean pooling: float32 sum of the rows so far
+    pool_count: int = 0
 
 
 class ModelRunner:
@@ -107,6 +118,7 @@ class ModelRunner:
         self._calibrate_kv_pending = config.cache.calculate_kv_scales
         self.timings: dict[str, float] = {}
         self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
+        self.lora = None  # lora.manager.LoRAManager with enable_lora
         self.kv_transfer = None  # kv_transfer.BlockTransferEngine: swap space and offload tier
         # several engines on one GPU: what was in use before this one loaded (memory.py)
         self.others_bytes_at_start = 0
@@ -128,6 +140,7 @@ class ModelRunner:
             backend = get_attention_backend(self.config.attention_backend)
             self.model = build_model(self.config.model, backend, self.device, self.dtype, self.parallel)
             self.setup_cpu_model(self.model)
+            self._setup_lora()
             if self.config.batch_invariant:
                 self._make_batch_invariant(self.model)
         self.expert_counts = ExpertCountsReader(self.model, self.device)
@@ -138,6 +151,18 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.1f s", self.config.model.served_name, self.config.model.dtype,
                     self.device, self.timings["load_model_s"])
 
+    def _setup_lora(self) -> None:
+        """enable_lora: the decoder's linears get adapter slots (lora/layers.py), after packing
+        (a LoRALinear wraps the packed layer)."""
+        if self.config.lora is None:
+            return
+        from minivllm.lora.manager import LoRAManager
+        # the token-slot buffer covers the largest step a CUDA graph pads to
+        max_tokens = 2 * self.config.scheduler.max_num_batched_tokens + 1024
+        self.lora = LoRAManager(self.config.lora, self.model, self.arch, self.device, self.dtype, max_tokens)
+        logger.info("LoRA: %d slots of rank %d on %d linear layers (%s)", self.config.lora.max_loras,
+                    self.config.lora.max_lora_rank, len(set(self.lora.layers.values())),
+                    "Triton gather kernels" if self.lora.state.use_triton else "torch reference")
     def _make_batch_invariant(self, model: CausalLM) -> None:
         """Batch-invariant mode (models/batch_invariant.py): on the GPU the fixed-tile matmul for
         every linear and the fixed-tile prefill kernel for every attention row; on the CPU
@@ -196,7 +221,9 @@ class ModelRunner:
                             "(kernels/cpu/screened_argmax.cpp)", SCREEN_MAX_ROWS)
         elif packed_linear_available():
             logger.info("CPU: %d linear layers on prepacked oneDNN weights", pack_linears(model))
-        if enable_cpu_forward(model, ops if fp32_cache else None):  # after packing: it binds the final linear modules
+        # LoRA: the fused CPU forward calls the linears' kernels directly, past the LoRA layers: the
+        # module path runs instead (its packed linears still apply, inside the LoRA layers)
+        if self.config.lora is None and enable_cpu_forward(model, ops if fp32_cache else None):  # after packing: it binds the final linear modules
             logger.info("CPU: float32 forward in fewer ops (models/cpu_forward.py)%s",
                         ", fused C++ ops" if ops is not None else "")
 
@@ -296,7 +323,7 @@ class ModelRunner:
           idle: a step launched behind a 100 ms step blocked the host for 100-220 ms, holding
           back the tokens of the step before it (W3 all at once; perf.md, session 5). So each
           row count runs once here (~1 s for Qwen3-8B)."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.parallel.rank.pp_size > 1:  # (a stage has no embedding or no head)
             return
         from minivllm.runner.profile import dummy_step_inputs
         t = time.perf_counter()
@@ -319,9 +346,26 @@ class ModelRunner:
         if self.speculator is not None and gone:
             self.speculator.drop(gone)
         for new in sched.new_requests:
-            self.requests[new.req_id] = RunnerRequest([], _sampling_state(new, self._invariant_seed))
+            self.requests[new.req_id] = RunnerRequest([], _sampling_state(new, self._invariant_seed), new.lora_request,
+                                                      new.pooling, new.beam_temperature)
+        copies = []
         for s in sched.scheduled:
-            self.requests[s.req_id].block_ids.extend(s.new_block_ids)
+            table = self.requests[s.req_id].block_ids
+            table.extend(s.new_block_ids)
+            if s.cow is not None:  # a shared, partly filled block: this request writes into a copy
+                index, src, dst = s.cow
+                table[index] = dst
+                copies.append((src, dst))
+        if copies:
+            self._copy_blocks(copies)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: every layer's K/V of block src into block dst (before the forward)."""
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        for k, v in self.kv_caches:  # [num_blocks, block_size, Hk, D]
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -348,19 +392,41 @@ class ModelRunner:
         inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
                                    pin=self.device.type == "cuda")
         self._fill_placeholders(inputs)
-        hidden = self._forward(inputs)
+        if self.lora is not None:
+            self.lora.prepare_step([len(s.token_ids) for s in sched.scheduled],
+                                   [self.requests[s.req_id].lora_request for s in sched.scheduled],
+                                   inputs.input_ids.shape[0])
+        extra = plan_extra_rows(sched.scheduled, inputs.meta.query_start_loc_cpu, self.requests)
+        hidden = self._forward(inputs, extra)
         if hidden is None:  # a pipeline stage before the last: its output went to the next stage
             return ForwardStep(None, [])
-        return ForwardStep(hidden, inputs.sampling_req_ids, inputs)
+        num_sampling = inputs.logits_indices.shape[0]
+        extras = self._extra_outputs(hidden[num_sampling:], extra)
+        return ForwardStep(hidden[:num_sampling], inputs.sampling_req_ids, inputs, extras)
+
+    def _output_rows(self, inputs: StepInputs, extra: ExtraRows | None) -> torch.Tensor:
+        """The rows the forward returns: the sampling rows, then the extra rows."""
+        if extra is None:
+            return inputs.logits_indices
+        return torch.cat([inputs.logits_indices, self._to_device(extra.rows)])
+
+    def _extra_outputs(self, hidden: torch.Tensor, extra: ExtraRows | None):
+        """(prompt logprobs, pooled vectors) of the step, on the host; (None, None) without any."""
+        if extra is None:
+            return None, None
+        return prompt_logprobs(self.model, hidden, extra) or None, pool(hidden, extra, self.requests) or None
 
     @torch.inference_mode()
     def launch_sampling(self, fwd: ForwardStep, grammar: GrammarBitmask | None = None) -> LaunchedStep:
         """Queue the sampling of a forward, with the grammar's bitmask on its constrained rows."""
         if not fwd.req_ids:
-            return LaunchedStep([], [])
-        if self.speculator is not None:
-            return self._run_speculative(fwd.hidden, fwd.inputs, grammar)
-        return self._launch_sampling(fwd.hidden, fwd.req_ids, grammar)
+            step = LaunchedStep([], [])
+        elif self.speculator is not None:
+            step = self._run_speculative(fwd.hidden, fwd.inputs, grammar)
+        else:
+            step = self._launch_sampling(fwd.hidden, fwd.req_ids, grammar)
+        step.prompt_logprobs, step.pooled = fwd.extras
+        return step
 
     def _run_speculative(self, hidden: torch.Tensor, inputs: StepInputs,
                          grammar: GrammarBitmask | None = None) -> LaunchedStep:
@@ -399,9 +465,10 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """This rank's part of the step's forward: the sampling rows' final hidden states on the
-        last pipeline stage, None on an earlier one (its output went to the next stage)."""
+    def _forward(self, inputs: StepInputs, extra: ExtraRows | None = None) -> torch.Tensor | None:
+        """This rank's part of the step's forward: the final hidden states of the sampling rows,
+        then of the extra rows (prompt logprobs, pooling), on the last pipeline stage; None on an
+        earlier one (its output went to the next stage)."""
         link, rank = self.parallel.pipeline, self.parallel.rank
         intermediate = None
         if link is not None and not rank.is_first_stage:
@@ -411,28 +478,29 @@ class ModelRunner:
             self._calibrate_kv_pending = False
             for layer in self.model.layers:
                 layer.self_attn.calibrate_kv = True
-            out = self.model(inputs.input_ids, inputs.positions, inputs.meta, output_rows=inputs.logits_indices,
-                             intermediate=intermediate)
+            out = self.model(inputs.input_ids, inputs.positions, inputs.meta,
+                             output_rows=self._output_rows(inputs, extra), intermediate=intermediate)
         else:
-            out = self._forward_sampling_rows(inputs, intermediate)
+            out = self._forward_sampling_rows(inputs, extra, intermediate)
         if isinstance(out, IntermediateTensors):
             link.send(out.hidden, out.residual)
             return None
         return out
 
-    def _forward_sampling_rows(self, inputs: StepInputs,
+    def _forward_sampling_rows(self, inputs: StepInputs, extra: ExtraRows | None = None,
                                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        """The final hidden states of the tokens that sample: [len(sampling_req_ids), H] (a stage
-        before the last: every token's IntermediateTensors)."""
+        """The final hidden states of the tokens that sample, then of the extra rows:
+        [len(logits_indices) + len(extra.rows), H] (a stage before the last: every token's
+        IntermediateTensors)."""
         graphs = self.graphs if intermediate is None else None
         hidden = graphs.try_run(inputs) if graphs is not None else None
         # as many logits rows as tokens: every token, in order (decode, or verify steps of drafts)
-        every_token = inputs.logits_indices.shape[0] == inputs.input_ids.shape[0]
+        every_token = extra is None and inputs.logits_indices.shape[0] == inputs.input_ids.shape[0]
+        rows = None if every_token else self._output_rows(inputs, extra)
         if hidden is not None:
-            return hidden if every_token else hidden[inputs.logits_indices]
+            return hidden if rows is None else hidden[rows]
         # only the sampling rows (the CPU forward then skips the last layer's work for the others)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta,
-                          output_rows=None if every_token else inputs.logits_indices, intermediate=intermediate)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, output_rows=rows, intermediate=intermediate)
 
     def _launch_sampling(self, hidden: torch.Tensor, req_ids: list[str],
                          grammar: GrammarBitmask | None = None) -> LaunchedStep:
@@ -449,6 +517,7 @@ class ModelRunner:
         else:
             if logits is None:
                 logits = self.model.compute_logits(hidden)
+            logits = self._beam_scaled(logits, req_ids)
             if grammar is not None:  # before sampling and logprobs: masked tokens get -inf
                 self._apply_grammar(logits, req_ids, grammar)
             out = self.sampler(logits, batch)
@@ -462,6 +531,15 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record()
         return LaunchedStep(req_ids, states, host_buf=host_buf, event=event)
+
+    def _beam_scaled(self, logits: torch.Tensor, req_ids: list[str]) -> torch.Tensor:
+        """Beam search with temperature T ranks by log_softmax(logits / T): those rows are divided
+        (a beam's token is the argmax, which division by T > 0 keeps)."""
+        temps = [self.requests[r].beam_temperature or 1.0 for r in req_ids]
+        if all(t == 1.0 for t in temps):
+            return logits
+        scale = torch.tensor([1.0 / t for t in temps], dtype=torch.float32, device=logits.device)
+        return logits.float() * scale.unsqueeze(1)
 
     def _apply_grammar(self, logits: torch.Tensor, req_ids: list[str], grammar: GrammarBitmask) -> None:
         """logits [B, V] (fresh from the LM head, so changed in place): each constrained row
@@ -478,6 +556,11 @@ class ModelRunner:
     def finish(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and return its sampled tokens (and logprobs) as plain data."""
         self.expert_counts.poll()
+        out = self._finish_sampling(step)
+        out.prompt_logprobs, out.pooled = step.prompt_logprobs, step.pooled
+        return out
+
+    def _finish_sampling(self, step: LaunchedStep) -> RunnerOutput:
         if not step.req_ids:
             return RunnerOutput([], [])
         if step.spec is not None:
@@ -509,7 +592,6 @@ class ModelRunner:
         states = [SamplingRequestState(_profile_params(), [0], [], frozenset(), 0) for _ in range(num_seqs)]
         self.sampler(logits, SamplingBatch.build(states, logits.shape[-1], self.device, self.generator))
         return forward_peak
-
 
     def _dummy_intermediate(self, num_tokens: int) -> IntermediateTensors | None:
         """What a later pipeline stage starts a synthetic step from (zeros; None on the first)."""

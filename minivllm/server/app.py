@@ -24,7 +24,9 @@ from minivllm.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     ErrorResponse,
+    LoadLoRARequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -35,6 +37,7 @@ from minivllm.server.serving_chat import ServingChat, chat_prompt_ids
 from minivllm.server.serving_common import ServerSettings, ServingBase
 from minivllm.server.serving_completions import ServingCompletion
 from minivllm.server.status_log import log_status_forever
+from minivllm.server.serving_embeddings import ServingEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +142,12 @@ class ServerState:
         self.engine = engine
         self.settings = settings
         self.base = ServingBase(engine, settings)
-        self.completions = ServingCompletion(engine, settings)
-        self.chat = ServingChat(engine, settings)
+        loras = self.base.loras  # one registry: every endpoint sees the same adapters
+        for name, path in settings.lora_modules:
+            loras.add(name, path)  # a bad adapter stops startup with its ValueError
+        self.completions = ServingCompletion(engine, settings, loras)
+        self.chat = ServingChat(engine, settings, loras)
+        self.embeddings = ServingEmbedding(engine, settings, loras)
         self.metrics = ServerMetrics(engine, self.base.model_name)
 
 
@@ -177,12 +184,30 @@ def _openai_router() -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _state(request).chat.create(body, request)
 
+    @r.post("/v1/embeddings", responses=_ERRORS)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await _state(request).embeddings.create(body, request)
+
     @r.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models(request: Request) -> Response:
         s = _state(request)
         cards = [ModelCard(id=name, root=s.engine.config.model.source_path, max_model_len=s.engine.max_model_len)
                  for name in s.base.model_names]
+        cards += [ModelCard(id=name, root=lora.lora_path, parent=s.base.model_name, max_model_len=s.engine.max_model_len)
+                  for name, lora in s.base.loras.adapters.items()]
         return JSONResponse(ModelList(data=cards).model_dump())
+
+    @r.post("/v1/load_lora_adapter", responses=_ERRORS)
+    async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> Response:
+        return Response(_state(request).base.loras.load_endpoint(body.lora_name, body.lora_path), media_type="text/plain")
+
+    @r.post("/v1/unload_lora_adapter", responses=_ERRORS)
+    async def unload_lora_adapter(body: LoadLoRARequest, request: Request) -> Response:
+        loras = _state(request).base.loras
+        if not body.lora_name:
+            raise bad_request("lora_name is required", "lora_name")
+        loras.remove(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     return r
 

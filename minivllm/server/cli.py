@@ -52,6 +52,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt)")
     g.add_argument("--max-stop-sequences", type=int, default=16, help="stop strings per request")
     g.add_argument("--max-logit-bias", type=int, default=1024, help="logit_bias entries per request")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served under their names (with --enable-lora); "
+                        "more at run time through POST /v1/load_lora_adapter")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
@@ -72,6 +75,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def server_settings(args: argparse.Namespace):
+    from minivllm.server.lora import parse_lora_modules
     from minivllm.server.serving_common import ServerSettings
     return ServerSettings(served_model_names=list(args.served_model_name or []), api_key=args.api_key or None,
                           max_queue=args.max_queue, shutdown_grace_s=args.shutdown_timeout,
@@ -79,7 +83,8 @@ def server_settings(args: argparse.Namespace):
                           max_body_bytes=args.max_request_body_bytes, max_prompts_per_request=args.max_prompts_per_request,
                           max_n=args.max_n, max_stop_sequences=args.max_stop_sequences,
                           max_logit_bias=args.max_logit_bias, max_tokens_in_flight=args.max_tokens_in_flight,
-                          enable_dashboard=args.dashboard, profile_dir=args.profile_dir)
+                          enable_dashboard=args.dashboard, profile_dir=args.profile_dir,
+                          lora_modules=parse_lora_modules(args.lora_modules))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

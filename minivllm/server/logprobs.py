@@ -1,8 +1,11 @@
-"""Engine logprobs ({token_id: Logprob} per generated token) in OpenAI's two formats.
+"""Engine logprobs ({token_id: Logprob} per token) in OpenAI's two formats.
 
 - completions (legacy): tokens, token_logprobs, top_logprobs ({token string: logprob}), and
   text_offset (character offset of each token in the choice's text, echoed prompt included);
 - chat: content = [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}].
+`bytes` and `text_offset` come from each token's real bytes (engine/token_bytes.py): a token
+holding part of a multi-byte character decodes to '\ufffd' on its own, but its bytes joined with
+its neighbours' rebuild the text, and offsets count a split character once.
 JSON has no -inf, so logprobs are clamped to -9999.0 (as vLLM does).
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from minivllm.engine.token_bytes import CharOffsets, token_bytes
 from minivllm.outputs import Logprob
 from minivllm.server.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
@@ -28,33 +32,26 @@ def token_str(tid: int, lp: Logprob | None, tokenizer) -> str:
     return f"token_id:{tid}"
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], text_offset: int,
-                        tokenizer) -> CompletionLogprobs:
-    """Legacy logprobs for generated tokens, offsets counted from text_offset."""
+def _bytes_of(tid: int, s: str, tokenizer) -> bytes:
+    return token_bytes(tokenizer)(tid) if tokenizer is not None else s.encode("utf-8")
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None],
+                        offsets: CharOffsets, tokenizer) -> CompletionLogprobs:
+    """Legacy logprobs of consecutive tokens; `offsets` continues where the text before them ended
+    (the echoed prompt, the chunks already streamed) and is advanced past them. An entry of None
+    (the first prompt token, which has no logprob) gives None values."""
     out = CompletionLogprobs()
     for tid, entry in zip(token_ids, logprobs):
-        lp = entry.get(tid)
+        lp = entry.get(tid) if entry is not None else None
         s = token_str(tid, lp, tokenizer)
         out.tokens.append(s)
         out.token_logprobs.append(clamp(lp.logprob) if lp is not None else None)
-        out.top_logprobs.append({token_str(t, p, tokenizer): clamp(p.logprob) for t, p in entry.items()})
-        out.text_offset.append(text_offset)
-        text_offset += len(s)
-    return out
-
-
-def prompt_logprobs_placeholder(prompt_ids: list[int], tokenizer) -> CompletionLogprobs:
-    """Echoed prompt tokens: the engine computes no prompt logprobs, so their values are None
-    (OpenAI and vLLM also give None for the first prompt token)."""
-    out = CompletionLogprobs()
-    offset = 0
-    for tid in prompt_ids:
-        s = token_str(tid, None, tokenizer)
-        out.tokens.append(s)
-        out.token_logprobs.append(None)
-        out.top_logprobs.append(None)
-        out.text_offset.append(offset)
-        offset += len(s)
+        out.top_logprobs.append(None if entry is None else
+                                {token_str(t, p, tokenizer): clamp(p.logprob) for t, p in entry.items()})
+        # a special token (eos) adds no text: skip_special_tokens leaves it out of the output
+        special = tokenizer is not None and token_bytes(tokenizer).is_special(tid)
+        out.text_offset.append(offsets.advance(b"" if special else _bytes_of(tid, s, tokenizer)))
     return out
 
 
@@ -65,7 +62,7 @@ def concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 
 def _top(tid: int, lp: Logprob, tokenizer) -> TopLogprob:
     s = token_str(tid, lp, tokenizer)
-    return TopLogprob(token=s, logprob=clamp(lp.logprob), bytes=list(s.encode("utf-8", errors="replace")))
+    return TopLogprob(token=s, logprob=clamp(lp.logprob), bytes=list(_bytes_of(tid, s, tokenizer)))
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int,

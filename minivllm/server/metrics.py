@@ -95,6 +95,11 @@ class ServerMetrics:
     # ---- engine thread -----------------------------------------------------------------------
     def observe(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
+            if not isinstance(out, RequestOutput):  # an embedding: no tokens, one finished output
+                if out.finished:
+                    self.req_prompt.observe(len(out.prompt_token_ids))
+                    self.success.labels(self.model_name, "stop").inc()
+                continue
             p = self._progress.setdefault(out.request_id, _Progress())
             n = sum(len(o.token_ids) for o in out.outputs)
             if n > p.num_tokens:
@@ -193,14 +198,15 @@ class _EngineStatsCollector:
 
     def collect(self):
         stats = self.engine.get_stats()
-        for metric, attr, doc in self._COUNTERS:
-            c = CounterMetricFamily(metric, doc, labels=["model_name"])
-            c.add_metric([self.model_name], float(getattr(stats, attr)))
-            yield c
-        for metric, attr, doc in self._GAUGES:
-            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
-            g.add_metric([self.model_name], float(getattr(stats, attr)))
-            yield g
+        # data parallelism: one sample per replica, labelled engine="<replica index>" (vLLM's label)
+        each = [([self.model_name, str(i)], r) for i, r in enumerate(getattr(stats, "replicas", ()))]
+        labels, samples = (["model_name", "engine"], each) if each else (["model_name"], [([self.model_name], stats)])
+        for family, table in ((CounterMetricFamily, self._COUNTERS), (GaugeMetricFamily, self._GAUGES)):
+            for metric, attr, doc in table:
+                m = family(metric, doc, labels=labels)
+                for values, st in samples:
+                    m.add_metric(values, float(getattr(st, attr)))
+                yield m
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position.", labels=["model_name", "position"])
         for pos, n in enumerate(stats.spec_accepted_per_pos):

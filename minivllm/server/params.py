@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from minivllm.server.errors import OpenAIError, bad_request, from_value_error
 from minivllm.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -56,22 +56,59 @@ def _build(kwargs: dict) -> SamplingParams:
 
 
 def completion_params(req: CompletionRequest, vocab_size: int,
-                      structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                      structured: StructuredOutputsParams | None = None) -> SamplingParams | BeamSearchParams:
+    """max_tokens 0 (with echo) runs one step for the prompt's logprobs; the server shows no
+    completion (serving_completions.py)."""
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request(f"best_of must equal n ({req.n}) when given: ranking samples is not supported, "
                           f"got best_of={req.best_of}", "best_of")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be >= 1 (0 is allowed only with echo: the prompt alone)", "max_tokens")
+    if req.use_beam_search:
+        if req.echo or req.logprobs is not None:
+            raise bad_request("echo and logprobs are not supported with use_beam_search",
+                              "echo" if req.echo else "logprobs")
+        return beam_params(req, req.max_tokens, structured)
     kwargs = _common(req, vocab_size)
-    return _build({**kwargs, "max_tokens": req.max_tokens, "logprobs": req.logprobs, "structured_outputs": structured})
+    prompt_logprobs = req.logprobs if req.echo else None  # the echoed prompt's part of logprobs
+    return _build({**kwargs, "max_tokens": req.max_tokens or 1, "logprobs": req.logprobs,
+                   "prompt_logprobs": prompt_logprobs, "structured_outputs": structured})
+
+
+# sampling fields beam search does not use: set to anything but their default, a 400 (never ignored)
+_NOT_WITH_BEAMS = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "logit_bias", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output")
+
+
+def beam_params(req: SamplingFields, max_tokens: int | None, structured) -> BeamSearchParams:
+    """use_beam_search: n beams (vLLM's BeamSearchParams); max_tokens None: 16 as vLLM's default."""
+    fields_set = req.model_fields_set
+    for name in _NOT_WITH_BEAMS:
+        if name in fields_set and getattr(req, name) not in (None, [], {}, False, 0, -1, 1.0, ""):
+            raise bad_request(f"{name} is not supported with use_beam_search", name)
+    if structured is not None:
+        raise bad_request("structured outputs are not supported with use_beam_search", "use_beam_search")
+    try:
+        return BeamSearchParams(beam_width=req.n, max_tokens=16 if max_tokens is None else max_tokens,
+                                ignore_eos=req.ignore_eos, temperature=req.temperature or 0.0,
+                                length_penalty=req.length_penalty)
+    except ValueError as e:
+        raise from_value_error(e, "n") from None
 
 
 def chat_params(req: ChatCompletionRequest, vocab_size: int,
-                structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                structured: StructuredOutputsParams | None = None) -> SamplingParams | BeamSearchParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    kwargs = _common(req, vocab_size)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if req.use_beam_search:
+        if req.logprobs or req.tools:
+            raise bad_request("logprobs and tools are not supported with use_beam_search",
+                              "logprobs" if req.logprobs else "tools")
+        return beam_params(req, max_tokens, structured)
+    kwargs = _common(req, vocab_size)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return _build({**kwargs, "max_tokens": max_tokens, "logprobs": logprobs, "structured_outputs": structured})
 

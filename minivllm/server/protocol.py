@@ -80,11 +80,14 @@ class SamplingFields(OpenAIModel):
     guided_grammar: str | None = None
     # vLLM's tenant key for the prefix cache: only requests with the same salt share cached blocks
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    # vLLM's beam search: n beams, ranked by cum_logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (the prompt's logprobs, no completion)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
     suffix: str | None = None
@@ -256,6 +259,23 @@ class ModelCard(OpenAIModel):
 class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class EmbeddingRequest(OpenAIModel):
+    """OpenAI's /v1/embeddings, with vLLM's extras (normalize, truncate_prompt_tokens not)."""
+
+    model: str | None = None
+    input: str | list[str] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    normalize: bool | None = None
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+
+
+class LoadLoRARequest(OpenAIModel):
+    lora_name: str | None = None
+    lora_path: str | None = None
 
 
 class TokenizeRequest(OpenAIModel):

@@ -25,6 +25,7 @@ from minivllm.server.serving_common import (
     new_id,
     sse,
     sse_body,
+    stream_usage,
     usage,
 )
 from minivllm.server.structured import resolve_constraint
@@ -111,7 +112,7 @@ class ServingChat(ServingBase):
                               req.continue_final_message, tools)
         rid = new_id("chatcmpl")
         streams = await self.submit(rid, [{"prompt_token_ids": ids}], params, req.priority, "messages",
-                                    req.cache_salt)
+                                    req.cache_salt, self.lora_for(req.model))
         created = int(time.time())
         if req.stream:
             return StreamingResponse(sse_body(self._stream(req, opts, streams[0], rid, model, created), streams),
@@ -177,7 +178,8 @@ class ServingChat(ServingBase):
                 choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 if finish is not None:
                     choice["stop_reason"] = o.stop_reason
-                yield sse({**head, "choices": [choice]})
+                n_gen = sum(len(x.token_ids) for x in out.outputs)
+                yield sse({**head, "choices": [choice], **stream_usage(req, len(out.prompt_token_ids), n_gen)})
         if req.stream_options is not None and req.stream_options.include_usage and last is not None:
             n_gen = sum(len(o.token_ids) for o in last.outputs)
             yield sse({**head, "choices": [], "usage": usage(len(last.prompt_token_ids), n_gen)})

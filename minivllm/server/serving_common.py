@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from minivllm.engine.async_engine import AsyncEngine, RequestStream
+from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server.errors import OpenAIError, dumps, from_value_error
+from minivllm.server.lora import LoRARegistry
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class ServerSettings:
     dashboard_interval_s: float = 0.5  # how often the dashboard's event stream sends an update
     status_log_interval_s: float | None = 10.0  # the periodic engine status line (None: off)
     profile_dir: str | None = None  # POST /start_profile and /stop_profile write torch traces here
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)  # --lora-modules (name, path)
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
@@ -60,10 +63,12 @@ class ServerSettings:
 
 
 class ServingBase:
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, loras: LoRARegistry | None = None) -> None:
         self.engine = engine
         self.settings = settings
         self.model_names = settings.served_model_names or [engine.config.model.served_name]
+        # LoRA adapters served under their own names (shared by every endpoint of the app)
+        self.loras = loras if loras is not None else LoRARegistry(engine.config, self.model_names)
 
     @property
     def model_name(self) -> str:
@@ -71,10 +76,14 @@ class ServingBase:
 
     def check_model(self, name: str | None) -> str:
         """The name to echo back; 404 if the client asked for a model this server doesn't serve."""
-        if name is None or name in self.model_names:
+        if name is None or name in self.model_names or name in self.loras.adapters:
             return name or self.model_name
         raise OpenAIError(404, f"The model `{name}` does not exist. This server serves: "
-                          f"{', '.join(self.model_names)}.", "model", "model_not_found")
+                          f"{', '.join(self.model_names + list(self.loras.adapters))}.", "model", "model_not_found")
+
+    def lora_for(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        return self.loras.adapters.get(name) if name is not None else None
 
     def check_admission(self, new_tokens: int = 0) -> None:
         """429 + Retry-After while the queue is full or the tokens in flight would pass the cap."""
@@ -96,19 +105,22 @@ class ServingBase:
         s = self.settings
         for value, limit, field_name in ((num_prompts, s.max_prompts_per_request, "prompt"),
                                          (params.n, s.max_n, "n"),
-                                         (len(params.stop_strings), s.max_stop_sequences, "stop"),
-                                         (len(params.logit_bias or {}), s.max_logit_bias, "logit_bias")):
+                                         (len(getattr(params, "stop_strings", ())), s.max_stop_sequences, "stop"),
+                                         (len(getattr(params, "logit_bias", None) or {}), s.max_logit_bias,
+                                          "logit_bias")):
             if value > limit:
                 raise OpenAIError(400, f"{field_name} has {value} entries; this server allows at most {limit}",
                                   field_name, "limit_exceeded")
 
-    async def submit(self, base_id: str, prompts: list, params: SamplingParams, priority: int,
-                     param_name: str, cache_salt: str | None = None) -> list[RequestStream]:
-        """Adds one engine request per prompt; all or nothing (a refused prompt aborts the rest)."""
+    async def submit(self, base_id: str, prompts: list, params, priority: int, param_name: str,
+                     cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> list[RequestStream]:
+        """Adds one engine request per prompt; all or nothing (a refused prompt aborts the rest).
+        params: SamplingParams, BeamSearchParams or PoolingParams."""
         self.check_request_limits(len(prompts), params)
         # (a text prompt's length is not known yet: its max_tokens and n count now, its tokens in
         # the engine's figure once added)
-        self.check_admission(sum(_known_len(p) for p in prompts) + len(prompts) * params.n * (params.max_tokens or 0))
+        max_tokens = getattr(params, "max_tokens", 0) or 0  # an embedding generates nothing
+        self.check_admission(sum(_known_len(p) for p in prompts) + len(prompts) * params.n * max_tokens)
         if cache_salt is not None:
             prompts = [with_cache_salt(p, cache_salt) for p in prompts]
         arrival = time.time()
@@ -116,7 +128,7 @@ class ServingBase:
         try:
             for i, p in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(rid, p, params, arrival, priority))
+                streams.append(await self.engine.add_request(rid, p, params, arrival, priority, lora_request))
         except ValueError as e:
             _abort_all(streams)
             raise from_value_error(e, param_name) from None
@@ -255,6 +267,15 @@ def check_no_internal_error(outputs: list[RequestOutput]) -> None:
     for out in outputs:
         if any(o.finish_reason == "error" for o in out.outputs):
             raise OpenAIError(500, "the engine failed while generating this request")
+
+
+def stream_usage(req, prompt_tokens: int, completion_tokens: int) -> dict:
+    """stream_options.continuous_usage_stats: the usage so far on every chunk (as vLLM does);
+    else nothing."""
+    so = req.stream_options
+    if so is None or not so.continuous_usage_stats:
+        return {}
+    return {"usage": usage(prompt_tokens, completion_tokens)}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
+from minivllm.engine.token_bytes import CharOffsets
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.server import logprobs as lp_fmt
 from minivllm.server.errors import JSONResponse, bad_request
@@ -23,6 +24,7 @@ from minivllm.server.serving_common import (
     new_id,
     sse,
     sse_body,
+    stream_usage,
     usage,
 )
 
@@ -44,7 +46,7 @@ def engine_prompts(prompt) -> list:
 class _ChoiceState:
     text_len: int = 0  # characters of the choice's text already sent
     num_tokens: int = 0  # tokens already sent
-    offset: int = 0  # text_offset of the next token (legacy logprobs)
+    offsets: CharOffsets | None = None  # text_offset of the next generated token (legacy logprobs)
     started: bool = False
     finished: bool = False
 
@@ -56,7 +58,8 @@ class ServingCompletion(ServingBase):
         params = completion_params(req, self.engine.config.model.arch.vocab_size, structured)
         prompts = engine_prompts(req.prompt)
         rid = new_id("cmpl")
-        streams = await self.submit(rid, prompts, params, req.priority, "prompt", req.cache_salt)
+        streams = await self.submit(rid, prompts, params, req.priority, "prompt", req.cache_salt,
+                                    self.lora_for(req.model))
         created = int(time.time())
         if req.stream:
             body = sse_body(self._stream(req, streams, rid, model, created), streams)
@@ -74,14 +77,21 @@ class ServingCompletion(ServingBase):
         tok = self.engine.tokenizer
         return tok.decode(out.prompt_token_ids) if tok is not None else ""
 
+    def _prompt_logprobs(self, out: RequestOutput) -> lp_fmt.CompletionLogprobs:
+        """The echoed prompt's part of the legacy logprobs: the engine's prompt logprobs (the first
+        token has none: None, as in OpenAI and vLLM)."""
+        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return lp_fmt.completion_logprobs(out.prompt_token_ids, entries, CharOffsets(), self.engine.tokenizer)
+
     def _choice(self, req: CompletionRequest, out: RequestOutput, o: CompletionOutput, index: int) -> dict:
+        o = _visible(req, o)
         prefix = self._prompt_text(out) if req.echo else ""
         logprobs = None
         if req.logprobs is not None:
-            tok = self.engine.tokenizer
-            gen = lp_fmt.completion_logprobs(o.token_ids, o.logprobs or [], len(prefix), tok)
+            gen = lp_fmt.completion_logprobs(o.token_ids, o.logprobs or [], CharOffsets(len(prefix)),
+                                             self.engine.tokenizer)
             if req.echo:
-                gen = lp_fmt.concat(lp_fmt.prompt_logprobs_placeholder(out.prompt_token_ids, tok), gen)
+                gen = lp_fmt.concat(self._prompt_logprobs(out), gen)
             logprobs = gen.model_dump()
         return {"index": index, "text": prefix + o.text, "logprobs": logprobs, "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason}
@@ -90,7 +100,7 @@ class ServingCompletion(ServingBase):
                   created: int) -> dict:
         choices = [self._choice(req, out, o, i * req.n + o.index) for i, out in enumerate(finals) for o in out.outputs]
         n_prompt = sum(len(out.prompt_token_ids) for out in finals)
-        n_gen = sum(len(o.token_ids) for out in finals for o in out.outputs)
+        n_gen = sum(len(_visible(req, o).token_ids) for out in finals for o in out.outputs)
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
                 "usage": usage(n_prompt, n_gen)}
 
@@ -99,6 +109,7 @@ class ServingCompletion(ServingBase):
         """The next chunk's choice for one sample, or None if nothing new."""
         if st.finished:
             return None
+        o = _visible(req, o)
         prefix = self._prompt_text(out) if req.echo and not st.started else ""
         new_ids = o.token_ids[st.num_tokens:]
         text = o.text[st.text_len:]
@@ -106,12 +117,12 @@ class ServingCompletion(ServingBase):
             return None
         logprobs = None
         if req.logprobs is not None:
-            tok = self.engine.tokenizer
-            gen = lp_fmt.completion_logprobs(new_ids, (o.logprobs or [])[st.num_tokens:],
-                                             st.offset + len(prefix), tok)
+            if st.offsets is None:
+                st.offsets = CharOffsets(len(prefix))
+            gen = lp_fmt.completion_logprobs(new_ids, (o.logprobs or [])[st.num_tokens:], st.offsets,
+                                             self.engine.tokenizer)
             if prefix:
-                gen = lp_fmt.concat(lp_fmt.prompt_logprobs_placeholder(out.prompt_token_ids, tok), gen)
-            st.offset = gen.text_offset[-1] + len(gen.tokens[-1]) if gen.tokens else st.offset + len(prefix)
+                gen = lp_fmt.concat(self._prompt_logprobs(out), gen)
             logprobs = gen.model_dump()
         st.started, st.text_len, st.num_tokens = True, len(o.text), len(o.token_ids)
         st.finished = o.finish_reason is not None
@@ -128,9 +139,17 @@ class ServingCompletion(ServingBase):
             prompt_lens[i] = len(out.prompt_token_ids)
             for o in out.outputs:
                 index = i * req.n + o.index
-                n_gen[index] = len(o.token_ids)
+                n_gen[index] = len(_visible(req, o).token_ids)
                 choice = self._delta(req, out, o, states.setdefault(index, _ChoiceState()), index)
                 if choice is not None:
-                    yield sse({**head, "choices": [choice]})
+                    yield sse({**head, "choices": [choice],
+                               **stream_usage(req, sum(prompt_lens.values()), sum(n_gen.values()))})
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": usage(sum(prompt_lens.values()), sum(n_gen.values()))})
+
+
+def _visible(req: CompletionRequest, o: CompletionOutput) -> CompletionOutput:
+    """max_tokens 0 (with echo): the step ran for the prompt's logprobs; its token is not shown."""
+    if req.max_tokens != 0:
+        return o
+    return CompletionOutput(o.index, "", [], None, [] if o.logprobs is not None else None, "length", None)

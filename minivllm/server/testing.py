@@ -47,3 +47,16 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def pid_gone(pid: int, timeout_s: float = 20.0) -> bool:
+    """Whether process `pid` (of this machine) is gone within timeout_s (tests: nothing left behind)."""
+    import os
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False

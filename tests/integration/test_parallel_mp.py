@@ -15,6 +15,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.errors import EngineDeadError
+from minivllm.server.testing import pid_gone
 
 PROMPTS = [[1, 5, 9, 33, 7], list(range(3, 40)), [100, 200, 300], [7] * 20, list(range(300, 250, -2)), [42]]
 
@@ -48,18 +49,8 @@ def test_greedy_tokens_equal_a_single_rank(tiny_llama, reference, tp, pp):
         assert stats.num_preemptions > 0 and stats.num_free_blocks == stats.num_kv_blocks == 6
     finally:
         llm.llm_engine.shutdown()
-    assert all(_gone(pid) for pid in llm.llm_engine.executor.worker_pids)
+    assert all(pid_gone(pid) for pid in llm.llm_engine.executor.worker_pids)
 
-
-def _gone(pid: int, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_a_killed_worker_fails_every_request_and_leaves_nothing_behind(tiny_llama):
@@ -82,5 +73,5 @@ def test_a_killed_worker_fails_every_request_and_leaves_nothing_behind(tiny_llam
     assert "rank 1" in str(engine.dead_error)
     with pytest.raises(EngineDeadError):
         engine.add_request("late", {"prompt_token_ids": [1, 2]}, params)
-    assert all(_gone(pid) for pid in pids)  # the other rank is stopped too
+    assert all(pid_gone(pid) for pid in pids)  # the other rank is stopped too
     engine.shutdown()

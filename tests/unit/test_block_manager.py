@@ -406,15 +406,44 @@ class BlockManagerMachine(RuleBasedStateMachine):
         lv = self.live[ready[idx % len(ready)]]
         req = lv.req
         n = 1 + chunk % (req.num_tokens - req.num_computed_tokens)
+        table = self.tables[req.request_id]
+        pos = req.num_computed_tokens
+        # a forked sequence about to write into a shared, partly filled block needs a copy of it
+        cow_needed = pos % self.bs != 0 and self.bm.blocks[table[pos // self.bs]].ref_cnt > 1
         added = self.bm.allocate(req, n)
         if added is None:
-            assert self.bm.blocks_needed(req.num_computed_tokens + n) - len(self.tables[req.request_id]) \
-                > self.bm.num_free_blocks
+            assert self.bm.blocks_needed(pos + n) - len(table) + cow_needed > self.bm.num_free_blocks
+            assert req.request_id not in self.bm.cow
             return
+        cow = self.bm.cow.pop(req.request_id, None)
+        assert (cow is not None) == cow_needed
+        if cow is not None:  # what the runner does: copy the block's K/V, then use the copy
+            index, src, dst = cow
+            assert table[index] == src and index == pos // self.bs and self.bm.blocks[dst].ref_cnt == 1
+            self.content[dst] = list(self.content[src])
+            table[index] = dst
         for bid in added:
             self.content[bid] = [None] * self.bs
-        self.tables[req.request_id] += added
+        table += added
         lv.pending = n
+
+    @precondition(lambda self: any(not lv.pending for lv in self.live.values()))
+    @rule(idx=st.integers(0, 50))
+    def fork(self, idx):
+        """Beam search: a new sequence with the parent's tokens shares its whole block table."""
+        ready = sorted(rid for rid, lv in self.live.items() if not lv.pending)
+        parent = self.live[ready[idx % len(ready)]].req
+        child = make_req(f"r{self.next_id}", parent.prompt_token_ids, max_tokens=64)
+        self.next_id += 1
+        for t in parent.output_token_ids:
+            child.append_output_token(t)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        before = [self.bm.blocks[b].ref_cnt for b in self.tables[parent.request_id]]
+        self.bm.fork(parent, child)
+        assert [self.bm.blocks[b].ref_cnt for b in self.tables[parent.request_id]] == [c + 1 for c in before]
+        self.tables[child.request_id] = list(self.tables[parent.request_id])
+        self.live[child.request_id] = _Live(child)
 
     @precondition(lambda self: any(not lv.pending and lv.req.num_computed_tokens == lv.req.num_tokens
                                    for lv in self.live.values()))

@@ -30,6 +30,7 @@ import sys
 import time
 
 from minivllm.bench import drive, model_dirs, workloads
+from minivllm.bench.api_variants import add_api_args, lora_engine_kwargs
 from minivllm.bench.common import (add_common_engine_args, add_workload_args, emit_all, envelope, log,
                                    quant_engine_kwargs)
 from minivllm.bench.procedures import GenResult
@@ -64,7 +65,16 @@ class VllmAdapter:
                 self.stream_error = repr(e)
                 log(f"WARNING: step-by-step TTFT failed ({e!r}); falling back to LLM.generate (no TTFT)")
                 self._drain()
-        outs = self.llm.generate(prompts, prepared, use_tqdm=False)
+        from minivllm.bench import api_variants
+        if getattr(self, "beam_width", 0):
+            from vllm.sampling_params import BeamSearchParams
+            params = BeamSearchParams(beam_width=self.beam_width, max_tokens=prepared[0].max_tokens, ignore_eos=True)
+            return api_variants.beam_results(self.llm.beam_search(prompts, params), prompts)
+        loras = None
+        if getattr(self, "lora_paths", None):
+            from vllm.lora.request import LoRARequest
+            loras = api_variants.lora_list(self, LoRARequest, len(prompts))
+        outs = self.llm.generate(prompts, prepared, use_tqdm=False, lora_request=loras)
         return [GenResult(len(o.outputs[0].token_ids), len(o.prompt_token_ids), getattr(o, "num_cached_tokens", None),
                           _metrics_ttft(o)) for o in outs]
 
@@ -183,7 +193,8 @@ def llm_kwargs(model_dir: str, max_model_len: int, gpu_memory_utilization: float
           "enable_prefix_caching": enable_prefix_caching}
     for k, v in (extra or {}).items():
         if k in ("max_num_seqs", "max_num_batched_tokens", "dtype", "quantization", "kv_cache_dtype",
-                 "moe_backend", "kv_offloading_size", "kv_cache_memory_bytes") and v is not None:
+                 "moe_backend", "kv_offloading_size", "kv_cache_memory_bytes", "enable_lora", "max_loras",
+                 "max_lora_rank") and v is not None:
             kw[k] = v
     return kw
 
@@ -201,7 +212,7 @@ def _factory(args):
                         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        moe_backend=args.moe_backend, **quant_engine_kwargs(args))
+                        moe_backend=args.moe_backend, **quant_engine_kwargs(args), **lora_engine_kwargs(args))
         _LIVE.append(a)
         return a
     return make
@@ -211,7 +222,7 @@ def _settings(args) -> dict:
     return llm_kwargs("<temp dir holding the bundled config.json>", args.max_model_len, args.gpu_memory_utilization,
                       args.enforce_eager, args.enable_prefix_caching, args.seed,
                       {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                       "moe_backend": args.moe_backend, **quant_engine_kwargs(args)})
+                       "moe_backend": args.moe_backend, **quant_engine_kwargs(args), **lora_engine_kwargs(args)})
 
 
 def _dry_run(args, kind: str) -> int:
@@ -247,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name)
         add_workload_args(s, choices, default)
         add_common_engine_args(s)
+        if name == "throughput":
+            add_api_args(s)
         s.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's")
         s.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
         s.add_argument("--moe-backend", default=None,

@@ -1,0 +1,131 @@
+"""Data parallelism: data_parallel_size engine replicas behind one engine interface.
+
+Each replica is a whole LLMEngine (its scheduler, KV cache and executor: tp x pp ranks of its
+own; on CUDA its GPUs follow its data_parallel_rank). `DataParallelEngine` has LLMEngine's
+interface, so `LLM` and the server's engine core drive it unchanged:
+
+    add_request   routed once, to the replica holding the longest resident prefix of the prompt
+                  (prefix-cache aware), else the least loaded (waiting + running, then KV use)
+    step          every replica with work steps; outputs are merged
+    get_stats     the sum, with each replica's own stats in `replicas` (metrics per replica)
+
+Replicas step one after another in this process: with the mp executor (the default for
+data_parallel_size > 1) each replica's model runs in its own worker process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+
+from minivllm.config import EngineConfig
+from minivllm.engine.input_processor import PromptInput, parse_prompt
+from minivllm.engine.llm_engine import EngineStats, LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class DataParallelEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.replicas: list[LLMEngine] = []
+        try:
+            for r in range(config.parallel.data_parallel_size):
+                parallel = dataclasses.replace(config.parallel, data_parallel_rank=r)
+                self.replicas.append(LLMEngine(dataclasses.replace(config, parallel=parallel)))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = self.replicas[0].tokenizer
+        self._owner: dict[str, LLMEngine] = {}  # request id -> its replica
+        self._ids = itertools.count()
+        self.last_step: dict[str, float] = {}
+        self.startup_s = time.perf_counter() - t0
+        logger.info("data parallel: %d replicas ready in %.1f s", len(self.replicas), self.startup_s)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return next((e.dead_error for e in self.replicas if e.dead_error is not None), None)
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        replica = self.route(prompt)
+        replica.add_request(request_id, prompt, params, arrival_time, priority)
+        self._owner[request_id] = replica
+
+    def route(self, prompt: PromptInput) -> LLMEngine:
+        """The replica for a new prompt: most resident prefix blocks first, then the fewest
+        waiting + running requests, then the lowest KV use."""
+        try:
+            parsed = parse_prompt(prompt, self.tokenizer)
+        except Exception:  # noqa: BLE001 - the replica's add_request reports a bad prompt
+            return self.replicas[0]
+
+        def key(e: LLMEngine):
+            hit = e.block_manager.cached_prefix_blocks(parsed.token_ids, parsed.cache_salt)
+            return -hit, e.scheduler.num_waiting + e.scheduler.num_running, e.block_manager.usage
+        return min(self.replicas, key=key)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            owner = self._owner.get(rid)
+            if owner is not None:
+                owner.abort_request(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(e.has_unfinished_requests() for e in self.replicas)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(e.get_num_unfinished_requests() for e in self.replicas)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return [rid for e in self.replicas for rid in e.unfinished_request_ids()]
+
+    # ---- steps ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        self.last_step = {}
+        for e in self.replicas:
+            if e.has_unfinished_requests():
+                outputs += e.step()
+                for k, v in e.last_step.items():
+                    self.last_step[k] = self.last_step.get(k, 0) + v
+        for o in outputs:
+            if o.finished:
+                self._owner.pop(o.request_id, None)
+        return outputs
+
+    def check_health(self) -> None:
+        for e in self.replicas:
+            e.check_health()
+
+    def get_stats(self) -> EngineStats:
+        each = [e.get_stats() for e in self.replicas]
+        total = {f.name: sum(getattr(s, f.name) for s in each) for f in dataclasses.fields(EngineStats)
+                 if f.type in ("int", int)}
+        used = sum(s.num_kv_blocks - s.num_free_blocks for s in each)
+        return EngineStats(**total, kv_cache_usage=used / max(1, total["num_kv_blocks"]),
+                           spec_accepted_per_pos=(), expert_token_counts=None, replicas=tuple(each))
+
+    def reset_prefix_cache(self) -> bool:
+        return all([e.reset_prefix_cache() for e in self.replicas])
+
+    def shutdown(self) -> None:
+        for e in self.replicas:
+            e.shutdown()

@@ -1,0 +1,30 @@
+"""Multi-LoRA's Triton gather kernel on the CPU, under Triton's interpreter, against the torch
+reference (`check_lora_delta` of tests/gpu/test_lora_gpu.py, small shapes, slot -1 rows)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from interpreter_child import run_under_interpreter
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = ROOT / "tests" / "gpu" / "test_lora_gpu.py"
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+CHILD = r"""
+res = {}
+res["fp32 t9 in40 out70 r8 s3"] = checks.check_lora_delta(9, 40, 70, 8, 3, f32, "cpu", seed=1)
+res["fp16 t5 in200 out33 r16 s2"] = checks.check_lora_delta(5, 200, 33, 16, 2, f16, "cpu", seed=2)
+res["fp32 t1 in16 out16 r4 s1"] = checks.check_lora_delta(1, 16, 16, 4, 1, f32, "cpu", seed=3)
+print("RESULT " + json.dumps(res))
+"""
+
+
+def test_lora_kernel_matches_reference_under_interpreter():
+    res = run_under_interpreter(CHILD, CHECKS, timeout_s=300)
+    assert len(res) == 3
+    bad = {name: fails for name, fails in res.items() if fails}
+    assert not bad, f"kernel differs from the torch reference: {bad}"
