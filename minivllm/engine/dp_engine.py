@@ -42,6 +42,10 @@ class DataParallelEngine:
             self.shutdown()
             raise
         self.tokenizer = self.replicas[0].tokenizer
+        # the dashboard, /load's history and the profiler see replica 0's steps (the torch profiler
+        # itself traces every replica: they step on one thread); a merged view is not built yet
+        self.history = self.replicas[0].history
+        self.profiler = self.replicas[0].profiler
         self._owner: dict[str, LLMEngine] = {}  # request id -> its replica
         self._ids = itertools.count()
         self.last_step: dict[str, float] = {}
