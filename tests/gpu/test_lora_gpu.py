@@ -101,7 +101,7 @@ def test_lora_engine_gpu_equals_cpu_reference(tmp_path):
 
 def test_beam_search_gpu_smoke():
     from minivllm import LLM, BeamSearchParams
-    llm = LLM(dtype="float32", device="cuda")
+    llm = LLM(dtype="float32", device="cuda", kv_cache_memory_bytes=1 << 30)  # earlier tests hold GPU memory
     cpu = LLM(dtype="float32", device="cpu")
     params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):"]
