@@ -65,11 +65,12 @@ class DataParallelEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
+        """LLMEngine.add_request's signature (AsyncEngine and the engine core pass every argument)."""
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         replica = self.route(prompt)
-        replica.add_request(request_id, prompt, params, arrival_time, priority)
+        replica.add_request(request_id, prompt, params, arrival_time, priority, lora_request)
         self._owner[request_id] = replica
 
     def route(self, prompt: PromptInput) -> LLMEngine:

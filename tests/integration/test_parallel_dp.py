@@ -45,3 +45,26 @@ def test_two_replicas_route_by_load_and_prefix(tiny_llama):
         assert prompt == {"0": 8.0, "1": 57.0}
     finally:
         engine.shutdown()
+
+
+def test_async_engine_serves_a_data_parallel_engine(tiny_llama):
+    """The server's engine thread passes add_request every argument (lora_request too)."""
+    import asyncio
+
+    from minivllm.engine.async_engine import AsyncEngine
+    path = tiny_llama()
+    llm = LLM(model=path, dtype="float32", device="cpu", skip_tokenizer_init=True, num_kv_blocks=16,
+              data_parallel_size=2)
+    want = _tokens(llm, [PROMPTS[1]])[0]  # before the engine thread owns the engine
+    engine = AsyncEngine(llm.llm_engine)
+
+    async def run() -> list[int]:
+        final = None
+        async for out in engine.generate({"prompt_token_ids": PROMPTS[1]}, PARAMS, "r1"):
+            final = out
+        return final.outputs[0].token_ids
+
+    try:
+        assert asyncio.run(run()) == want
+    finally:
+        engine.shutdown()
