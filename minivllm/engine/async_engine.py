@@ -338,6 +338,10 @@ class AsyncEngine(EngineClient):
                     raise self.engine.dead_error
         except BaseException as e:  # noqa: BLE001 - the thread must report, whatever happened
             logger.exception("engine thread died")
+            # dead before the streams fail: a caller woken by its stream's error that sends a new
+            # request must get EngineDeadError, not "shutting down" (_fail_all closes admission)
+            if self.dead_error is None:
+                self.dead_error = e
             self._fail_all(EngineDeadError(f"the engine thread died: {e!r}"))
             self._declare_dead(e)
             return
