@@ -11,7 +11,6 @@ Prints one JSON object: repeats, distinct outputs, seconds, and the engine setti
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
@@ -76,8 +75,6 @@ def add_parser(sub) -> None:
 
 def cmd_invariance(args) -> int:
     out = run(args)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(out, f, indent=1)
-    print(json.dumps(out))
+    from minivllm.bench.common import emit
+    emit(out, args.output)
     return 0 if not args.batch_invariant or out["distinct_outputs"] == 1 else 1

@@ -293,8 +293,6 @@ def cmd_soak(args) -> int:
     out = {"requests": args.requests, "concurrency": args.concurrency, "seconds": round(report.seconds, 1),
            "outcomes": dict(report.outcomes), "engine_core_rss_mb": report.rss_mb, "kill": report.kill,
            "problems": report.problems, "ok": report.ok}
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(out, f, indent=1)
-    print(json.dumps(out))
+    from minivllm.bench.common import emit
+    emit(out, args.output)
     return 0 if report.ok else 1

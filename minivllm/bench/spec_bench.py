@@ -152,10 +152,8 @@ def add_parser(sub) -> None:
 
 def cmd_spec(args) -> int:
     out = run(args)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(out, f, indent=1)
-    print(json.dumps(out))
+    from minivllm.bench.common import emit
+    emit(out, args.output)
     return 0
 
 
