@@ -274,6 +274,8 @@ class Scheduler:
     def _pull_check(self, req: Request) -> str | None:
         """Why this request cannot take the producer's K/V (None: it can)."""
         remote, bs = req.remote_prefill, self.block_manager.block_size
+        if req.max_cached_prefix is not None:
+            return "its prompt logprobs need every prompt position computed here"
         if remote.block_size != bs:
             return f"block size {remote.block_size} != this engine's {bs}"
         if remote.num_tokens != req.num_prompt_tokens or req.num_output_tokens:
