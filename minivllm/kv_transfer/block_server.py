@@ -3,7 +3,8 @@
 The engine registers each held request (`register`); consumers connect over TCP (wire.py) and ask:
 
     info                    -> the pool's layout (tensors, per-block shapes, dtype) and GPU UUID
-    read {req_id}           -> the request's blocks, every tensor's rows in pool order; released
+    read {req_id, block_ids} -> those of the request's blocks (the consumer's own prefix cache may
+                               hold the others), every tensor's rows in pool order; all released
     acquire {req_id}        -> (CUDA IPC) the blocks stay held while the consumer copies them ...
     release {req_id}        -> ... and are released
     ipc_handles             -> (CUDA) the pool's tensors as torch IPC handles, once per consumer
@@ -126,16 +127,24 @@ class BlockServer:
                 send_message(conn, {"ok": False, "error": f"no KV blocks held for request {req_id!r}"})
                 return
             try:
-                parts = self._read_blocks(block_ids)
-                send_message(conn, {"ok": True, "num_blocks": len(block_ids)}, parts)
+                wanted = header.get("block_ids", block_ids)
+                if not isinstance(wanted, list) or not set(wanted) <= set(block_ids):
+                    send_message(conn, {"ok": False, "error": f"block_ids must be some of the request's {block_ids}"})
+                    return
+                parts = self._read_blocks(wanted)
+                send_message(conn, {"ok": True, "num_blocks": len(wanted)}, parts)
             finally:
                 self._release(req_id)
         elif op == "acquire":
             block_ids = self._take(req_id, self._exports)
-            if block_ids is not None:
-                with self._cond:
-                    self._in_use[req_id] = (block_ids, time.monotonic() + self.send_timeout_s)
-            send_message(conn, {"ok": block_ids is not None, "error": f"no KV blocks held for request {req_id!r}"})
+            if block_ids is None:
+                send_message(conn, {"ok": False, "error": f"no KV blocks held for request {req_id!r}"})
+                return
+            with self._cond:
+                self._in_use[req_id] = (block_ids, time.monotonic() + self.send_timeout_s)
+            wanted = header.get("block_ids", block_ids)
+            ok = isinstance(wanted, list) and set(wanted) <= set(block_ids)
+            send_message(conn, {"ok": ok, "error": None if ok else f"block_ids must be some of the request's {block_ids}"})
         elif op == "release":
             with self._cond:
                 known = self._in_use.pop(req_id, None) or self._exports.pop(req_id, None)

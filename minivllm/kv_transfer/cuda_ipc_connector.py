@@ -59,10 +59,11 @@ class CudaIpcConnector(HostConnector):
         if remote is None:
             return super().fetch(pull)
         with connect(pull.remote.host, pull.remote.port, self.config.pull_timeout_s) as sock:
-            send_message(sock, {"op": "acquire", "req_id": pull.remote.request_id})
-            if not recv_header(sock).get("ok"):
-                raise RuntimeError(f"no KV blocks held for request {pull.remote.request_id!r} at the producer")
+            send_message(sock, {"op": "acquire", "req_id": pull.remote.request_id, "block_ids": pull.remote_block_ids})
+            answer = recv_header(sock)
             try:
+                if not answer.get("ok"):
+                    raise RuntimeError(answer.get("error") or "the producer refused the pull")
                 return self._gather(remote, pull.remote_block_ids)
             finally:
                 send_message(sock, {"op": "release", "req_id": pull.remote.request_id})

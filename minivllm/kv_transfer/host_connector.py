@@ -54,7 +54,7 @@ class HostConnector(KVConnector):
                 send_message(sock, {"op": "release", "req_id": remote.request_id})
                 recv_header(sock)
                 return []
-            send_message(sock, {"op": "read", "req_id": remote.request_id})
+            send_message(sock, {"op": "read", "req_id": remote.request_id, "block_ids": pull.remote_block_ids})
             header = recv_header(sock)
             if not header.get("ok"):
                 raise RuntimeError(header.get("error", "the producer refused the read"))

@@ -42,8 +42,8 @@ def _kv_transfer_load(state, stats) -> dict:
     """Disaggregated prefill/decode: the instance's kv_role (None: an ordinary instance; `minivllm
     router` checks it at startup), pulls given up and requests whose blocks wait for a pull."""
     kv = state.engine.config.kv_transfer
-    return {"kv_role": kv.kv_role if kv is not None else None, "kv_pull_failures": stats.kv_pull_failures,
-            "kv_held_requests": stats.kv_held_requests}
+    return {"kv_role": kv.kv_role if kv is not None else None, "kv_pulled_blocks": stats.kv_pulled_blocks,
+            "kv_pull_failures": stats.kv_pull_failures, "kv_held_requests": stats.kv_held_requests}
 
 
 def dashboard_event(state, next_step: int, since_s: float) -> tuple[dict, int]:
