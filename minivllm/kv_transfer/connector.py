@@ -72,6 +72,7 @@ class KVConnector(ABC):
 
     def start_pulls(self, pulls: list[KVPull]) -> None:
         for p in pulls:
+            assert len(p.local_block_ids) == len(p.remote_block_ids), "a pull copies block for block"
             self._pending.add(p.req_id)
             self._start_pull(p)
 
