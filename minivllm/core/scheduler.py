@@ -168,6 +168,8 @@ class Scheduler:
                 continue
             self._unqueue(req)
             req.status = status
+            # (its output is already out without the hand-off: a stop string, an abort, an error)
+            req.remote_decode = False
             self._release(req)
             done.append(req)
         return done
