@@ -17,7 +17,7 @@
 #     INPUT_LEN="20 60" OUTPUT_LEN="4 12" scripts/gpu_disagg.sh
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/vllm-site:$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/vllm-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 NUM_GPUS=${NUM_GPUS:-1}
 NUM_REQUESTS=${NUM_REQUESTS:-1000}
 RATE=${RATE:-16}
