@@ -13,8 +13,8 @@
 # Output in $OUT (default /tmp/disagg): disagg_<mode>.json (bench serve's result) and per-server
 # logs; stdout ends with one JSON line per mode and a summary table.
 # Plumbing check on a CPU (tiny model, a few requests, about 2 minutes):
-#   DEVICE=cpu MODEL_CONFIG=minivllm/bench/configs/tiny-llama/config.json NUM_GPUS=2 NUM_REQUESTS=4 RATE=4 \
-#     INPUT_LEN="20 60" OUTPUT_LEN="4 12" scripts/gpu_disagg.sh
+#   PATH=<venv>/bin:$PATH DEVICE=cpu MODEL_CONFIG=minivllm/bench/configs/tiny-llama/config.json NUM_GPUS=2 \
+#     NUM_REQUESTS=4 RATE=4 INPUT_LEN="20 60" OUTPUT_LEN="4 12" VOCAB_SIZE=1000 scripts/gpu_disagg.sh
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/vllm-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -24,6 +24,7 @@ RATE=${RATE:-16}
 DEVICE=${DEVICE:-cuda}
 INPUT_LEN=${INPUT_LEN:-"100 1024"}
 OUTPUT_LEN=${OUTPUT_LEN:-"100 1024"}
+VOCAB_SIZE=${VOCAB_SIZE:-10000}  # prompt token ids are drawn below this (W3: 10,000)
 P_UTIL=${P_UTIL:-0.42}
 D_UTIL=${D_UTIL:-0.88}
 BASE_PORT=${BASE_PORT:-8100}
@@ -76,7 +77,8 @@ trap stop_all EXIT
 
 bench() {  # MODE URL
   python3 -m minivllm.server.bench_serve --base-url "$2" --model bench --num-requests "$NUM_REQUESTS" \
-    --request-rate "$RATE" --seed 0 --input-len $INPUT_LEN --output-len $OUTPUT_LEN --engine-label "$1" \
+    --request-rate "$RATE" --seed 0 --input-len $INPUT_LEN --output-len $OUTPUT_LEN --vocab-size "$VOCAB_SIZE" \
+    --engine-label "$1" \
     --output-json "$OUTDIR/disagg_$1.json" --no-progress 2>&1 | tail -2
 }
 

@@ -131,6 +131,10 @@ class DataParallelEngine:
     def reset_prefix_cache(self) -> bool:
         return all([e.reset_prefix_cache() for e in self.replicas])
 
+    def release_held_kv(self) -> None:
+        for e in self.replicas:
+            e.release_held_kv()
+
     def shutdown(self) -> None:
         for e in self.replicas:
             e.shutdown()

@@ -543,6 +543,12 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
 
+    def release_held_kv(self) -> None:
+        """Shutting down: a prefill instance's blocks held for decode instances are released (freed
+        at the next step); a later pull fails and that decode instance recomputes the prompt."""
+        if self.kv_connector is not None and self.kv_connector.server is not None:
+            self.kv_connector.server.release_all()
+
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()

@@ -78,6 +78,12 @@ class BlockServer:
                     logger.warning("KV blocks of request %s were not pulled within %.0f s: released", req_id,
                                    self.send_timeout_s)
 
+    def release_all(self) -> None:
+        """Every held request not being read now is released (reads in progress release theirs)."""
+        with self._cond:
+            self._released += list(self._exports)
+            self._exports.clear()
+
     def take_released(self) -> list[str]:
         with self._cond:
             out, self._released = self._released, []
