@@ -240,6 +240,8 @@ def add_common_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="issue 20: mp runs the one rank in a worker process (the distributed code path)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="ranks per model (both engines' option; on the CPU with --distributed-executor-backend mp)")
     p.add_argument("--kv-offloading-size", type=float, default=None,
                    help="W12: GiB of host memory for the prefix cache's CPU offload tier (both engines' option)")
     p.add_argument("--repeats", type=int, default=1,
@@ -268,8 +270,8 @@ def quant_dir_config(args: argparse.Namespace) -> dict | None:
 
 def quant_engine_kwargs(args: argparse.Namespace) -> dict:
     """LLM(...) keyword arguments, the same names in minivllm and vLLM: quantization="fp8" (AWQ is
-    read from the directory's config, so each engine picks its own AWQ kernel), kv_cache_dtype and
-    distributed_executor_backend."""
+    read from the directory's config, so each engine picks its own AWQ kernel), kv_cache_dtype,
+    distributed_executor_backend and tensor_parallel_size."""
     kw = {}
     if getattr(args, "quantization", None) == "fp8":
         kw["quantization"] = "fp8"
@@ -277,6 +279,8 @@ def quant_engine_kwargs(args: argparse.Namespace) -> dict:
         kw["kv_cache_dtype"] = args.kv_cache_dtype
     if getattr(args, "distributed_executor_backend", None):
         kw["distributed_executor_backend"] = args.distributed_executor_backend
+    if getattr(args, "tensor_parallel_size", None) is not None:
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
     for k in ("kv_offloading_size", "kv_cache_memory_bytes"):  # W12 (the same names in vLLM)
         if getattr(args, k, None) is not None:
             kw[k] = getattr(args, k)
