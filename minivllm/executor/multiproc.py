@@ -80,7 +80,9 @@ class MultiprocExecutor(DeathLatch):
                                                  str(rank)], env=env, stdin=subprocess.DEVNULL))
         by_rank = self._accept(listener)
         self._conns.extend(by_rank[r] for r in range(self.world_size))
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # replicas in one world (expert parallelism across them) meet on the port their engine chose
+        port = self.config.parallel.data_parallel_master_port if self.config.parallel.spans_replicas else None
+        init_method = f"tcp://127.0.0.1:{port or free_port()}"
         cores = os.cpu_count() or 1
         threads = max(1, cores // self.world_size)  # (CPU) the ranks share the cores
         level = logging.getLogger().getEffectiveLevel()

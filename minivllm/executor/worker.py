@@ -58,8 +58,10 @@ class Worker:
             torch.cuda.set_device(device)
         elif cpu_threads is not None:
             torch.set_num_threads(cpu_threads)  # the ranks share the machine's cores
-        self.parallel = (init_distributed(self.rank, init_method, device) if self.rank.world_size > 1
-                         else ParallelGroups.single(device))
+        replicas = p.data_parallel_size if p.spans_replicas else 1
+        self.parallel = (init_distributed(self.rank, init_method, device, p.data_parallel_rank if replicas > 1 else 0,
+                                          replicas, p.enable_expert_parallel)
+                         if self.rank.world_size * replicas > 1 else ParallelGroups.single(device))
         self.runner = ModelRunner(config, self.parallel, device)
 
     @property

@@ -1,0 +1,68 @@
+"""Mixture-of-experts models under tensor and expert parallelism (mp executor, gloo, fp32 on the
+CPU): greedy tokens equal the single-rank engine's token for token.
+
+    tp=2                every rank holds every expert, half of its features (all-reduce)
+    tp=2 + EP           each rank holds half the experts, whole (all-reduce, no all_to_all)
+    dp=2 + EP           one world over both replicas, tokens sent to their experts' rank and
+                        back (all_to_all); a replica with nothing scheduled joins with none
+The tiny random models of tiny_moe.py: Qwen3-MoE (8 experts, q/k-norm, a dense layer), Mixtral
+(4 experts, w1/w2/w3 names) and Qwen2-MoE (a shared expert, split like a dense MLP)."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_moe import PROMPTS, build
+
+from minivllm import LLM, SamplingParams
+from minivllm.server.testing import pid_gone
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _llm(path: str, **kw) -> LLM:
+    return LLM(model=path, device="cpu", dtype="float32", skip_tokenizer_init=True, **kw)
+
+
+def _generate(llm: LLM, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    """kind -> (HF directory, the single-rank engine's greedy tokens)."""
+    made: dict[str, tuple[str, list[list[int]]]] = {}
+
+    def get(kind: str) -> tuple[str, list[list[int]]]:
+        if kind not in made:
+            path = str(tmp_path_factory.mktemp(kind))
+            build(kind, path)
+            llm = _llm(path)
+            made[kind] = (path, _generate(llm))
+            llm.llm_engine.shutdown()
+        return made[kind]
+    return get
+
+
+def _run_parallel(path: str, **kw) -> tuple[list[list[int]], LLM]:
+    llm = _llm(path, distributed_executor_backend="mp", **kw)
+    try:
+        return _generate(llm), llm
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_tensor_parallel_equals_one_rank(moe_model, kind):
+    path, reference = moe_model(kind)
+    got, llm = _run_parallel(path, tensor_parallel_size=2)
+    assert got == reference
+    assert all(pid_gone(pid) for pid in llm.llm_engine.executor.worker_pids)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_tensor_parallel_with_expert_parallel_equals_one_rank(moe_model, kind):
+    path, reference = moe_model(kind)
+    got, llm = _run_parallel(path, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert got == reference
