@@ -240,6 +240,8 @@ def add_common_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="issue 20: mp runs the one rank in a worker process (the distributed code path)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: experts split over the tp x dp ranks (both engines' option)")
     p.add_argument("--kv-offloading-size", type=float, default=None,
                    help="W12: GiB of host memory for the prefix cache's CPU offload tier (both engines' option)")
     p.add_argument("--repeats", type=int, default=1,
@@ -277,6 +279,8 @@ def quant_engine_kwargs(args: argparse.Namespace) -> dict:
         kw["kv_cache_dtype"] = args.kv_cache_dtype
     if getattr(args, "distributed_executor_backend", None):
         kw["distributed_executor_backend"] = args.distributed_executor_backend
+    if getattr(args, "enable_expert_parallel", False):
+        kw["enable_expert_parallel"] = True
     for k in ("kv_offloading_size", "kv_cache_memory_bytes"):  # W12 (the same names in vLLM)
         if getattr(args, k, None) is not None:
             kw[k] = getattr(args, k)

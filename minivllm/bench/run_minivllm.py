@@ -110,17 +110,19 @@ class MinivllmAdapter:
             graphs = getattr(runner, "graphs", None)
             if graphs is not None:
                 out["cuda_graph_batch_sizes"] = len(getattr(graphs, "batch_sizes", []))
-            moe = expert_load(runner)
-            if moe is not None:
-                out["moe_expert_load"] = moe
+        moe = expert_load(eng)
+        if moe is not None:
+            out["moe_expert_load"] = moe
         return out
 
 
-def expert_load(runner) -> dict | None:
+def expert_load(engine) -> dict | None:
     """A MoE model's per-expert token counts since startup (every run on this engine), per layer,
-    and how uneven they are: max / mean over a layer's experts (1.0 = perfectly even)."""
-    reader = getattr(runner, "expert_counts", None)
-    per_layer = reader.per_layer() if reader is not None else None
+    and how uneven they are: max / mean over a layer's experts (1.0 = perfectly even). Counted
+    once per token: tensor-parallel ranks' counts are the driver's, replicas' are summed."""
+    source = engine if hasattr(engine, "replicas") else getattr(engine, "executor", None)
+    read = getattr(source, "expert_token_counts_per_layer", None)
+    per_layer = read() if read is not None else None
     if not per_layer:
         return None
     ratios = [max(c) / (sum(c) / len(c)) for c in per_layer if sum(c)]

@@ -42,5 +42,9 @@ class UniProcExecutor:
         second ago; None for a dense model."""
         return self.runner.expert_counts.latest
 
+    def expert_token_counts_per_layer(self) -> list[list[int]] | None:
+        """[MoE layers][experts] read now (waits for queued device work); None for a dense model."""
+        return self.runner.expert_counts.per_layer()
+
     def shutdown(self) -> None:
         pass

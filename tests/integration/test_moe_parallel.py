@@ -66,3 +66,49 @@ def test_tensor_parallel_with_expert_parallel_equals_one_rank(moe_model, kind):
     path, reference = moe_model(kind)
     got, llm = _run_parallel(path, tensor_parallel_size=2, enable_expert_parallel=True)
     assert got == reference
+
+
+# requests 0 and 2 go to replica 0, 1 and 3 to replica 1 (least loaded, ties to the first): replica
+# 1's are short, so it runs out of work and joins replica 0's steps with idle forwards
+UNEVEN = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (MAX_NEW, 2, MAX_NEW + 6, 3)]
+
+
+def _uneven(llm: LLM) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], UNEVEN, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("kind, tp", [("qwen3_moe", 1), ("qwen2_moe", 2)])
+def test_data_parallel_with_expert_parallel_equals_one_replica(moe_model, kind, tp):
+    """dp=2 + EP: every rank of both replicas in one world (2 or 4 ranks), tokens dispatched
+    to their experts' ranks by all_to_all; one replica idle in the last steps."""
+    path, _ = moe_model(kind)
+    single = _llm(path)
+    reference = _uneven(single)
+    single.llm_engine.shutdown()
+    llm = _llm(path, data_parallel_size=2, tensor_parallel_size=tp, enable_expert_parallel=True)
+    engine = llm.llm_engine
+    try:
+        got = _uneven(llm)
+        assert [len(e.unfinished_request_ids()) for e in engine.replicas] == [0, 0]
+        assert all(e.get_stats().generation_tokens_total > 0 for e in engine.replicas)  # both served requests
+        assert engine.num_idle_steps > 0
+    finally:
+        engine.shutdown()
+    assert got == reference
+    assert all(pid_gone(pid) for e in engine.replicas for pid in e.executor.worker_pids)
+
+
+def test_expert_parallel_ranks_must_divide_the_experts(moe_model):
+    path, _ = moe_model("mixtral")  # 4 experts
+    with pytest.raises(ValueError, match=r"enable_expert_parallel needs tensor_parallel_size x data_parallel_size "
+                                         r"= 1 x 3 = 3 ranks to divide the model's 4 experts"):
+        _llm(path, data_parallel_size=3, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="enable_expert_parallel with data_parallel_size=2 needs "
+                                         "distributed_executor_backend='mp'"):
+        _llm(path, data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="ray")
+
+
+def test_expert_parallel_needs_a_moe_model(tiny_llama):
+    with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model"):
+        _llm(tiny_llama(), tensor_parallel_size=2, enable_expert_parallel=True)
