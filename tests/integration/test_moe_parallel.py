@@ -48,9 +48,22 @@ def moe_model(tmp_path_factory):
 def _run_parallel(path: str, **kw) -> tuple[list[list[int]], LLM]:
     llm = _llm(path, distributed_executor_backend="mp", **kw)
     try:
-        return _generate(llm), llm
+        tokens = _generate(llm)
+        _check_expert_counts(llm, llm.llm_engine.executor, [MAX_NEW] * len(PROMPTS))
+        return tokens, llm
     finally:
         llm.llm_engine.shutdown()
+
+
+def _check_expert_counts(llm: LLM, source, max_tokens: list[int]) -> None:
+    """Every token fed through each sparse layer is counted once per selected expert, whatever
+    the ranks (TP ranks all count: only the driver's are read; replicas' are summed); /metrics'
+    totals (get_stats) are the per-layer counts summed."""
+    moe = llm.llm_engine.config.model.arch.moe
+    per_layer = source.expert_token_counts_per_layer()
+    fed = sum(len(p) for p in PROMPTS) + sum(n - 1 for n in max_tokens)  # a request's last token is never fed
+    assert per_layer and all(len(r) == moe.num_experts and sum(r) == fed * moe.top_k for r in per_layer), per_layer
+    assert list(llm.llm_engine.get_stats().expert_token_counts) == [sum(c) for c in zip(*per_layer)]
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
@@ -91,8 +104,9 @@ def test_data_parallel_with_expert_parallel_equals_one_replica(moe_model, kind, 
     try:
         got = _uneven(llm)
         assert [len(e.unfinished_request_ids()) for e in engine.replicas] == [0, 0]
-        assert all(e.get_stats().generation_tokens_total > 0 for e in engine.replicas)  # both served requests
+        assert all(e.get_stats().generation_tokens > 0 for e in engine.replicas)  # both served requests
         assert engine.num_idle_steps > 0
+        _check_expert_counts(llm, engine, [p.max_tokens for p in UNEVEN])
     finally:
         engine.shutdown()
     assert got == reference
@@ -107,6 +121,12 @@ def test_expert_parallel_ranks_must_divide_the_experts(moe_model):
     with pytest.raises(ValueError, match="enable_expert_parallel with data_parallel_size=2 needs "
                                          "distributed_executor_backend='mp'"):
         _llm(path, data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="ray")
+
+
+def test_moe_pipeline_parallel_is_refused(moe_model):
+    path, _ = moe_model("mixtral")
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be 1 for a mixture-of-experts model"):
+        _llm(path, pipeline_parallel_size=2)
 
 
 def test_expert_parallel_needs_a_moe_model(tiny_llama):
