@@ -240,8 +240,13 @@ def add_common_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="issue 20: mp runs the one rank in a worker process (the distributed code path)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE models: experts split over the tp x dp ranks (both engines' option)")
+    # issue 20/27 (W9): the same names as vLLM's LLM(...) and `serve`
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="minivllm only offline (vLLM's LLM runs one replica per process): W3 compares dp through serve")
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="MoE experts spread over the tp (x dp) ranks")
     p.add_argument("--kv-offloading-size", type=float, default=None,
                    help="W12: GiB of host memory for the prefix cache's CPU offload tier (both engines' option)")
     p.add_argument("--repeats", type=int, default=1,
@@ -279,9 +284,8 @@ def quant_engine_kwargs(args: argparse.Namespace) -> dict:
         kw["kv_cache_dtype"] = args.kv_cache_dtype
     if getattr(args, "distributed_executor_backend", None):
         kw["distributed_executor_backend"] = args.distributed_executor_backend
-    if getattr(args, "enable_expert_parallel", False):
-        kw["enable_expert_parallel"] = True
-    for k in ("kv_offloading_size", "kv_cache_memory_bytes"):  # W12 (the same names in vLLM)
+    for k in ("kv_offloading_size", "kv_cache_memory_bytes",  # W12 (the same names in vLLM)
+              "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel"):
         if getattr(args, k, None) is not None:
             kw[k] = getattr(args, k)
     return kw

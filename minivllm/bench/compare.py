@@ -110,6 +110,7 @@ def _jobs() -> list[Job]:
     beam = tp + ["W1", "--beam-width", "4", "--beam-max-tokens", "128"]
     j += _pair("W1-beam4", beam, beam, 200, 260, _TINY + ["--beam-width", "2", "--beam-max-tokens", "8"],
                ["W1-beam4"])
+    j += _w9_jobs(tp)
     j.append(Job("hf:W1", "hf", HF + ["throughput", "--workload", "W1"], 330, 570,
                  _TINY + ["--device", "cpu", "--batch-size", "2"]))
     j.append(Job("hf:decode-0.6b", "hf", HF + ["decode", "--model-config", "qwen3-0.6b"], 90, 300,
@@ -120,6 +121,41 @@ def _jobs() -> list[Job]:
                      ["--model-config", "tiny-llama", "--device", "cpu"]))
         j.append(Job(f"vllm:W6{variant}", "vllm", VLLM + ["startup", "--model-config", cfg], exp_vllm, 400, []))
     return j
+
+
+def _w9_jobs(tp: list[str]) -> list[Job]:
+    """W9 (issue 27): several GPUs. Run each job with CUDA_VISIBLE_DEVICES naming its GPUs
+    (scripts/gpu_multi.sh gives each lane its own); the smoke form runs the same layout on the
+    CPU with gloo. vLLM's offline LLM has no data_parallel_size: dp runs go through the server."""
+    j: list[Job] = []
+    mp = ["--distributed-executor-backend", "mp"]
+
+    def par(flags: list[str]) -> list[str]:
+        return flags + (mp if flags and "-dp" not in flags else [])
+
+    for name, base, flags, e_ours, e_vllm in (
+            ("W1-8B-tp2", tp + ["W1-8B"], ["-tp", "2"], 150, 240),
+            ("W1-8B-tp4", tp + ["W1-8B"], ["-tp", "4"], 150, 260),
+            ("W2-tp2", ["latency", "--model-config", "llama-3.1-8b"], ["-tp", "2"], 130, 220),
+            ("W1-32B-tp2", _32B, ["-tp", "2"], 200, 330),
+            ("W1-32B-tp4", _32B, ["-tp", "4"], 170, 300),
+            ("W1-32B-pp2", _32B, ["-pp", "2"], 220, 330),
+            ("W1-32B-tp2pp2", _32B, ["-tp", "2", "-pp", "2"], 200, 330),
+            ("W10-tp2", ["throughput", "--workload", "W10"], ["-tp", "2"], 200, 330),
+            ("W10-tp2-ep", ["throughput", "--workload", "W10"], ["-tp", "2", "--enable-expert-parallel"], 200, 330),
+            ("W10-decode-tp2", ["latency", "--workload", "W10-decode"], ["-tp", "2"], 180, 330),
+            ("W10-decode-tp2-ep", ["latency", "--workload", "W10-decode"], ["-tp", "2", "--enable-expert-parallel"],
+             180, 330)):
+        moe = _VLLM_MOE if "W10" in name else []
+        smoke = (_TINY_MOE if "W10" in name else _LAT_TINY if "latency" in base else _TINY) + par(flags)
+        j += _pair(name, base + par(flags), base + flags + moe, e_ours, e_vllm, smoke)
+    # data parallel + expert parallel: attention per replica, experts over both (minivllm only offline)
+    dp_ep = ["throughput", "--workload", "W10", "-dp", "2", "--enable-expert-parallel"]
+    j.append(Job("ours:W10-dp2-ep", "ours", OURS + dp_ep, 220, 540, _TINY_MOE + _CPU))
+    return j
+
+
+_32B = ["throughput", "--repeats", "1", "--workload", "W1", "--model-config", "qwen3-32b"]
 
 
 JOBS = {job.name: job for job in _jobs()}

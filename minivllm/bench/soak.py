@@ -211,7 +211,8 @@ def _served(engine_kwargs: dict, faults: dict | None):
 
 def soak(args) -> SoakReport:
     report = SoakReport()
-    kw = dict(dtype="float32", device="cpu", max_model_len=1024, num_kv_blocks=args.kv_blocks,
+    on_gpu = args.device.startswith("cuda")
+    kw = dict(dtype="bfloat16" if on_gpu else "float32", device=args.device, max_model_len=1024, num_kv_blocks=args.kv_blocks,
               max_num_seqs=args.concurrency, enable_prefix_caching=True)
     faults = {"step_failure_rate": args.step_failure_rate, "request_failure_rate": args.request_failure_rate,
               "seed": args.seed}
@@ -279,6 +280,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cancel-rate", type=float, default=0.05, help="requests the client cancels while they run")
     p.add_argument("--rss-slack-mb", type=float, default=200.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16; the 10,000-request run on a GPU)")
     p.add_argument("--output", default=None)
 
 

@@ -194,7 +194,8 @@ def llm_kwargs(model_dir: str, max_model_len: int, gpu_memory_utilization: float
     for k, v in (extra or {}).items():
         if k in ("max_num_seqs", "max_num_batched_tokens", "dtype", "quantization", "kv_cache_dtype",
                  "moe_backend", "kv_offloading_size", "kv_cache_memory_bytes", "enable_lora", "max_loras",
-                 "max_lora_rank") and v is not None:
+                 "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
+                 "distributed_executor_backend") and v is not None:
             kw[k] = v
     return kw
 
@@ -207,6 +208,10 @@ def _metrics_ttft(o) -> float | None:
 
 # ---- sub-commands ----------------------------------------------------------------------------------------
 def _factory(args):
+    if (getattr(args, "data_parallel_size", None) or 1) > 1:
+        raise SystemExit("vllm_runner: data_parallel_size > 1 is measured through `vllm serve` (scripts/gpu_w3.sh), "
+                         "not the offline LLM (one replica per process in vLLM)")
+
     def make(model_dir: str, wl: workloads.Workload) -> VllmAdapter:
         a = VllmAdapter(model_dir, max_model_len=args.max_model_len or wl.max_model_len,
                         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The multi-GPU run (issue 27, W9) on one host with several GPUs, in lanes: each argument is
+# STEPS@GPUS, where STEPS is one or more steps joined by '+' (run one after the other) and GPUS
+# the lane's CUDA_VISIBLE_DEVICES; the lanes of one call run side by side, each on its own GPUs:
+#
+#   source scripts/gpu_env.sh && bash scripts/gpu_multi.sh check-8b@0,1,2,3
+#   bash scripts/gpu_multi.sh 'ours:W1-8B-tp2+ours:W2-tp2@0,1' 'ours:W1-32B-tp2@2,3'
+#
+# Steps:
+#   ENGINE:JOB          a job of minivllm.bench.compare (ours:W1-8B-tp4, vllm:W1-32B-tp2, ...)
+#   check-8b            bench parallel-check: Qwen3-8B shapes (4 layers, random seeded weights),
+#                       tp1 vs tp2 vs tp4, bf16 (needs 4 GPUs)
+#   check-default       the default model's real weights exported to bf16: tp1 vs tp3 vs pp2
+#   w3-dp1 / w3-dp2     W3 (Qwen3-8B, our server) at 16 and 64 req/s with -dp 1 / -dp 2
+#   w3-32b-tpN          W3 at 16 req/s on Qwen3-32B shapes, our server, -tp N (N = 2, 4)
+#   vllm-w3-32b-tpN     the same on vLLM's server
+#   disagg1 / disagg2   scripts/gpu_disagg.sh (one GPU / two GPUs), if present
+#   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
+#   gpu-tests           the single-GPU test files that last failed or never ran (one GPU)
+# Each lane gets its own port range (servers) and its own output folder under /tmp/multi, which
+# persists while the machine stays warm. What comes back ($OUT, at most 8 files): results.jsonl
+# (every record of every call so far on this machine), summary.txt, logs.tgz (all logs).
+# NUM_REQUESTS shortens the W3 steps (default 1000, BENCHMARKS.md's). SMOKE=1 runs the compare
+# steps in their CPU smoke form (plumbing check: SMOKE=1 OUT=/tmp/x bash scripts/gpu_multi.sh 'ours:W1-8B-tp2+vllm:W1-8B-tp2@').
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# NVLink multicast stays off on shared hosts (KINDS.md); keep it so in every child
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+ROOT=/tmp/multi
+mkdir -p "$ROOT"
+OUTDIR=${OUT:-/tmp/multi-out}
+mkdir -p "$OUTDIR"
+CALL=$(date +%H%M%S)
+
+run_step() {  # run_step STEP LANE_DIR PORT
+  local step=$1 dir=$2 port=$3
+  echo "[$(date +%T)] step $step on GPUs $CUDA_VISIBLE_DEVICES"
+  case "$step" in
+    ours:*|vllm:*|hf:*)
+      python3 -m minivllm.bench.compare --only "$step" --out "$dir" --budget-s 580 ${SMOKE:+--smoke} ;;
+    check-8b)
+      python3 -m minivllm bench parallel-check --model-config qwen3-8b --num-layers 4 --layouts tp1,tp2,tp4 \
+        --dtype bfloat16 --skip-tokenizer-init --num-prompts 16 --prompt-len 128 --max-tokens 64 \
+        --max-model-len 1024 --output "$dir/check-8b.json" ;;
+    check-default)
+      python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null &&
+      python3 -m minivllm bench parallel-check --model /tmp/smollm2-bf16 --layouts tp1,tp3,pp2 \
+        --dtype bfloat16 --num-prompts 16 --prompt-len 128 --max-tokens 64 --max-model-len 1024 \
+        --output "$dir/check-default.json" ;;
+    w3-dp1|w3-dp2)
+      OUT=$dir PORT=$port LABEL=ours-${step#w3-} OURS_FLAGS="-dp ${step#w3-dp}" bash scripts/gpu_w3.sh ours 16 64 ;;
+    w3-32b-tp*)
+      OUT=$dir PORT=$port LABEL=ours-32b-tp${step#w3-32b-tp} MODEL_CONFIG=qwen3-32b \
+        OURS_FLAGS="-tp ${step#w3-32b-tp}" bash scripts/gpu_w3.sh ours 16 ;;
+    vllm-w3-32b-tp*)
+      OUT=$dir PORT=$port LABEL=vllm-32b-tp${step#vllm-w3-32b-tp} MODEL_CONFIG=qwen3-32b \
+        VLLM_FLAGS="-tp ${step#vllm-w3-32b-tp}" bash scripts/gpu_w3.sh vllm 16 ;;
+    disagg1|disagg2)
+      [ -f scripts/gpu_disagg.sh ] && OUT=$dir PORT_BASE=$port NUM_GPUS=${step#disagg} bash scripts/gpu_disagg.sh ;;
+    soak)
+      python3 -m minivllm bench soak --device cuda --requests ${SOAK_REQUESTS:-10000} --output "$dir/soak.json" ;;
+    gpu-tests)
+      for f in ${GPU_TESTS:-tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_kv_tiers_gpu.py tests/gpu/test_parallel_gpu.py}; do
+        timeout 300 python3 -m pytest -q -x "$f" -p no:cacheprovider 2>&1 | tail -15
+      done ;;
+    *) echo "gpu_multi: unknown step $step"; return 2 ;;
+  esac
+}
+
+run_lane() {  # run_lane INDEX STEPS GPUS
+  local i=$1 steps=$2 gpus=$3 dir="$ROOT/$CALL-lane$1" port=$((8100 + 20 * $1))
+  mkdir -p "$dir"
+  export CUDA_VISIBLE_DEVICES=$gpus
+  local list
+  IFS='+' read -r -a list <<< "$steps"
+  for step in "${list[@]}"; do
+    run_step "$step" "$dir" "$port" >> "$dir/lane.log" 2>&1
+    echo "[$(date +%T)] lane $i: $step rc=$?" | tee -a "$dir/lane.log"
+    port=$((port + 5))
+  done
+}
+
+nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader
+[ -f "$ROOT/topo.txt" ] || nvidia-smi topo -m > "$ROOT/topo.txt" 2>&1
+i=0
+for lane in "$@"; do
+  i=$((i + 1))
+  run_lane "$i" "${lane%@*}" "${lane##*@}" &
+done
+wait
+
+# collect: every record of every call so far (compare.py's results.jsonl; the JSON files of the
+# other steps wrapped as records), the logs, a summary
+cat "$ROOT"/*-lane*/results.jsonl 2>/dev/null > "$OUTDIR/results.jsonl"
+python3 - "$ROOT" >> "$OUTDIR/results.jsonl" <<'EOF'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*-lane*", "*.json"))):
+    try:
+        data = json.load(open(f))
+    except (OSError, ValueError):
+        continue
+    print(json.dumps({"job": os.path.basename(f)[:-5], "lane": os.path.basename(os.path.dirname(f)), "result": data}))
+EOF
+(cd "$ROOT" && tar czf "$OUTDIR/logs.tgz" --exclude='*.jsonl' . 2>/dev/null)
+python3 -m minivllm.bench.compare --collect "$OUTDIR/results.jsonl" > "$OUTDIR/summary.txt" 2>&1 || true
+for f in "$ROOT"/$CALL-lane*/lane.log; do echo "== $f"; grep -E "rc=|figures|server up|error|Error" "$f" | tail -8; done
+for f in "$ROOT"/$CALL-lane*/*.json; do [ -f "$f" ] && echo "== $f" && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d.get('figures', d))[:1500])" "$f"; done
+tail -40 "$OUTDIR/summary.txt"
