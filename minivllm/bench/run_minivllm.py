@@ -94,14 +94,16 @@ class MinivllmAdapter:
         eng = self.engine_obj
         cfg = eng.config
         runner = getattr(getattr(eng, "executor", None), "runner", None)
+        # data parallelism: every replica's KV blocks (a DataParallelEngine has no block manager)
+        num_blocks = sum(e.block_manager.num_blocks for e in getattr(eng, "replicas", [eng]))
         out = {"llm_init_s": self.startup_s, "engine_startup_s": getattr(eng, "startup_s", None),
                "device": cfg.device, "dtype": cfg.model.dtype, "enforce_eager": cfg.enforce_eager,
                "attention_backend": cfg.attention_backend,
                "block_size": cfg.cache.block_size, "enable_prefix_caching": cfg.cache.enable_prefix_caching,
                "max_num_seqs": cfg.scheduler.max_num_seqs,
                "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
-               "max_model_len": cfg.scheduler.max_model_len, "num_kv_blocks": eng.block_manager.num_blocks,
-               "kv_capacity_tokens": eng.block_manager.num_blocks * cfg.cache.block_size}
+               "max_model_len": cfg.scheduler.max_model_len, "num_kv_blocks": num_blocks,
+               "kv_capacity_tokens": num_blocks * cfg.cache.block_size}
         if runner is not None:
             out["runner_timings"] = dict(getattr(runner, "timings", {}) or {})
             report = getattr(runner, "memory_report", None)
