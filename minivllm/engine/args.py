@@ -85,6 +85,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise the same result for a request whatever else is batched with it (slower; "
                         "VLLM_BATCH_INVARIANT=1 does the same)")
+    g.add_argument("--kv-transfer-config", default=None,
+                   help='disaggregated prefill/decode as JSON, vLLM\'s fields, e.g. \'{"kv_role": "kv_producer"}\' '
+                        '(kv_producer: a prefill instance, kv_consumer: a decode instance; put them behind '
+                        '`minivllm router`)')
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids and outputs carry token ids, no text")
 
@@ -98,7 +102,7 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "prefix_caching_hash_algo", "batch_invariant", "tensor_parallel_size", "pipeline_parallel_size",
          "data_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
          "swap_space", "preemption_mode", "kv_offloading_size", "enable_lora", "max_loras", "max_lora_rank",
-         "max_cpu_loras", "pooler_config"]
+         "max_cpu_loras", "pooler_config", "kv_transfer_config"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -103,6 +103,7 @@ def build_engine_config(
     kv_offloading_size: float | None = None,
     memory_share: float | None = None,
     batch_invariant: bool = False,
+    kv_transfer_config: dict | str | None = None,
 ) -> EngineConfig:
     check(load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got {load_format!r}")
     source = resolve_model_source(model)
@@ -183,13 +184,42 @@ def build_engine_config(
     eager = enforce_eager or not on_gpu or parallel.pipeline_parallel_size > 1
     batch_invariant = _resolve_batch_invariant(batch_invariant, device, dtype, quant is not None, arch.moe is not None,
                                                kv_cache_dtype, speculative is not None)
+    kv_transfer = _kv_transfer_config(kv_transfer_config, device, parallel, speculative)
     return EngineConfig(model_cfg, cache, sched, parallel, device, eager, attention_backend, async_scheduling,
                         speculative,
                         lora=_lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, speculative, arch,
                                           batch_invariant, parallel),
                         pooler=PoolerConfig.parse(pooler_config),
                         structured_outputs=_structured_config(structured_outputs_config, reasoning_parser),
-                        batch_invariant=batch_invariant)
+                        batch_invariant=batch_invariant, kv_transfer=kv_transfer)
+
+
+def _kv_transfer_config(value, device: str, parallel, speculative):
+    """kv_transfer_config validated, with the combinations disaggregation does not support refused
+    and a random engine_id when none is given."""
+    from minivllm.config import parse_kv_transfer_config
+    cfg = parse_kv_transfer_config(value)
+    if cfg is None:
+        return None
+    check(parallel.world_size == 1, "kv_transfer_config",
+          f"needs one rank per instance (tensor_parallel_size = pipeline_parallel_size = 1), got world size "
+          f"{parallel.world_size}")
+    check(parallel.data_parallel_size == 1, "kv_transfer_config",
+          f"needs data_parallel_size 1 (run one instance per replica behind `minivllm router`), got "
+          f"{parallel.data_parallel_size}")
+    check(parallel.distributed_executor_backend == "uni", "kv_transfer_config",
+          f"needs the in-process executor (distributed_executor_backend 'uni'), got "
+          f"{parallel.distributed_executor_backend!r}")
+    check(speculative is None, "kv_transfer_config", "cannot be combined with speculative decoding (not supported)")
+    check(cfg.kv_connector != "CudaIpcConnector" or device.startswith("cuda"), "kv_transfer_config.kv_connector",
+          f"'CudaIpcConnector' needs a CUDA device, got device {device!r}")
+    check(cfg.kv_buffer_device == "cpu" or device.startswith("cuda"), "kv_transfer_config.kv_buffer_device",
+          f"'cuda' needs a CUDA device, got device {device!r}")
+    if cfg.engine_id is None:
+        import dataclasses
+        import uuid
+        cfg = dataclasses.replace(cfg, engine_id=uuid.uuid4().hex)
+    return cfg
 
 
 def _lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu: int | None,

@@ -285,6 +285,13 @@ class ModelRunner:
                                     self.device.type == "cuda")
         return HostKVTiers(num_swap, num_offload, block_bytes, costs)
 
+    def init_kv_connector(self):
+        """Disaggregated prefill/decode: the KV connector over this runner's KV cache (None: off)."""
+        if self.config.kv_transfer is None:
+            return None
+        from minivllm.kv_transfer.connector import make_kv_connector
+        return make_kv_connector(self.config.kv_transfer, [t for kv in self.kv_caches for t in kv])
+
     def _draft_model(self) -> CausalLM | None:
         """A separate draft model of speculative decoding (it needs a KV cache of its own)."""
         proposer = getattr(self.speculator, "proposer", None)
