@@ -108,7 +108,9 @@ def _add_optional_commands(sub) -> None:
     """serve and bench live in their own packages; each registers its sub-command."""
     try:
         from minivllm.server.cli import register as register_serve
+        from minivllm.server.router_cli import register as register_router
         register_serve(sub)
+        register_router(sub)
     except ImportError:
         pass
     try:

@@ -8,7 +8,8 @@ imports nothing from engine/ (the builder depends on the config, not the other w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 
 from minivllm.lora.config import LoRAConfig
 from minivllm.models.arch import ArchConfig
@@ -83,10 +84,20 @@ class ParallelConfig:
     # process per rank; ray: one Ray actor per rank, placed with a placement group (multi-node)
     distributed_executor_backend: str = "uni"
     data_parallel_rank: int = 0  # which replica this engine core is (its devices follow it)
+    # a MoE model's experts split over the ranks (models/moe.py): the tp ranks of one replica, or
+    # with data_parallel_size > 1 every rank of every replica (one world, all_to_all dispatch)
+    enable_expert_parallel: bool = False
+    # the port the replicas' ranks meet on when one world spans them (set by engine/dp_engine.py)
+    data_parallel_master_port: int | None = None
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def spans_replicas(self) -> bool:
+        """Every replica's ranks in one torch.distributed world, stepping in lock-step."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,96 @@ class StructuredOutputsConfig:
 
     backend: str = "xgrammar"
     reasoning_parser: str | None = None
+
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# kv_transfer/connector.py's registry (names only here: this module imports no torch)
+KV_CONNECTORS = ("HostConnector", "CudaIpcConnector")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated prefill/decode (vLLM's kv_transfer_config and field names). A producer
+    (prefill instance) computes prompts and serves their KV blocks; a consumer (decode instance)
+    pulls them and continues. kv_connector: the transport (kv_transfer/connector.py; None: CUDA
+    IPC on a GPU, with the host transport as its fallback, else the host transport); kv_ip /
+    kv_port: where a producer listens for block reads (port 0: any free port);
+    kv_buffer_device: where a consumer stages pulled blocks ("cpu" or "cuda");
+    kv_connector_extra_config: send_timeout_s (how long a producer keeps unpulled blocks, default
+    120) and pull_timeout_s (a consumer's socket timeout, default 30)."""
+
+    kv_role: str
+    kv_connector: str | None = None
+    kv_rank: int | None = None
+    kv_parallel_size: int = 1
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_buffer_device: str = "cpu"
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    engine_id: str | None = None  # this instance's id in kv_transfer_params (None: a random one)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def send_timeout_s(self) -> float:
+        return float(self.kv_connector_extra_config.get("send_timeout_s", 120.0))
+
+    @property
+    def pull_timeout_s(self) -> float:
+        return float(self.kv_connector_extra_config.get("pull_timeout_s", 30.0))
+
+
+_EXTRA_KEYS = ("send_timeout_s", "pull_timeout_s")
+
+
+def parse_kv_transfer_config(value) -> KVTransferConfig | None:
+    """A dict, a JSON string, a KVTransferConfig or None -> a validated KVTransferConfig;
+    errors name the field (kv_transfer_config.<field>)."""
+    if value is None or isinstance(value, KVTransferConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+    _kv_check(isinstance(value, dict), "", f"must be a dict or a JSON object, got {type(value).__name__}")
+    known = {f.name for f in fields(KVTransferConfig)}
+    unknown = sorted(set(value) - known)
+    _kv_check(not unknown, unknown[0] if unknown else "", f"is not a kv_transfer_config field (known: {sorted(known)})")
+    _kv_check("kv_role" in value, "kv_role", f"is required: one of {list(KV_ROLES)}")
+    cfg = KVTransferConfig(**value)
+    _kv_check(cfg.kv_role in KV_ROLES, "kv_role", f"must be one of {list(KV_ROLES)}, got {cfg.kv_role!r}")
+    _kv_check(cfg.kv_connector is None or cfg.kv_connector in KV_CONNECTORS, "kv_connector",
+              f"must be one of {list(KV_CONNECTORS)} (or left out), got {cfg.kv_connector!r}")
+    _kv_check(cfg.kv_rank is None or (isinstance(cfg.kv_rank, int) and cfg.kv_rank >= 0), "kv_rank",
+              f"must be an integer >= 0, got {cfg.kv_rank!r}")
+    _kv_check(isinstance(cfg.kv_parallel_size, int) and cfg.kv_parallel_size >= 1, "kv_parallel_size",
+              f"must be an integer >= 1, got {cfg.kv_parallel_size!r}")
+    _kv_check(isinstance(cfg.kv_ip, str) and bool(cfg.kv_ip), "kv_ip", f"must be a host name or address, got {cfg.kv_ip!r}")
+    _kv_check(isinstance(cfg.kv_port, int) and 0 <= cfg.kv_port <= 65535, "kv_port",
+              f"must be an integer in [0, 65535] (0: any free port), got {cfg.kv_port!r}")
+    _kv_check(cfg.kv_buffer_device in ("cpu", "cuda"), "kv_buffer_device",
+              f"must be 'cpu' or 'cuda', got {cfg.kv_buffer_device!r}")
+    extra = cfg.kv_connector_extra_config
+    _kv_check(isinstance(extra, dict), "kv_connector_extra_config", f"must be an object, got {type(extra).__name__}")
+    for key, v in extra.items():
+        _kv_check(key in _EXTRA_KEYS, f"kv_connector_extra_config.{key}", f"is not a known key (known: {list(_EXTRA_KEYS)})")
+        _kv_check(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                  f"kv_connector_extra_config.{key}", f"must be a number > 0, got {v!r}")
+    _kv_check(cfg.engine_id is None or (isinstance(cfg.engine_id, str) and cfg.engine_id), "engine_id",
+              f"must be a non-empty string, got {cfg.engine_id!r}")
+    return cfg
+
+
+def _kv_check(ok: bool, name: str, msg: str) -> None:
+    if not ok:
+        raise ValueError(f"kv_transfer_config.{name} {msg}" if name else f"kv_transfer_config {msg}")
 
 
 @dataclass(frozen=True)
@@ -115,6 +216,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # every request's result bitwise independent of the batch (models/batch_invariant.py)
     batch_invariant: bool = False
+    kv_transfer: KVTransferConfig | None = None  # disaggregated prefill/decode (None: off)
 
 
 def check(ok: bool, field_name: str, msg: str) -> None:

@@ -61,6 +61,9 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # disaggregated prefill/decode: a prefill instance's answer (where the prompt's K/V blocks
+    # wait for the decode instance), on the finished output; None otherwise
+    kv_transfer_params: dict | None = None
 
 
 # one dict per prompt token: None for the first (nothing predicts it), then the prompt token and the

@@ -109,6 +109,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's free-form per-request arguments; "kv_transfer_params" carries disaggregated
+    # prefill/decode's hand-off (kv_transfer/params.py)
+    extra_args: dict[str, Any] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +161,8 @@ class SamplingParams:
             _check(isinstance(s, str) and len(s) > 0, "stop", f"must hold non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and t >= 0, "stop_token_ids", f"must hold token ids >= 0, got {t!r}")
+        if self.extra_args is not None:
+            _check(isinstance(self.extra_args, dict), "extra_args", f"must be a dict, got {type(self.extra_args).__name__}")
         if self.structured_outputs is not None:
             _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                    f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")

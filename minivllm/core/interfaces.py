@@ -76,6 +76,39 @@ class KVTransfers:
 
 
 @dataclass
+class KVPull:
+    """A consumer's pull (disaggregated prefill/decode): the producer's blocks `remote_block_ids`
+    of request `remote.request_id` into this engine's blocks `local_block_ids` (same order; may be
+    empty: the producer only releases its blocks)."""
+
+    req_id: str
+    remote: object  # kv_transfer.params.RemotePrefill
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+
+
+@dataclass
+class KVSend:
+    """A producer's finished request whose blocks wait for a consumer to pull them."""
+
+    req_id: str
+    block_ids: list[int]
+
+
+@dataclass
+class KVJobs:
+    """What the scheduler asks of the KV connector since it was last asked (the engine hands it
+    over before each step's connector poll)."""
+
+    sends: list[KVSend] = field(default_factory=list)
+    pulls: list[KVPull] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # pulls of aborted requests: never apply them
+
+    def __bool__(self) -> bool:
+        return bool(self.sends or self.pulls or self.cancels)
+
+
+@dataclass
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -123,3 +156,6 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
     # embedding requests whose prompt completed this step: the pooled (and normalized) vector
     pooled: dict[str, list[float]] | None = None
+    # a MoE model's tokens per expert [MoE layers][experts] since startup, when newly read (about
+    # once a second: runner/expert_counts.py); how a worker rank's counts reach the engine
+    expert_token_counts: list[list[int]] | None = None

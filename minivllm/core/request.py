@@ -10,12 +10,15 @@ from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from minivllm.core.beam import BeamGroup
+    from minivllm.kv_transfer.params import RemotePrefill
     from minivllm.lora.request import LoRARequest
     from minivllm.pooling_params import PoolingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # a decode instance's request whose prompt K/V is being pulled from a prefill instance
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -98,6 +101,14 @@ class Request:
     # a beam that reported its candidates and then gave its KV blocks back (preempted while it
     # waited for its siblings): it is in neither queue until the group selects the next beams
     parked: bool = False
+    # disaggregated prefill/decode (kv_transfer/): a producer's request keeps its blocks after it
+    # finishes until a consumer pulled them (remote_decode), and says where they are
+    # (kv_transfer_params_out); a consumer's request pulls its prompt's K/V first (remote_prefill,
+    # None once pulled or given up), then computes its last prompt token (remote_kv_loaded)
+    remote_decode: bool = False
+    kv_transfer_params_out: dict | None = None
+    remote_prefill: RemotePrefill | None = None
+    remote_kv_loaded: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

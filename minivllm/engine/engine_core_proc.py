@@ -55,6 +55,8 @@ def pack_output(out: RequestOutput | EmbeddingRequestOutput) -> PackedOutput:
     samples = [(o.index, o.text, o.token_ids, o.cumulative_logprob, o.logprobs, o.finish_reason, o.stop_reason)
                for o in out.outputs]
     extra = {} if out.prompt_logprobs is None else {"prompt_logprobs": out.prompt_logprobs}
+    if out.kv_transfer_params is not None:
+        extra["kv_transfer_params"] = out.kv_transfer_params
     return out.request_id, out.finished, samples, metrics, out.num_cached_tokens, extra
 
 

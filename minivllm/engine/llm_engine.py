@@ -41,7 +41,8 @@ from minivllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-SPEC_LOG_INTERVAL_S = 10.0  # how often the acceptance of speculative decoding is logged
+SPEC_LOG_INTERVAL_S = 10.0
+KV_IDLE_WAIT_S = 0.005  # an engine waiting only for KV transfers polls its connector this often  # how often the acceptance of speculative decoding is logged
 
 
 @dataclass
@@ -75,6 +76,11 @@ class EngineStats:
     offload_hit_blocks: int = 0
     offload_stored_blocks: int = 0
     kv_transfer_bytes: int = 0
+    # disaggregated prefill/decode: blocks pulled from prefill instances, pulls given up (the
+    # prompt recomputed here), finished requests whose blocks wait for a decode instance
+    kv_pulled_blocks: int = 0
+    kv_pull_failures: int = 0
+    kv_held_requests: int = 0
     # data parallelism (engine/dp_engine.py): each replica's own stats; the fields above are their sum
     replicas: tuple[EngineStats, ...] = ()
 
@@ -116,6 +122,10 @@ class LLMEngine:
                                                    config.parallel.pipeline_parallel_size,
                                                    max_loras=config.lora.max_loras if config.lora else None),
                                    self.block_manager, swap)
+        # disaggregated prefill/decode (kv_transfer/connector.py): the in-process runner's connector
+        self.kv_connector = getattr(self.executor, "kv_connector", None)
+        if self.kv_connector is not None:
+            self.scheduler.kv_address = self.kv_connector.address
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.adapters = AdapterChecker(config.lora, config.model.arch, config.model.served_name)
@@ -179,6 +189,7 @@ class LLMEngine:
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         parsed = parse_prompt(prompt, self.tokenizer)
+        remote = self._kv_transfer_params(params)
         self.adapters.check(lora_request)
         keys = dict(lora_request=lora_request, cache_salt=parsed.cache_salt)
         if isinstance(params, PoolingParams):
@@ -187,10 +198,31 @@ class LLMEngine:
             reqs = [self._beam_request(request_id, parsed.token_ids, params, priority, arrival_time, keys)]
         else:
             reqs = self._sample_requests(request_id, parsed, params, priority, arrival_time, keys)
+            if remote is not None:
+                reqs[0].remote_decode, reqs[0].remote_prefill = remote
         self.output_processor.add_request(request_id, parsed.text, parsed.token_ids, params,
                                           [r.request_id for r in reqs], reqs[0].arrival_time)
         for r in reqs:
             self.scheduler.add_request(r)
+
+    def _kv_transfer_params(self, params):
+        """(remote_decode, RemotePrefill or None) of a request's kv_transfer_params, checked
+        against this engine's kv_role; None without them."""
+        from minivllm.kv_transfer.params import of_sampling_params, parse
+        raw = of_sampling_params(params) if isinstance(params, SamplingParams) else None
+        if raw is None:
+            return None
+        decode, prefill = parse(raw)
+        kv = self.config.kv_transfer
+        if decode and (kv is None or not kv.is_producer):
+            raise ValueError("kv_transfer_params.do_remote_decode needs an engine started with kv_transfer_config "
+                             "kv_role 'kv_producer' or 'kv_both'")
+        if prefill is not None and (kv is None or not kv.is_consumer):
+            raise ValueError("kv_transfer_params.do_remote_prefill needs an engine started with kv_transfer_config "
+                             "kv_role 'kv_consumer' or 'kv_both'")
+        if (decode or prefill is not None) and params.n != 1:
+            raise ValueError(f"kv_transfer_params needs n == 1 (one sequence per prompt), got n={params.n}")
+        return decode, prefill
 
     def _sample_requests(self, request_id, parsed, params: SamplingParams, priority, arrival_time, keys):
         validate_for_vocab(params, self.config.model.arch.vocab_size)
@@ -251,7 +283,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self.output_processor.states) or bool(self._aborted_outputs) or self._inflight is not None
-                or bool(self._batches))
+                or bool(self._batches) or self.scheduler.has_kv_transfers())
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
@@ -266,6 +298,7 @@ class LLMEngine:
         if self._max_batches > 1:
             return self._step_pipelined()
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        self._sync_kv_connector()
         if self._inflight is not None and self.scheduler.beam_groups:
             # a beam's next token is chosen on the host from its whole group's results: no step
             # is scheduled before those are in
@@ -285,8 +318,30 @@ class LLMEngine:
             self._inflight = None
         if launched is None and self._inflight is None and self.structured.num_compiling:
             self.structured.wait_for_compiles(0.02)  # only grammars are left to wait for: sleep
+        if self.kv_connector is not None:
+            self._hand_kv_jobs()  # blocks held by requests finished this step: pullable at once
+            if launched is None and self._inflight is None and self.scheduler.has_kv_transfers():
+                self.kv_connector.wait(KV_IDLE_WAIT_S)  # only KV transfers are left to wait for
         self._log_spec_stats()
         return outputs
+
+    def _hand_kv_jobs(self) -> None:
+        jobs = self.scheduler.take_kv_jobs()
+        if jobs:
+            self.kv_connector.cancel_pulls(jobs.cancels)  # (before any poll can apply them)
+            self.kv_connector.register_sends(jobs.sends)
+            self.kv_connector.start_pulls(jobs.pulls)
+
+    def _sync_kv_connector(self) -> None:
+        """Hands the scheduler's sends, pulls and cancels to the connector, then takes in what it
+        finished: released producer blocks are freed, pulled requests can be scheduled (their
+        K/V is in the cache, copied on the compute stream before this step's launch)."""
+        if self.kv_connector is None:
+            return
+        self._hand_kv_jobs()
+        sent, pulled = self.kv_connector.poll()
+        if sent or pulled:
+            self.scheduler.finish_kv_transfers(sent, pulled)
 
     def _schedule(self):
         t = time.perf_counter()
@@ -465,7 +520,10 @@ class LLMEngine:
         return {"num_blocks_swapped_out": out, "num_blocks_swapped_in": in_,
                 "num_swapped": len(swap.swapped) if swap else 0, "offload_hit_blocks": hits,
                 "offload_stored_blocks": stored,
-                "kv_transfer_bytes": (out + in_ + hits + stored) * (self.host_kv.block_bytes if self.host_kv else 0)}
+                "kv_transfer_bytes": (out + in_ + hits + stored) * (self.host_kv.block_bytes if self.host_kv else 0),
+                "kv_pulled_blocks": self.scheduler.num_kv_pulled_blocks,
+                "kv_pull_failures": self.scheduler.num_kv_pull_failures,
+                "kv_held_requests": len(self.scheduler.sending)}
 
     def _log_spec_stats(self) -> None:
         """Every SPEC_LOG_INTERVAL_S with speculative decoding: the acceptance since the last line."""

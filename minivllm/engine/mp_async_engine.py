@@ -301,6 +301,8 @@ def _fold(acc: RequestOutput | EmbeddingRequestOutput, packed: PackedOutput) -> 
         return
     if extra.get("prompt_logprobs") is not None:  # sent once, with the first output that has them
         acc.prompt_logprobs = extra["prompt_logprobs"]
+    if extra.get("kv_transfer_params") is not None:
+        acc.kv_transfer_params = extra["kv_transfer_params"]
     for index, text, token_ids, cum_logprob, logprobs, finish_reason, stop_reason in samples:
         while len(acc.outputs) <= index:
             acc.outputs.append(CompletionOutput(len(acc.outputs), "", []))
@@ -327,4 +329,5 @@ def _snapshot(acc: RequestOutput | EmbeddingRequestOutput) -> RequestOutput | Em
                              list(o.logprobs) if o.logprobs is not None else None, o.finish_reason, o.stop_reason)
             for o in acc.outputs]
     return RequestOutput(acc.request_id, acc.prompt, acc.prompt_token_ids, outs, acc.finished, metrics=acc.metrics,
-                         prompt_logprobs=acc.prompt_logprobs, num_cached_tokens=acc.num_cached_tokens)
+                         prompt_logprobs=acc.prompt_logprobs, num_cached_tokens=acc.num_cached_tokens,
+                         kv_transfer_params=acc.kv_transfer_params)

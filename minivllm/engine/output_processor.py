@@ -50,6 +50,7 @@ class RequestState:
     prompt_logprobs: list | None = None  # [None, {token: Logprob}, ...] as they are computed
     prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
     embedding: list[float] | None = None
+    kv_transfer_params: dict | None = None  # a prefill instance's answer (RequestOutput.kv_transfer_params)
 
     @property
     def finished(self) -> bool:
@@ -168,6 +169,8 @@ class OutputProcessor:
             self._finish_sample(state, sample, "stop", stop_str, now)
             return True
         if u.finished:
+            if u.request.kv_transfer_params_out is not None:
+                state.kv_transfer_params = u.request.kv_transfer_params_out
             self._finish_sample(state, sample, u.request.status.finish_reason, u.request.stop_reason, now)
         return False
 
@@ -229,7 +232,8 @@ class OutputProcessor:
             state.prompt_logprobs_sent = True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished,
                              metrics=state.metrics, prompt_logprobs=prompt_lps,
-                             num_cached_tokens=state.metrics.num_cached_tokens)
+                             num_cached_tokens=state.metrics.num_cached_tokens,
+                             kv_transfer_params=state.kv_transfer_params if finished else None)
 
     @staticmethod
     def _completion(s: SampleState, delta: bool) -> CompletionOutput:

@@ -13,6 +13,7 @@ class UniProcExecutor:
         self.runner.load_model(model)
         self.num_blocks = self.runner.init_kv_cache()
         self.host_kv = self.runner.init_kv_transfer()  # swap space and KV offload tier, in blocks
+        self.kv_connector = self.runner.init_kv_connector()  # disaggregated prefill/decode (None: off)
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_kernels()
         self.runner.expert_counts.reset()  # count requests' tokens only, not the startup passes
@@ -42,5 +43,10 @@ class UniProcExecutor:
         second ago; None for a dense model."""
         return self.runner.expert_counts.latest
 
+    def expert_token_counts_per_layer(self) -> list[list[int]] | None:
+        """[MoE layers][experts] read now (waits for queued device work); None for a dense model."""
+        return self.runner.expert_counts.per_layer()
+
     def shutdown(self) -> None:
-        pass
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

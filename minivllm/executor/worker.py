@@ -12,7 +12,8 @@
 The mp process loop (`serve`): one pickled ("step", SchedulerOutput, GrammarBitmask | None)
 message per step arrives on the connection, and ("profile", "start" | "stop", path) between steps (the bitmask only for a step with constrained rows) (the executor pickles it once and writes the same bytes to every rank); the
 driver rank (last stage, TP rank 0) answers each with ("out", RunnerOutput); the other ranks
-answer nothing. Any exception is sent as ("error", traceback) and the process exits; a closed
+answer nothing. ("expert_counts",) between steps: the driver answers ("counts", per-layer
+counts of a MoE model, or None). Any exception is sent as ("error", traceback) and the process exits; a closed
 connection (the engine is gone) makes it exit too, so no worker outlives its engine.
 """
 
@@ -58,8 +59,10 @@ class Worker:
             torch.cuda.set_device(device)
         elif cpu_threads is not None:
             torch.set_num_threads(cpu_threads)  # the ranks share the machine's cores
-        self.parallel = (init_distributed(self.rank, init_method, device) if self.rank.world_size > 1
-                         else ParallelGroups.single(device))
+        replicas = p.data_parallel_size if p.spans_replicas else 1
+        self.parallel = (init_distributed(self.rank, init_method, device, p.data_parallel_rank if replicas > 1 else 0,
+                                          replicas, p.enable_expert_parallel)
+                         if self.rank.world_size * replicas > 1 else ParallelGroups.single(device))
         self.runner = ModelRunner(config, self.parallel, device)
         self._profiler = None  # this rank's torch-profiler trace while one runs (profile())
 
@@ -76,6 +79,7 @@ class Worker:
         self.runner.allocate_kv_blocks(num_blocks)
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_kernels()
+        self.runner.expert_counts.reset()  # count requests' tokens only, not the startup passes
 
     def launch(self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None):
         return self.runner.launch_sampling(self.runner.launch_forward(sched), grammar)
@@ -129,6 +133,10 @@ def serve(conn, worker: Worker, overlap: bool) -> None:
             break
         if msg[0] == "profile":  # between two steps: the trace holds whole steps
             worker.profile(msg[1], msg[2])
+            continue
+        if msg[0] == "expert_counts":  # sent with no step in flight; only the driver answers
+            if worker.is_driver:
+                conn.send_bytes(pickle.dumps(("counts", worker.runner.expert_counts.per_layer())))
             continue
         launched = worker.launch(msg[1], msg[2])
         if pending is not None:

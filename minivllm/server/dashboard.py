@@ -40,7 +40,7 @@ def load_report(state) -> dict:
             "tokens_in_flight": stats.tokens_in_flight, "kv_cache_usage": stats.kv_cache_usage,
             "num_kv_blocks": stats.num_kv_blocks, "num_free_kv_blocks": stats.num_free_blocks,
             "finished_per_s": rate, "estimated_queue_delay_s": delay, "num_preemptions": stats.num_preemptions,
-            "is_accepting": state.engine.is_accepting, "timestamp": now,
+            "is_accepting": state.engine.is_accepting, "timestamp": now, **_kv_transfer_load(state, stats),
             "replicas": [replica_load(i, r) for i, r in enumerate(stats.replicas)]}
 
 
@@ -52,6 +52,14 @@ def replica_load(index: int, stats) -> dict:
             "num_free_kv_blocks": stats.num_free_blocks, "num_preemptions": stats.num_preemptions,
             "prompt_tokens": stats.prompt_tokens, "generation_tokens": stats.generation_tokens,
             "prefix_cache_hit_rate": stats.prefix_cache_hits / q if q else None}
+
+
+def _kv_transfer_load(state, stats) -> dict:
+    """Disaggregated prefill/decode: the instance's kv_role (None: an ordinary instance; `minivllm
+    router` checks it at startup), pulls given up and requests whose blocks wait for a pull."""
+    kv = state.engine.config.kv_transfer
+    return {"kv_role": kv.kv_role if kv is not None else None, "kv_pulled_blocks": stats.kv_pulled_blocks,
+            "kv_pull_failures": stats.kv_pull_failures, "kv_held_requests": stats.kv_held_requests}
 
 
 def dashboard_event(state, next_step: int, since_s: float) -> tuple[dict, int]:

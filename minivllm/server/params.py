@@ -45,7 +45,22 @@ def _common(req: SamplingFields, vocab_size: int) -> dict:
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         logit_bias=_logit_bias(req.logit_bias, vocab_size),
+        extra_args=_kv_extra_args(req),
     )
+
+
+def _kv_extra_args(req: SamplingFields) -> dict | None:
+    """kv_transfer_params, checked here (400 naming the field), ride in SamplingParams.extra_args."""
+    if req.kv_transfer_params is None:
+        return None
+    from minivllm.kv_transfer.params import KV_TRANSFER_PARAMS, parse
+    try:
+        parse(req.kv_transfer_params)
+    except ValueError as e:
+        raise from_value_error(e, "kv_transfer_params") from None
+    if req.n != 1 or req.use_beam_search:
+        raise bad_request("kv_transfer_params needs n == 1 and no beam search", "kv_transfer_params")
+    return {KV_TRANSFER_PARAMS: req.kv_transfer_params}
 
 
 def _build(kwargs: dict) -> SamplingParams:

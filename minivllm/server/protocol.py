@@ -83,6 +83,8 @@ class SamplingFields(OpenAIModel):
     # vLLM's beam search: n beams, ranked by cum_logprob / length ** length_penalty
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's disaggregated prefill/decode hand-off (kv_transfer/params.py; set by `minivllm router`)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

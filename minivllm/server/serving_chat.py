@@ -22,6 +22,7 @@ from minivllm.server.serving_common import (
     ServingBase,
     check_no_internal_error,
     collect_or_abort,
+    kv_transfer_field,
     new_id,
     sse,
     sse_body,
@@ -145,7 +146,7 @@ class ServingChat(ServingBase):
                             "finish_reason": finish, "stop_reason": o.stop_reason})
         n_gen = sum(len(o.token_ids) for o in out.outputs)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                "usage": usage(len(out.prompt_token_ids), n_gen)}
+                "usage": usage(len(out.prompt_token_ids), n_gen), **kv_transfer_field([out])}
 
     async def _stream(self, req: ChatCompletionRequest, opts: ChatOutputOptions, stream, rid: str, model: str,
                       created: int) -> AsyncIterator[str]:

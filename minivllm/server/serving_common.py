@@ -269,6 +269,12 @@ def check_no_internal_error(outputs: list[RequestOutput]) -> None:
             raise OpenAIError(500, "the engine failed while generating this request")
 
 
+def kv_transfer_field(outputs: list[RequestOutput]) -> dict:
+    """A prefill instance's response carries its kv_transfer_params (vLLM's field); else nothing."""
+    params = outputs[0].kv_transfer_params if len(outputs) == 1 else None
+    return {} if params is None else {"kv_transfer_params": params}
+
+
 def stream_usage(req, prompt_tokens: int, completion_tokens: int) -> dict:
     """stream_options.continuous_usage_stats: the usage so far on every chunk (as vLLM does);
     else nothing."""

@@ -20,6 +20,7 @@ from minivllm.server.serving_common import (
     ServingBase,
     check_no_internal_error,
     collect_or_abort,
+    kv_transfer_field,
     merge,
     new_id,
     sse,
@@ -57,6 +58,8 @@ class ServingCompletion(ServingBase):
         structured = resolve_constraint(req, self.engine.config.structured_outputs.backend)
         params = completion_params(req, self.engine.config.model.arch.vocab_size, structured)
         prompts = engine_prompts(req.prompt)
+        if req.kv_transfer_params is not None and len(prompts) != 1:
+            raise bad_request(f"kv_transfer_params needs a single prompt, got {len(prompts)}", "kv_transfer_params")
         rid = new_id("cmpl")
         streams = await self.submit(rid, prompts, params, req.priority, "prompt", req.cache_salt,
                                     self.lora_for(req.model))
@@ -102,7 +105,7 @@ class ServingCompletion(ServingBase):
         n_prompt = sum(len(out.prompt_token_ids) for out in finals)
         n_gen = sum(len(_visible(req, o).token_ids) for out in finals for o in out.outputs)
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                "usage": usage(n_prompt, n_gen)}
+                "usage": usage(n_prompt, n_gen), **kv_transfer_field(finals)}
 
     def _delta(self, req: CompletionRequest, out: RequestOutput, o: CompletionOutput, st: _ChoiceState,
                index: int) -> dict | None:

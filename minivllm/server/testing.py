@@ -60,3 +60,25 @@ def pid_gone(pid: int, timeout_s: float = 20.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def spawn_server(cmd: list[str], base_url: str, timeout_s: float = 300.0, path: str = "/health"):
+    """Start a server process (`cmd`) and wait until GET base_url + path answers 200; the process
+    (stdout and stderr to one pipe). Raises with the process's output if it exits first."""
+    import subprocess
+
+    import httpx
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}: {proc.stdout.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{cmd[:4]} did not answer {path} within {timeout_s} s")
+        try:
+            if httpx.get(base_url + path, timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
