@@ -84,10 +84,20 @@ class ParallelConfig:
     # process per rank; ray: one Ray actor per rank, placed with a placement group (multi-node)
     distributed_executor_backend: str = "uni"
     data_parallel_rank: int = 0  # which replica this engine core is (its devices follow it)
+    # a MoE model's experts split over the ranks (models/moe.py): the tp ranks of one replica, or
+    # with data_parallel_size > 1 every rank of every replica (one world, all_to_all dispatch)
+    enable_expert_parallel: bool = False
+    # the port the replicas' ranks meet on when one world spans them (set by engine/dp_engine.py)
+    data_parallel_master_port: int | None = None
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def spans_replicas(self) -> bool:
+        """Every replica's ranks in one torch.distributed world, stepping in lock-step."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
 
 @dataclass(frozen=True)

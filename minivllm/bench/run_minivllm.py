@@ -94,14 +94,16 @@ class MinivllmAdapter:
         eng = self.engine_obj
         cfg = eng.config
         runner = getattr(getattr(eng, "executor", None), "runner", None)
+        # data parallelism: every replica's KV blocks (a DataParallelEngine has no block manager)
+        num_blocks = sum(e.block_manager.num_blocks for e in getattr(eng, "replicas", [eng]))
         out = {"llm_init_s": self.startup_s, "engine_startup_s": getattr(eng, "startup_s", None),
                "device": cfg.device, "dtype": cfg.model.dtype, "enforce_eager": cfg.enforce_eager,
                "attention_backend": cfg.attention_backend,
                "block_size": cfg.cache.block_size, "enable_prefix_caching": cfg.cache.enable_prefix_caching,
                "max_num_seqs": cfg.scheduler.max_num_seqs,
                "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
-               "max_model_len": cfg.scheduler.max_model_len, "num_kv_blocks": eng.block_manager.num_blocks,
-               "kv_capacity_tokens": eng.block_manager.num_blocks * cfg.cache.block_size}
+               "max_model_len": cfg.scheduler.max_model_len, "num_kv_blocks": num_blocks,
+               "kv_capacity_tokens": num_blocks * cfg.cache.block_size}
         if runner is not None:
             out["runner_timings"] = dict(getattr(runner, "timings", {}) or {})
             report = getattr(runner, "memory_report", None)
@@ -110,17 +112,19 @@ class MinivllmAdapter:
             graphs = getattr(runner, "graphs", None)
             if graphs is not None:
                 out["cuda_graph_batch_sizes"] = len(getattr(graphs, "batch_sizes", []))
-            moe = expert_load(runner)
-            if moe is not None:
-                out["moe_expert_load"] = moe
+        moe = expert_load(eng)
+        if moe is not None:
+            out["moe_expert_load"] = moe
         return out
 
 
-def expert_load(runner) -> dict | None:
+def expert_load(engine) -> dict | None:
     """A MoE model's per-expert token counts since startup (every run on this engine), per layer,
-    and how uneven they are: max / mean over a layer's experts (1.0 = perfectly even)."""
-    reader = getattr(runner, "expert_counts", None)
-    per_layer = reader.per_layer() if reader is not None else None
+    and how uneven they are: max / mean over a layer's experts (1.0 = perfectly even). Counted
+    once per token: tensor-parallel ranks' counts are the driver's, replicas' are summed."""
+    source = engine if hasattr(engine, "replicas") else getattr(engine, "executor", None)
+    read = getattr(source, "expert_token_counts_per_layer", None)
+    per_layer = read() if read is not None else None
     if not per_layer:
         return None
     ratios = [max(c) / (sum(c) / len(c)) for c in per_layer if sum(c)]

@@ -156,3 +156,6 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
     # embedding requests whose prompt completed this step: the pooled (and normalized) vector
     pooled: dict[str, list[float]] | None = None
+    # a MoE model's tokens per expert [MoE layers][experts] since startup, when newly read (about
+    # once a second: runner/expert_counts.py); how a worker rank's counts reach the engine
+    expert_token_counts: list[list[int]] | None = None

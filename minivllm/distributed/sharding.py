@@ -4,7 +4,10 @@ Tensor parallelism (tp ranks of one pipeline stage) splits
   - attention heads: rank r has query heads [r * Hq/tp, (r+1) * Hq/tp); KV heads the same way
     when tp <= Hkv, else one KV head each, replicated over tp/Hkv consecutive ranks (the KV head
     its query heads read: Hq/Hkv query heads per KV head, so rank r needs KV head r // (tp/Hkv));
-  - the MLP's intermediate features (gate/up rows, down columns) in tp equal parts;
+  - the MLP's intermediate features (gate/up rows, down columns) in tp equal parts; a MoE
+    layer's shared expert likewise, and each routed expert too (every rank holds every expert,
+    1/tp of its features), unless expert parallelism gives each rank whole experts instead
+    (models/expert_parallel.py: E / ranks of them, at full width);
   - the vocabulary (embedding and LM head rows), padded to a multiple of VOCAB_PADDING first,
     in tp equal parts; padding rows are zero and their logits are cut before sampling.
 Pipeline parallelism (pp stages) gives each stage a contiguous range of layers; the first
@@ -81,10 +84,13 @@ class ShardPlan:
     vocab_per_rank: int  # rows held (padded vocabulary / tp)
     layer_start: int
     layer_end: int
+    moe_intermediate_size: int = 0  # local features of each routed expert (0: dense model)
+    shared_expert_intermediate_size: int = 0  # local features of a MoE layer's shared expert
 
     @classmethod
-    def build(cls, arch, rank: RankInfo) -> ShardPlan:
-        """arch: an ArchConfig (or anything with its fields); checks are the config builder's."""
+    def build(cls, arch, rank: RankInfo, expert_parallel: bool = False) -> ShardPlan:
+        """arch: an ArchConfig (or anything with its fields); checks are the config builder's.
+        expert_parallel: routed experts are whole on their rank (not split over tp)."""
         tp, r = rank.tp_size, rank.tp_rank
         heads = arch.num_heads // tp
         if tp <= arch.num_kv_heads:
@@ -93,12 +99,17 @@ class ShardPlan:
             kv, kv_start = 1, r // (tp // arch.num_kv_heads)
         vocab = arch.vocab_size if tp == 1 else padded_vocab_size(arch.vocab_size) // tp
         start, end = stage_layers(arch.num_layers, rank.pp_size, rank.pp_rank)
-        return cls(heads, kv, kv_start, arch.intermediate_size // tp, r * vocab, vocab, start, end)
+        moe = getattr(arch, "moe", None)
+        moe_inter = 0 if moe is None else moe.intermediate_size // (1 if expert_parallel else tp)
+        shared = 0 if moe is None else moe.shared_expert_intermediate_size // tp
+        return cls(heads, kv, kv_start, arch.intermediate_size // tp, r * vocab, vocab, start, end, moe_inter, shared)
 
     def checkpoint_slice(self, kind: str, rank: RankInfo, head_dim: int) -> tuple[int, int, int] | None:
         """(dim, start, length) of a checkpoint tensor of module `kind` this rank loads, None for a
         whole (replicated) tensor. kind: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-        down_proj, embed_tokens, lm_head; anything else is replicated."""
+        down_proj (a dense MLP's), shared_gate_proj, shared_up_proj, shared_down_proj (a MoE
+        shared expert's), embed_tokens, lm_head; anything else is replicated (routed experts:
+        models/moe_weights.py cuts them)."""
         if rank.tp_size == 1:
             return None
         r = rank.tp_rank
@@ -112,6 +123,10 @@ class ShardPlan:
             return 0, r * self.intermediate_size, self.intermediate_size
         if kind == "down_proj":
             return 1, r * self.intermediate_size, self.intermediate_size
+        if kind in ("shared_gate_proj", "shared_up_proj"):
+            return 0, r * self.shared_expert_intermediate_size, self.shared_expert_intermediate_size
+        if kind == "shared_down_proj":
+            return 1, r * self.shared_expert_intermediate_size, self.shared_expert_intermediate_size
         if kind in ("embed_tokens", "lm_head"):
             return 0, self.vocab_start, self.vocab_per_rank  # may run past the real vocabulary
         return None

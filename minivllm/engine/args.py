@@ -60,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages, each a contiguous range of layers")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas behind one server, requests routed to the least loaded one")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a MoE model's experts split over the ranks (whole experts: E / (tp x dp) each); with "
+                        "-dp > 1 tokens travel to their experts' replicas by all_to_all")
     g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="uni: in process (world size 1); mp: one worker process per rank; ray: Ray actors, "
                         "also on other nodes of a Ray cluster (default: uni for one rank, else mp)")
@@ -97,7 +100,7 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "skip_tokenizer_init", "max_prefill_tokens_with_decodes", "quantization", "kv_cache_dtype",
          "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config",
          "prefix_caching_hash_algo", "batch_invariant", "tensor_parallel_size", "pipeline_parallel_size",
-         "data_parallel_size", "distributed_executor_backend",
+         "data_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
          "swap_space", "preemption_mode", "kv_offloading_size", "enable_lora", "max_loras", "max_lora_rank",
          "max_cpu_loras", "pooler_config", "kv_transfer_config"]
 

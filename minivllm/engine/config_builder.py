@@ -78,6 +78,7 @@ def build_engine_config(
     pipeline_parallel_size: int = 1,
     data_parallel_size: int = 1,
     distributed_executor_backend: str | None = None,
+    enable_expert_parallel: bool = False,
     enforce_eager: bool = False,
     attention_backend: str | None = None,
     skip_tokenizer_init: bool = False,
@@ -163,7 +164,14 @@ def build_engine_config(
     check(not (speculative and async_scheduling), "async_scheduling",
           "cannot be on with speculative decoding (a step's drafts depend on the previous step's result)")
     parallel = resolve_parallel(arch, device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
-                                distributed_executor_backend, quant, speculative)
+                                distributed_executor_backend, quant, speculative, enable_expert_parallel)
+    if parallel.spans_replicas:
+        # the replicas step in lock-step, one forward each per step (a step with nothing to run
+        # joins the all_to_alls with no tokens), whose splits travel through the host
+        check(not async_scheduling, "async_scheduling",
+              "cannot be on with enable_expert_parallel and data_parallel_size > 1 (the replicas step in lock-step)")
+        async_scheduling = False
+        enforce_eager = True
     check(parallel.world_size == 1 or not (swap_bytes or offload_bytes), "swap_space / kv_offloading_size",
           f"need one rank (the multi-process executor has no host KV tiers yet), got world size {parallel.world_size}")
     # pipeline stages need each step's tokens on the host (a later stage cannot fill in a token
@@ -232,10 +240,12 @@ def _positive_int(value, name: str) -> None:
 
 
 def resolve_parallel(arch: ArchConfig, device: str, tp: int, pp: int, dp: int, backend: str | None,
-                     quant: QuantConfig | None, speculative: SpeculativeConfig | None) -> ParallelConfig:
+                     quant: QuantConfig | None, speculative: SpeculativeConfig | None,
+                     expert_parallel: bool = False) -> ParallelConfig:
     """Validated parallel sizes: tp must split the heads, the KV heads (or be a multiple of them:
     they are then replicated), the MLP and the padded vocabulary evenly; every pipeline stage
-    needs a layer; on CUDA every rank of every replica needs its own GPU."""
+    needs a layer; on CUDA every rank of every replica needs its own GPU. A MoE model's experts
+    are split by tp (features) or, with expert_parallel, over tp x dp ranks (whole experts)."""
     for value, name in ((tp, "tensor_parallel_size"), (pp, "pipeline_parallel_size"), (dp, "data_parallel_size")):
         _positive_int(value, name)
     world = tp * pp
@@ -266,12 +276,36 @@ def resolve_parallel(arch: ArchConfig, device: str, tp: int, pp: int, dp: int, b
         check(quant is None, "quantization",
               f"{quant.method if quant else ''!r} is not supported with tensor/pipeline parallelism yet "
               f"(tensor_parallel_size={tp}, pipeline_parallel_size={pp})")
-        check(arch.moe is None, "tensor_parallel_size",
-              f"x pipeline_parallel_size = {world}: mixture-of-experts models run on one rank only for now")
         check(speculative is None, "speculative_config",
               f"is not supported with tensor/pipeline parallelism yet (tensor_parallel_size={tp}, "
               f"pipeline_parallel_size={pp})")
-    return ParallelConfig(tp, pp, dp, backend)
+    _check_moe_parallel(arch, tp, pp, dp, backend, expert_parallel)
+    return ParallelConfig(tp, pp, dp, backend, enable_expert_parallel=expert_parallel)
+
+
+def _check_moe_parallel(arch: ArchConfig, tp: int, pp: int, dp: int, backend: str, expert_parallel: bool) -> None:
+    """What the MoE layouts of models/moe.py need: tp splitting each expert's (and the shared
+    expert's) features, or expert_parallel's ranks dividing the experts; one pipeline stage."""
+    moe = arch.moe
+    check(moe is not None or not expert_parallel, "enable_expert_parallel",
+          f"needs a mixture-of-experts model; {arch.architecture} has no experts")
+    if moe is None:
+        return
+    check(pp == 1, "pipeline_parallel_size", f"must be 1 for a mixture-of-experts model for now, got {pp}")
+    check(moe.shared_expert_intermediate_size % tp == 0, "tensor_parallel_size",
+          f"must divide the shared expert's intermediate size ({moe.shared_expert_intermediate_size}), got {tp}")
+    if not expert_parallel:
+        check(moe.intermediate_size % tp == 0, "tensor_parallel_size",
+              f"must divide the experts' moe_intermediate_size ({moe.intermediate_size}), got {tp} "
+              "(or use enable_expert_parallel)")
+        return
+    ranks = tp * dp
+    check(moe.num_experts % ranks == 0, "enable_expert_parallel",
+          f"needs tensor_parallel_size x data_parallel_size = {tp} x {dp} = {ranks} ranks to divide the model's "
+          f"{moe.num_experts} experts evenly (whole experts per rank)")
+    check(dp == 1 or backend == "mp", "enable_expert_parallel",
+          f"with data_parallel_size={dp} needs distributed_executor_backend='mp' (one world over the replicas' "
+          f"worker processes), got {backend!r}")
 
 
 def _resolve_batch_invariant(requested: bool, device: str, dtype: str, quantized: bool, moe: bool,

@@ -150,6 +150,7 @@ class LLMEngine:
         # MINIVLLM_STEP_HISTORY=0: record no steps (only to measure what recording costs, e.g. on W1)
         self._record_steps = os.environ.get("MINIVLLM_STEP_HISTORY", "1") != "0"
         self.profiler = EngineProfiler()  # torch-profiler traces on demand (/start_profile, --profile)
+        self.profiler.add_ranks(self.executor)  # worker processes trace themselves too
         self._spec_logged = (time.monotonic(), (0, 0, 0))  # when, and the counters then
         freeze_startup_heap()  # later full GC passes skip the model, the KV blocks, the imports
         self.startup_s = time.perf_counter() - t0

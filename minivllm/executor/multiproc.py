@@ -3,6 +3,8 @@
     engine core ── Listener (127.0.0.1, random port, random key) ◄── connect ── worker rank r
       launch: pickle ("step", SchedulerOutput, bitmask or None) once, send the same bytes to every rank
       finish: wait for the driver's ("out", RunnerOutput), watching every other rank meanwhile
+      profile: ("profile", "start" | "stop", trace path) to every rank, in order with the steps;
+               each rank traces itself and writes its file (no answer)
 
 Workers are plain `python -m minivllm.executor.worker` processes (not multiprocessing children:
 an engine core that is itself a daemonic process may start them, and nothing waits on them at
@@ -58,6 +60,7 @@ class MultiprocExecutor(DeathLatch):
         self._procs: list[subprocess.Popen] = []
         self._conns: list = []
         self._launched = self._finished = 0
+        self._expert_counts: list[list[int]] | None = None  # the driver's latest, [MoE layers][experts]
         self._finalizer = weakref.finalize(self, _stop_processes, self._procs, self._conns)
         atexit.register(self._finalizer)
         try:
@@ -80,7 +83,9 @@ class MultiprocExecutor(DeathLatch):
                                                  str(rank)], env=env, stdin=subprocess.DEVNULL))
         by_rank = self._accept(listener)
         self._conns.extend(by_rank[r] for r in range(self.world_size))
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # replicas in one world (expert parallelism across them) meet on the port their engine chose
+        port = self.config.parallel.data_parallel_master_port if self.config.parallel.spans_replicas else None
+        init_method = f"tcp://127.0.0.1:{port or free_port()}"
         cores = os.cpu_count() or 1
         threads = max(1, cores // self.world_size)  # (CPU) the ranks share the cores
         level = logging.getLogger().getEffectiveLevel()
@@ -142,12 +147,7 @@ class MultiprocExecutor(DeathLatch):
         grammar: the bitmask of the step's constrained rows (every rank applies it to the same
         gathered logits, so every rank samples the same tokens)."""
         self._raise_if_dead()
-        payload = pickle.dumps(("step", sched, grammar), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            for conn in self._conns:
-                conn.send_bytes(payload)
-        except (OSError, ValueError) as e:
-            self._fail(f"a worker's connection is closed ({e})")
+        self._send_all(("step", sched, grammar))
         self._launched += 1
         return self._launched
 
@@ -159,8 +159,67 @@ class MultiprocExecutor(DeathLatch):
     def launch_sampling(self, forward: SchedulerOutput, grammar: GrammarBitmask | None = None) -> int:
         return self.launch(forward, grammar)
 
-    def expert_token_counts(self) -> None:
-        return None  # a MoE model runs on one rank only (config_builder)
+    @property
+    def num_launched(self) -> int:
+        """Steps launched so far (with replicas in lock-step: one forward on every rank each)."""
+        return self._launched
+
+    def run_idle_step(self) -> None:
+        """A step with nothing scheduled: with replicas in lock-step (expert parallelism across
+        them) every rank still joins the MoE layers' all_to_alls (runner: model.idle_step)."""
+        self.finish(self.launch(SchedulerOutput()))
+
+    def kill_workers(self) -> None:
+        """Kill every worker process (a peer replica died: these may wait for it in a collective);
+        the step waiting on them then fails with ExecutorDeadError in its own thread."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    def expert_token_counts(self) -> tuple[int, ...] | None:
+        """A MoE model's tokens routed to each expert (summed over its layers), as the driver
+        last sent them (about once a second, with a step's output); None for a dense model."""
+        if self._expert_counts is None:
+            return None
+        return tuple(sum(col) for col in zip(*self._expert_counts))
+
+    def expert_token_counts_per_layer(self) -> list[list[int]] | None:
+        """The driver's per-layer counts [MoE layers][experts], read now (between steps: none may
+        be in flight); None for a dense model."""
+        assert self._finished == self._launched, "expert counts are read between steps"
+        self._raise_if_dead()
+        try:
+            self._conns[self.driver].send_bytes(pickle.dumps(("expert_counts",)))
+        except (OSError, ValueError) as e:
+            self._fail(f"a worker's connection is closed ({e})")
+        msg = self._recv(self.driver)
+        if msg[0] == "error":
+            self._fail(f"worker rank {self.driver} raised:\n{msg[1]}")
+        self._expert_counts = msg[1] if msg[1] is not None else self._expert_counts
+        return msg[1]
+
+    def start_rank_profiles(self) -> None:
+        """Every rank starts a torch-profiler trace before its next step (engine/profiler.py)."""
+        self._send_all(("profile", "start", None))
+
+    def stop_rank_profiles(self, paths: list[str]) -> None:
+        """Every rank stops its trace after the steps sent so far and writes it to paths[rank];
+        nothing is awaited (the files appear once written)."""
+        self._raise_if_dead()
+        for conn, path in zip(self._conns, paths):
+            self._send_to(conn, pickle.dumps(("profile", "stop", path)))
+
+    def _send_all(self, msg) -> None:
+        self._raise_if_dead()
+        payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self._conns:
+            self._send_to(conn, payload)
+
+    def _send_to(self, conn, payload: bytes) -> None:
+        try:
+            conn.send_bytes(payload)
+        except (OSError, ValueError) as e:
+            self._fail(f"a worker's connection is closed ({e})")
 
     def finish(self, handle: int) -> RunnerOutput:
         """The driver's output of step `handle` (steps finish in launch order)."""
@@ -170,6 +229,8 @@ class MultiprocExecutor(DeathLatch):
         if msg[0] == "error":
             self._fail(f"worker rank {self.driver} raised:\n{msg[1]}")
         self._finished = handle
+        if msg[1].expert_token_counts is not None:
+            self._expert_counts = msg[1].expert_token_counts
         return msg[1]
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

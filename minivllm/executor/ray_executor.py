@@ -61,6 +61,9 @@ class RankActor:
     def step(self, sched: SchedulerOutput, grammar: GrammarBitmask | None) -> RunnerOutput | None:
         return self.worker.finish(self.worker.launch(sched, grammar))
 
+    def profile(self, action: str, path: str | None) -> None:
+        self.worker.profile(action, path)
+
     def ping(self) -> bool:
         return True
 
@@ -140,13 +143,37 @@ class RayExecutor(DeathLatch):
 
     def finish(self, handle: int) -> RunnerOutput:
         self._raise_if_dead()
-        return self._get(self._steps.pop(handle))[self.driver]
+        out = self._get(self._steps.pop(handle))[self.driver]
+        if out.expert_token_counts is not None:
+            self._expert_counts = out.expert_token_counts
+        return out
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.finish(self.launch(sched))
 
-    def expert_token_counts(self) -> None:
-        return None  # a MoE model runs on one rank only (config_builder)
+    _expert_counts: list[list[int]] | None = None  # the driver's latest, [MoE layers][experts]
+
+    def expert_token_counts(self) -> tuple[int, ...] | None:
+        """As MultiprocExecutor's: the driver's counts as last sent with a step's output."""
+        if self._expert_counts is None:
+            return None
+        return tuple(sum(col) for col in zip(*self._expert_counts))
+
+    def expert_token_counts_per_layer(self) -> list[list[int]] | None:
+        return self._expert_counts  # as last sent (up to about a second old)
+
+    def start_rank_profiles(self) -> None:
+        """Every rank starts a torch-profiler trace (an actor runs its calls in order: after the
+        steps already sent)."""
+        self._raise_if_dead()
+        for a in self._actors:
+            a.profile.remote("start", None)
+
+    def stop_rank_profiles(self, paths: list[str]) -> None:
+        """Every rank writes its trace to paths[rank] on its own node (not awaited)."""
+        self._raise_if_dead()
+        for a, path in zip(self._actors, paths):
+            a.profile.remote("stop", path)
 
     def _get(self, refs, timeout_s: float = STARTUP_TIMEOUT_S):
         """ray.get, waiting POLL_S at a time; a dead or failed rank fails the executor."""

@@ -43,6 +43,10 @@ class UniProcExecutor:
         second ago; None for a dense model."""
         return self.runner.expert_counts.latest
 
+    def expert_token_counts_per_layer(self) -> list[list[int]] | None:
+        """[MoE layers][experts] read now (waits for queued device work); None for a dense model."""
+        return self.runner.expert_counts.per_layer()
+
     def shutdown(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()

@@ -61,14 +61,15 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] -> [T, H].
 
     Grouped by expert like the kernel (each expert's weights used once, on all its rows); the
-    expert outputs in x's dtype, their weighted sum over k in fp32, then x's dtype."""
+    expert outputs in x's dtype, their weighted sum over k in fp32, then x's dtype. An id of -1
+    (an expert another rank holds) contributes nothing."""
     t, k = topk_ids.shape
     inter = w2.shape[2]
     flat = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    rows = x.new_empty(t * k, x.shape[1])
-    start = 0
+    order = torch.argsort(flat, stable=True)  # the -1 entries first: skipped, their rows stay zero
+    start = int((flat < 0).sum())
+    counts = torch.bincount(flat[order[start:]], minlength=w13.shape[0]).tolist()
+    rows = x.new_zeros(t * k, x.shape[1]) if start else x.new_empty(t * k, x.shape[1])
     for e, c in enumerate(counts):
         if c == 0:
             continue
@@ -96,11 +97,13 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, stats: torch.Tensor | None = None,
-              token_valid: torch.Tensor | None = None) -> torch.Tensor:
+              token_valid: torch.Tensor | None = None, local_only: bool = False) -> torch.Tensor:
     """The experts' output [T, H] (see the module docstring). stats: int64 [E] counters that get
-    each expert's number of (valid) tokens this call; token_valid: bool [T] (None: all)."""
+    each expert's number of (valid) tokens this call; token_valid: bool [T] (None: all).
+    local_only: some ids are -1 (experts of another expert-parallel rank): they add nothing."""
     if _on_triton(x, w13, w2, topk_ids):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, stats=stats, token_valid=token_valid)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, stats=stats, token_valid=token_valid,
+                                local_only=local_only)
     if stats is not None:
         count_expert_tokens(stats, topk_ids, token_valid)
     return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
@@ -136,9 +139,11 @@ def _device_name(device: torch.device) -> str:
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, config: dict | None = None, stats: torch.Tensor | None = None,
-                     token_valid: torch.Tensor | None = None) -> torch.Tensor:
+                     token_valid: torch.Tensor | None = None, local_only: bool = False) -> torch.Tensor:
     """The Triton path (any device: the interpreter tests call it on CPU tensors). config: the
-    tile configuration (default: fused_moe_config.pick_config for this GPU and step size)."""
+    tile configuration (default: fused_moe_config.pick_config for this GPU and step size).
+    local_only: ids of -1 match no expert in moe_align (its one-hot has no column -1), so their
+    entries are never computed; their output rows start at zero instead of uninitialised."""
     t, k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -156,7 +161,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     hmid = x.new_empty(t * k, inter)
     _grouped_gemm(x, w13, hmid, weights, sorted_ids, block_expert, num_padded, num_blocks, t * k, inter, hidden,
                   a_row_div=k, silu_mul=True, mul_weight=False, block_m=block_m, tile=config["up"])
-    out = x.new_empty(t * k, hidden)
+    out = x.new_zeros(t * k, hidden) if local_only else x.new_empty(t * k, hidden)
     _grouped_gemm(hmid, w2, out, weights, sorted_ids, block_expert, num_padded, num_blocks, t * k, hidden, inter,
                   a_row_div=1, silu_mul=False, mul_weight=True, block_m=block_m, tile=config["down"])
     return out.view(t, k, hidden).sum(dim=1) if k > 1 else out

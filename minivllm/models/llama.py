@@ -6,8 +6,9 @@ sparse MoE block, models/moe.py).
 Under tensor/pipeline parallelism (distributed/) the same classes hold one rank's part: its
 heads, MLP features and vocabulary rows (distributed/sharding.py's ShardPlan), and only its
 pipeline stage's layers (`layers` holds layer_start .. layer_end - 1; the first stage alone has
-the embedding, the last alone the final norm and the LM head). MoE layers are not sharded
-(config_builder refuses a MoE model with more than one rank)."""
+the embedding, the last alone the final norm and the LM head). A MoE layer is split over the
+TP ranks by features or, with expert parallelism, by whole experts (models/moe.py's layouts;
+pipeline parallelism of MoE models is refused by config_builder)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from minivllm.distributed.layers import ParallelLMHead, VocabParallelEmbedding
 from minivllm.distributed.parallel_state import ParallelGroups
 from minivllm.distributed.sharding import RankInfo, ShardPlan
 from minivllm.models.arch import ArchConfig
-from minivllm.models.expert_parallel import ExpertComm, ExpertPlacement
+from minivllm.models.expert_parallel import ExpertComm, ExpertPlacement, TorchDistComm
 from minivllm.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from minivllm.models.moe import SparseMoeBlock
 from minivllm.quant.config import QuantConfig
@@ -50,7 +51,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(index)
         # a sparse layer's routed experts stay unquantized (only its shared expert follows `quant`)
-        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, placement, comm, quant, f"{prefix}.mlp") if self.is_moe
+        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, placement, comm, quant, f"{prefix}.mlp", tp,
+                                   plan.moe_intermediate_size, plan.shared_expert_intermediate_size) if self.is_moe
                     else MLP(cfg.hidden_size, plan.intermediate_size, quant, f"{prefix}.mlp", tp))
 
     def forward(self, positions, hidden, residual, meta, token_valid: torch.Tensor | None = None):
@@ -75,7 +77,13 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rank = parallel.rank if parallel is not None else RankInfo()
-        self.plan = ShardPlan.build(cfg, self.rank)
+        ep = parallel.ep if parallel is not None and cfg.moe is not None else None
+        if ep is not None:  # expert parallelism: this rank's whole experts (models/moe.py)
+            placement = ExpertPlacement(cfg.moe.num_experts, ep.size, ep.rank)
+            comm = TorchDistComm() if ep.all_to_all else None  # all_to_all over the whole world
+        # a replica with nothing to run still joins every MoE layer's all_to_all (idle_step)
+        self.needs_idle_steps = ep is not None and ep.all_to_all
+        self.plan = ShardPlan.build(cfg, self.rank, expert_parallel=ep is not None)
         tp = parallel.tp if parallel is not None and parallel.tp.size > 1 else None
         self.tp = tp
         self.layer_start = self.plan.layer_start
@@ -134,6 +142,12 @@ class CausalLM(nn.Module):
         if not self.moe_blocks:
             return None
         return torch.stack([b.token_counts for b in self.moe_blocks])
+
+    def idle_step(self) -> None:
+        """Expert parallelism across replicas, a step with no tokens here: every MoE layer's
+        all_to_alls, in layer order, so the other replicas' collectives match."""
+        for block in self.moe_blocks:
+            block.experts.idle_step()
 
     def reset_expert_token_counts(self) -> None:
         for b in self.moe_blocks:

@@ -76,7 +76,7 @@ def _shard_bounds(model: CausalLM, fused: str, shard: int, target: str) -> tuple
         q, kv = plan.num_heads * cfg.head_dim, plan.num_kv_heads * cfg.head_dim
         return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
     shared = ".shared_expert." in target and cfg.moe is not None
-    inter = cfg.moe.shared_expert_intermediate_size if shared else plan.intermediate_size
+    inter = plan.shared_expert_intermediate_size if shared else plan.intermediate_size
     return [(0, inter), (inter, 2 * inter)][shard]
 
 
@@ -99,10 +99,10 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor | Ch
         name = _local_name(model, params, hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp."))
         if name is None:  # (Mixtral's MoE block is named block_sparse_moe)
             continue
-        tensor = _read_shard(model, name, source)
-        if is_expert_tensor(name):
-            written.update(load_expert_tensor(modules, name, tensor, hf_name))
+        if is_expert_tensor(name):  # read there: only this rank's experts, only its slice of each
+            written.update(load_expert_tensor(modules, name, source, hf_name))
             continue
+        tensor = _read_shard(model, name, source)
         if _load_kv_scale(model, name, tensor):
             continue
         parts = name.split(".")
@@ -149,6 +149,8 @@ def _read_shard(model: CausalLM, name: str, source) -> torch.Tensor:
     kind = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) >= 2 else parts[0]
     if kind == "linear":  # lm_head.linear.weight
         kind = "lm_head"
+    if ".shared_expert." in name and kind in ("gate_proj", "up_proj", "down_proj"):
+        kind = "shared_" + kind  # a MoE layer's shared expert: its own width
     cut = model.plan.checkpoint_slice(kind, model.rank, model.cfg.head_dim)
     if cut is None or (parts[-1] == "bias" and cut[0] != 0):
         return source if isinstance(source, torch.Tensor) else source.read()

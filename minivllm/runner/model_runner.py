@@ -118,6 +118,7 @@ class ModelRunner:
         self._calibrate_kv_pending = config.cache.calculate_kv_scales
         self.timings: dict[str, float] = {}
         self.expert_counts: ExpertCountsReader | None = None  # MoE models' per-expert token counters
+        self._counts_sent = 0  # the expert_counts.version last attached to a RunnerOutput
         self.lora = None  # lora.manager.LoRAManager with enable_lora
         self.kv_transfer = None  # kv_transfer.BlockTransferEngine: swap space and offload tier
         # several engines on one GPU: what was in use before this one loaded (memory.py)
@@ -394,6 +395,8 @@ class ModelRunner:
             self.kv_transfer.execute(sched.kv_transfers)
             self.kv_transfer.wait()
         if sched.is_empty:
+            if getattr(self.model, "needs_idle_steps", False):  # replicas in lock-step: join the all_to_alls
+                self.model.idle_step()
             return ForwardStep(None, [])
         block_ids = {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled}
         inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
@@ -565,6 +568,9 @@ class ModelRunner:
         self.expert_counts.poll()
         out = self._finish_sampling(step)
         out.prompt_logprobs, out.pooled = step.prompt_logprobs, step.pooled
+        if self.expert_counts.version != self._counts_sent:  # new counts: they travel with this output
+            self._counts_sent = self.expert_counts.version
+            out.expert_token_counts = self.expert_counts.latest_per_layer
         return out
 
     def _finish_sampling(self, step: LaunchedStep) -> RunnerOutput:

@@ -110,8 +110,38 @@ def test_placement_divides_experts():
         ExpertPlacement(6, size=4, rank=0)
     with pytest.raises(ValueError, match="rank 2 of size 2"):
         ExpertPlacement(8, size=2, rank=2)
-    with pytest.raises(ValueError, match="needs a communicator"):
-        FusedMoE(16, 8, ExpertPlacement(8, size=2, rank=0))
+
+
+def test_replicated_token_ranks_sum_to_all_experts():
+    """Expert parallelism over TP ranks (no communicator): each rank computes its own experts'
+    share of the same tokens (ids of other ranks' experts are -1 locally); the shares sum (the
+    TP all-reduce) to the output of one layer holding every expert. Counters see global ids."""
+    x, w13, w2, weights, ids = _case(t=12, e=8, k=3)
+    total = torch.zeros_like(x)
+    for rank in range(2):
+        part = FusedMoE(16, 12, ExpertPlacement(8, size=2, rank=rank))
+        with torch.no_grad():
+            part.w13.copy_(w13[rank * 4:(rank + 1) * 4])
+            part.w2.copy_(w2[rank * 4:(rank + 1) * 4])
+            stats = torch.zeros(8, dtype=torch.int64)
+            total += part(x, weights, ids, stats=stats)
+        assert stats.tolist() == torch.bincount(ids.reshape(-1).long(), minlength=8).tolist()
+        local = part.local_ids(ids)
+        assert ((local >= 0) == ((ids >= rank * 4) & (ids < rank * 4 + 4))).all()
+    torch.testing.assert_close(total, fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_feature_slices_sum_to_the_whole():
+    """Every expert split by intermediate features (w13 gate/up rows, w2 columns): the slices'
+    outputs sum to the whole expert's."""
+    x, w13, w2, weights, ids = _case(t=12, e=8, k=3)
+    inter = w2.shape[2]
+    half = inter // 2
+    total = torch.zeros_like(x)
+    for r in range(2):
+        rows = torch.cat([w13[:, r * half:(r + 1) * half], w13[:, inter + r * half:inter + (r + 1) * half]], dim=1)
+        total += fused_moe_reference(x, rows, w2[:, :, r * half:(r + 1) * half], weights, ids)
+    torch.testing.assert_close(total, fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_single_rank_dispatch_equals_fused():

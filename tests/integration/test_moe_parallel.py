@@ -1,0 +1,134 @@
+"""Mixture-of-experts models under tensor and expert parallelism (mp executor, gloo, fp32 on the
+CPU): greedy tokens equal the single-rank engine's token for token.
+
+    tp=2                every rank holds every expert, half of its features (all-reduce)
+    tp=2 + EP           each rank holds half the experts, whole (all-reduce, no all_to_all)
+    dp=2 + EP           one world over both replicas, tokens sent to their experts' rank and
+                        back (all_to_all); a replica with nothing scheduled joins with none
+The tiny random models of tiny_moe.py: Qwen3-MoE (8 experts, q/k-norm, a dense layer), Mixtral
+(4 experts, w1/w2/w3 names) and Qwen2-MoE (a shared expert, split like a dense MLP)."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_moe import PROMPTS, build
+
+from minivllm import LLM, SamplingParams
+from minivllm.server.testing import pid_gone
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _llm(path: str, **kw) -> LLM:
+    return LLM(model=path, device="cpu", dtype="float32", skip_tokenizer_init=True, **kw)
+
+
+def _generate(llm: LLM, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    """kind -> (HF directory, the single-rank engine's greedy tokens)."""
+    made: dict[str, tuple[str, list[list[int]]]] = {}
+
+    def get(kind: str) -> tuple[str, list[list[int]]]:
+        if kind not in made:
+            path = str(tmp_path_factory.mktemp(kind))
+            build(kind, path)
+            llm = _llm(path)
+            made[kind] = (path, _generate(llm))
+            llm.llm_engine.shutdown()
+        return made[kind]
+    return get
+
+
+def _run_parallel(path: str, **kw) -> tuple[list[list[int]], LLM]:
+    llm = _llm(path, distributed_executor_backend="mp", **kw)
+    try:
+        tokens = _generate(llm)
+        _check_expert_counts(llm, llm.llm_engine.executor, [MAX_NEW] * len(PROMPTS))
+        return tokens, llm
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _check_expert_counts(llm: LLM, source, max_tokens: list[int]) -> None:
+    """Every token fed through each sparse layer is counted once per selected expert, whatever
+    the ranks (TP ranks all count: only the driver's are read; replicas' are summed); /metrics'
+    totals (get_stats) are the per-layer counts summed."""
+    moe = llm.llm_engine.config.model.arch.moe
+    per_layer = source.expert_token_counts_per_layer()
+    fed = sum(len(p) for p in PROMPTS) + sum(n - 1 for n in max_tokens)  # a request's last token is never fed
+    assert per_layer and all(len(r) == moe.num_experts and sum(r) == fed * moe.top_k for r in per_layer), per_layer
+    assert list(llm.llm_engine.get_stats().expert_token_counts) == [sum(c) for c in zip(*per_layer)]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_tensor_parallel_equals_one_rank(moe_model, kind):
+    path, reference = moe_model(kind)
+    got, llm = _run_parallel(path, tensor_parallel_size=2)
+    assert got == reference
+    assert all(pid_gone(pid) for pid in llm.llm_engine.executor.worker_pids)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_tensor_parallel_with_expert_parallel_equals_one_rank(moe_model, kind):
+    path, reference = moe_model(kind)
+    got, llm = _run_parallel(path, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert got == reference
+
+
+# requests 0 and 2 go to replica 0, 1 and 3 to replica 1 (least loaded, ties to the first): replica
+# 1's are short, so it runs out of work and joins replica 0's steps with idle forwards
+UNEVEN = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (MAX_NEW, 2, MAX_NEW + 6, 3)]
+
+
+def _uneven(llm: LLM) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], UNEVEN, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("kind, tp", [("qwen3_moe", 1), ("qwen2_moe", 2)])
+def test_data_parallel_with_expert_parallel_equals_one_replica(moe_model, kind, tp):
+    """dp=2 + EP: every rank of both replicas in one world (2 or 4 ranks), tokens dispatched
+    to their experts' ranks by all_to_all; one replica idle in the last steps."""
+    path, _ = moe_model(kind)
+    single = _llm(path)
+    reference = _uneven(single)
+    single.llm_engine.shutdown()
+    llm = _llm(path, data_parallel_size=2, tensor_parallel_size=tp, enable_expert_parallel=True)
+    engine = llm.llm_engine
+    try:
+        got = _uneven(llm)
+        assert [len(e.unfinished_request_ids()) for e in engine.replicas] == [0, 0]
+        assert all(e.get_stats().generation_tokens > 0 for e in engine.replicas)  # both served requests
+        assert engine.num_idle_steps > 0
+        _check_expert_counts(llm, engine, [p.max_tokens for p in UNEVEN])
+    finally:
+        engine.shutdown()
+    assert got == reference
+    assert all(pid_gone(pid) for e in engine.replicas for pid in e.executor.worker_pids)
+
+
+def test_expert_parallel_ranks_must_divide_the_experts(moe_model):
+    path, _ = moe_model("mixtral")  # 4 experts
+    with pytest.raises(ValueError, match=r"enable_expert_parallel needs tensor_parallel_size x data_parallel_size "
+                                         r"= 1 x 3 = 3 ranks to divide the model's 4 experts"):
+        _llm(path, data_parallel_size=3, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="enable_expert_parallel with data_parallel_size=2 needs "
+                                         "distributed_executor_backend='mp'"):
+        _llm(path, data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="ray")
+
+
+def test_moe_pipeline_parallel_is_refused(moe_model):
+    path, _ = moe_model("mixtral")
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be 1 for a mixture-of-experts model"):
+        _llm(path, pipeline_parallel_size=2)
+
+
+def test_expert_parallel_needs_a_moe_model(tiny_llama):
+    with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model"):
+        _llm(tiny_llama(), tensor_parallel_size=2, enable_expert_parallel=True)
