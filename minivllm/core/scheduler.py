@@ -145,6 +145,7 @@ class Scheduler:
         self.kv_jobs = KVJobs()  # for the connector, taken by the engine before each step
         self.sending: dict[str, Request] = {}  # finished producer requests holding blocks for a pull
         self.pulling: dict[str, Request] = {}  # consumer requests whose prompt K/V is being pulled
+        self._pull_sizes: dict[str, int] = {}  # their pulls' block counts
         self.num_kv_pulled_blocks = 0
         self.num_kv_pull_failures = 0  # pulls given up: the prompt was recomputed here
 
@@ -198,6 +199,7 @@ class Scheduler:
             # its blocks are freed now: the connector must never write the pulled K/V into them
             # (the cancel reaches it before its next poll, which is where pulls are applied)
             self.pulling.pop(req.request_id, None)
+            self._pull_sizes.pop(req.request_id, None)
             self.kv_jobs.cancels.append(req.request_id)
         elif req.parked:
             req.parked = False
@@ -259,11 +261,12 @@ class Scheduler:
             if req is not None:
                 self.block_manager.free(req)
         for req_id, ok in pulled.items():
-            req = self.pulling.pop(req_id, None)
+            req, size = self.pulling.pop(req_id, None), self._pull_sizes.pop(req_id, 0)
             if req is None:
                 continue  # aborted meanwhile (its blocks are already free)
             req.status = RequestStatus.WAITING
             if ok:
+                self.num_kv_pulled_blocks += size
                 req.num_computed_tokens = req.num_prompt_tokens - 1
                 req.remote_kv_loaded = True
                 self.block_manager.register_computed_blocks(req)
@@ -318,7 +321,7 @@ class Scheduler:
         local = self.block_manager.block_ids(req.request_id)[first:last]
         remote = list(req.remote_prefill.block_ids[first:last])
         self.kv_jobs.pulls.append(KVPull(req.request_id, req.remote_prefill, local, remote))
-        self.num_kv_pulled_blocks += len(local)
+        self._pull_sizes[req.request_id] = len(local)
         return True
 
     def _resume_pulled(self, req: Request, out: SchedulerOutput, budget: int) -> int:

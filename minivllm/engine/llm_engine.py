@@ -41,8 +41,8 @@ from minivllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-SPEC_LOG_INTERVAL_S = 10.0
-KV_IDLE_WAIT_S = 0.005  # an engine waiting only for KV transfers polls its connector this often  # how often the acceptance of speculative decoding is logged
+SPEC_LOG_INTERVAL_S = 10.0  # how often the acceptance of speculative decoding is logged
+KV_IDLE_WAIT_S = 0.005  # an engine waiting only for KV transfers polls its connector this often
 
 
 @dataclass

@@ -144,3 +144,13 @@ def test_kv_transfer_params_errors_name_the_field():
     with pytest.raises(ValueError, match="cannot both be true"):
         parse({"do_remote_prefill": True, "do_remote_decode": True})
     assert parse({"do_remote_decode": True}) == (True, None) and parse(None) == (False, None)
+
+
+def test_pulled_blocks_count_only_pulls_that_succeeded():
+    sched = make_sched(block_size=BS, num_blocks=16)
+    _consumer(sched, rid="ok")
+    _consumer(sched, rid="bad")
+    sched.schedule()
+    assert sched.num_kv_pulled_blocks == 0  # started, not arrived
+    sched.finish_kv_transfers([], {"ok": True, "bad": False})
+    assert sched.num_kv_pulled_blocks == 3 and sched.num_kv_pull_failures == 1
