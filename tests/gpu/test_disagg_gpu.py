@@ -81,11 +81,10 @@ def test_prefill_and_decode_instances_give_a_single_instances_greedy_outputs():
               "--no-dashboard", "--uvicorn-log-level", "warning"]
     procs, urls = [], {}
     try:
-        for name, util, role in (("single", "0.15", None), ("prefill", "0.3", "kv_producer"),
-                                 ("decode", "0.45", "kv_consumer")):
+        for name, role in (("single", None), ("prefill", "kv_producer"), ("decode", "kv_consumer")):
             port = free_port()
             urls[name] = f"http://127.0.0.1:{port}"
-            cmd = common + ["--port", str(port), "--gpu-memory-utilization", util]
+            cmd = common + ["--port", str(port), "--kv-cache-memory-bytes", str(1 << 30)]  # three on one GPU
             if role:
                 cmd += ["--kv-transfer-config", json.dumps({"kv_role": role})]
             procs.append(spawn_server(cmd, urls[name]))
