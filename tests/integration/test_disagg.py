@@ -186,6 +186,32 @@ def test_a_router_pointed_at_the_wrong_role_exits_at_startup(pd):
         assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)
 
 
+def test_offline_llm_with_both_roles_hands_a_prompt_to_itself(expected):
+    """LLM(kv_transfer_config=...): one engine as producer and consumer (no prefix caching, so the
+    whole prompt is pulled over the socket); the result is the single instance's, no block leaks."""
+    from minivllm import LLM
+    llm = LLM(dtype="float32", device="cpu", max_model_len=2048, kv_cache_memory_bytes=128 << 20,
+              enable_prefix_caching=False, kv_transfer_config={"kv_role": "kv_both"})
+    engine = llm.llm_engine
+    free = engine.block_manager.num_free_blocks
+    prefill = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    params = llm.generate([PROMPTS[2]], prefill, use_tqdm=False)[0].kv_transfer_params
+    assert params is not None and engine.block_manager.num_free_blocks < free  # held for the pull
+    decode = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, extra_args={"kv_transfer_params": params})
+    out = llm.generate([PROMPTS[2]], decode, use_tqdm=False)[0]
+    assert out.outputs[0].text == expected[PROMPTS[2]]
+    stats = engine.get_stats()
+    # the K/V of every prompt token but the last, which the consumer computes itself
+    assert stats.kv_pulled_blocks == -(-(params["num_tokens"] - 1) // params["block_size"])
+    assert stats.kv_pull_failures == 0
+    for _ in range(100):  # the engine frees the producer's blocks at its next steps
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert engine.block_manager.num_free_blocks == free
+    engine.shutdown()
+
+
 def test_killing_the_prefill_instance_mid_request_gives_an_error_not_a_hang(pd, expected):
     """(Last: it kills the module's prefill instance.) Long prompts keep the prefill instance
     busy; it is killed once it holds requests. Every client gets an answer: an error (502 with
