@@ -31,9 +31,6 @@ from minivllm.core.beam import BeamGroup
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.interfaces import (
     PLACEHOLDER_TOKEN,
-    KVJobs,
-    KVPull,
-    KVSend,
     KVTransfers,
     NewRequestData,
     RunnerOutput,
@@ -42,6 +39,7 @@ from minivllm.core.interfaces import (
     TokenLogprobs,
 )
 from minivllm.core.queues import RequestQueue, make_request_queue
+from minivllm.core.remote_kv import RemoteKVScheduling
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.swap_space import SwapSpace
 
@@ -119,7 +117,7 @@ class RequestUpdate:
     pooled: list[float] | None = None  # an embedding request's vector (it is then finished)
 
 
-class Scheduler:
+class Scheduler(RemoteKVScheduling):
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, swap: SwapSpace | None = None) -> None:
         self.limits = limits
         self.block_manager = block_manager
@@ -139,15 +137,7 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats()
         # prompt + max_tokens of every unfinished request: what the engine may still have to hold
         self.tokens_in_flight = 0
-        # disaggregated prefill/decode (kv_transfer/): this producer's (engine id, host, port),
-        # set by the engine once its connector listens (None: not a producer)
-        self.kv_address: tuple[str, str, int] | None = None
-        self.kv_jobs = KVJobs()  # for the connector, taken by the engine before each step
-        self.sending: dict[str, Request] = {}  # finished producer requests holding blocks for a pull
-        self.pulling: dict[str, Request] = {}  # consumer requests whose prompt K/V is being pulled
-        self._pull_sizes: dict[str, int] = {}  # their pulls' block counts
-        self.num_kv_pulled_blocks = 0
-        self.num_kv_pull_failures = 0  # pulls given up: the prompt was recomputed here
+        self._init_remote_kv()  # disaggregated prefill/decode (core/remote_kv.py)
 
     # ---- requests in and out --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -196,11 +186,7 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            # its blocks are freed now: the connector must never write the pulled K/V into them
-            # (the cancel reaches it before its next poll, which is where pulls are applied)
-            self.pulling.pop(req.request_id, None)
-            self._pull_sizes.pop(req.request_id, None)
-            self.kv_jobs.cancels.append(req.request_id)
+            self._cancel_pull(req)  # (its blocks are freed by _release: the pull never lands in them)
         elif req.parked:
             req.parked = False
         else:
@@ -225,120 +211,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    # ---- disaggregated prefill/decode -----------------------------------------------------
-    def _hold_for_remote_decode(self, req: Request) -> bool:
-        """A producer's request that finished normally keeps its blocks (pinned: not freed, so
-        never evicted or rewritten) until the connector says a consumer pulled them or the send
-        timed out; its output says where they are."""
-        if not req.remote_decode or self.kv_address is None or req.status not in (
-                RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
-            return False
-        from minivllm.kv_transfer.params import producer_answer
-        block_ids = self.block_manager.block_ids(req.request_id)
-        engine_id, host, port = self.kv_address
-        req.kv_transfer_params_out = producer_answer(engine_id, req.request_id, block_ids, host, port,
-                                                     req.prompt_token_ids, self.block_manager.block_size)
-        self.sending[req.request_id] = req
-        self.kv_jobs.sends.append(KVSend(req.request_id, block_ids))
-        return True
-
-    def take_kv_jobs(self) -> KVJobs:
-        jobs, self.kv_jobs = self.kv_jobs, KVJobs()
-        return jobs
-
-    def has_kv_transfers(self) -> bool:
-        """Blocks held for a consumer, or requests waiting for their pulls (the engine keeps
-        stepping, to hear when they are done)."""
-        return bool(self.sending or self.pulling)
-
-    def finish_kv_transfers(self, sent: Iterable[str], pulled: dict[str, bool]) -> None:
-        """The connector's news: producer requests whose blocks were pulled (or whose send timed
-        out) free them; pulled consumer requests (True) count the prompt but its last token as
-        computed and queue first in line, failed pulls (False) are recomputed here."""
-        for req_id in sent:
-            req = self.sending.pop(req_id, None)
-            if req is not None:
-                self.block_manager.free(req)
-        for req_id, ok in pulled.items():
-            req, size = self.pulling.pop(req_id, None), self._pull_sizes.pop(req_id, 0)
-            if req is None:
-                continue  # aborted meanwhile (its blocks are already free)
-            req.status = RequestStatus.WAITING
-            if ok:
-                self.num_kv_pulled_blocks += size
-                req.num_computed_tokens = req.num_prompt_tokens - 1
-                req.remote_kv_loaded = True
-                self.block_manager.register_computed_blocks(req)
-            else:
-                self.block_manager.free(req)
-                req.num_computed_tokens = 0
-                req.remote_prefill = None
-                self.num_kv_pull_failures += 1
-            self.waiting.push_front(req)
-
-    def _pull_check(self, req: Request) -> str | None:
-        """Why this request cannot take the producer's K/V (None: it can)."""
-        remote, bs = req.remote_prefill, self.block_manager.block_size
-        if req.max_cached_prefix is not None:
-            return "its prompt logprobs need every prompt position computed here"
-        if remote.block_size != bs:
-            return f"block size {remote.block_size} != this engine's {bs}"
-        if remote.num_tokens != req.num_prompt_tokens or req.num_output_tokens:
-            return f"the producer computed {remote.num_tokens} tokens, this prompt has {req.num_prompt_tokens}"
-        from minivllm.kv_transfer.params import prompt_hash
-        if remote.prompt_hash != prompt_hash(req.prompt_token_ids):
-            return "the producer computed another prompt"
-        if len(remote.block_ids) < self.block_manager.blocks_needed(req.num_prompt_tokens - 1):
-            return f"{len(remote.block_ids)} remote blocks do not hold {req.num_prompt_tokens - 1} tokens"
-        return None
-
-    def _start_pull(self, req: Request) -> bool:
-        """Blocks for the prompt but its last token (after the local prefix-cache hit), and a pull
-        of the producer's blocks for the rest into them; the request waits (others run). False:
-        no room now. A request that cannot take the producer's K/V is computed here instead."""
-        why = self._pull_check(req)
-        if why is not None:
-            import logging
-            logging.getLogger(__name__).warning("request %s: recomputing its prompt, the remote K/V cannot be "
-                                                "used: %s", req.request_id, why)
-            self.kv_jobs.pulls.append(KVPull(req.request_id, req.remote_prefill, [], []))  # releases them
-            req.remote_prefill = None
-            self.num_kv_pull_failures += 1
-            return True
-        cached = self.block_manager.find_cached_prefix(req)
-        num_cached = len(cached) * self.block_manager.block_size
-        if self.block_manager.allocate(req, req.num_prompt_tokens - 1 - num_cached, cached) is None:
-            return False
-        self.waiting.pop()
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_cached
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.time()
-        self.pulling[req.request_id] = req
-        first, last = len(cached), self.block_manager.blocks_needed(req.num_prompt_tokens - 1)
-        local = self.block_manager.block_ids(req.request_id)[first:last]
-        remote = list(req.remote_prefill.block_ids[first:last])
-        self.kv_jobs.pulls.append(KVPull(req.request_id, req.remote_prefill, local, remote))
-        self._pull_sizes[req.request_id] = len(local)
-        return True
-
-    def _resume_pulled(self, req: Request, out: SchedulerOutput, budget: int) -> int:
-        """A request whose prompt K/V arrived: its last prompt token is computed here, which
-        samples the first output token. Returns the tokens scheduled (0: no room)."""
-        n = req.num_tokens - req.num_computed_tokens
-        if n > budget or n > self._prefill_left:
-            return 0
-        if self.block_manager.allocate(req, n) is None:
-            return 0
-        self.waiting.pop()
-        req.remote_kv_loaded = False
-        req.remote_prefill = None
-        self._admit(req, req.num_computed_tokens, out)
-        # the runner meets the request now: its whole block table goes with this first step
-        self._add_scheduled(out, req, n, self.block_manager.block_ids(req.request_id))
-        return n
 
     @property
     def num_running(self) -> int:
