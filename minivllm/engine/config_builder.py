@@ -185,6 +185,9 @@ def build_engine_config(
     batch_invariant = _resolve_batch_invariant(batch_invariant, device, dtype, quant is not None, arch.moe is not None,
                                                kv_cache_dtype, speculative is not None)
     kv_transfer = _kv_transfer_config(kv_transfer_config, device, parallel, speculative)
+    # pulled fp8 blocks mean what the producer's scales say: both must have the checkpoint's
+    check(kv_transfer is None or not cache.calculate_kv_scales, "calculate_kv_scales",
+          "cannot be combined with kv_transfer_config (each instance would scale its fp8 KV differently)")
     return EngineConfig(model_cfg, cache, sched, parallel, device, eager, attention_backend, async_scheduling,
                         speculative,
                         lora=_lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, speculative, arch,

@@ -178,3 +178,10 @@ def test_release_all_releases_what_is_not_being_read():
         assert sorted(sent) == ["r1", "r2"] and producer.server.num_held == 0
     finally:
         producer.shutdown()
+
+
+def test_fp8_kv_scales_computed_per_instance_are_refused():
+    from minivllm.engine.config_builder import build_engine_config
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        build_engine_config(device="cpu", kv_cache_dtype="fp8", calculate_kv_scales=True,
+                            kv_transfer_config={"kv_role": "kv_consumer"})
