@@ -13,8 +13,8 @@
 # Output in $OUT (default /tmp/disagg): disagg_<mode>.json (bench serve's result) and per-server
 # logs; stdout ends with one JSON line per mode and a summary table.
 # Plumbing check on a CPU (tiny model, a few requests, about 2 minutes):
-#   DEVICE=cpu MODEL_CONFIG=minivllm/bench/configs/tiny-llama/config.json NUM_GPUS=2 NUM_REQUESTS=4 RATE=4 \
-#     INPUT_LEN="20 60" OUTPUT_LEN="4 12" scripts/gpu_disagg.sh
+#   PATH=<venv>/bin:$PATH DEVICE=cpu MODEL_CONFIG=minivllm/bench/configs/tiny-llama/config.json NUM_GPUS=2 \
+#     NUM_REQUESTS=4 RATE=4 INPUT_LEN="20 60" OUTPUT_LEN="4 12" VOCAB_SIZE=1000 scripts/gpu_disagg.sh
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/vllm-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -24,6 +24,7 @@ RATE=${RATE:-16}
 DEVICE=${DEVICE:-cuda}
 INPUT_LEN=${INPUT_LEN:-"100 1024"}
 OUTPUT_LEN=${OUTPUT_LEN:-"100 1024"}
+VOCAB_SIZE=${VOCAB_SIZE:-10000}  # prompt token ids are drawn below this (W3: 10,000)
 P_UTIL=${P_UTIL:-0.42}
 D_UTIL=${D_UTIL:-0.88}
 BASE_PORT=${BASE_PORT:-8100}
@@ -54,7 +55,7 @@ wait_up() {  # URL PID LOG
 serve() {  # NAME PORT CUDA_VISIBLE_DEVICES UTIL [ROLE]
   local kv=() log="$OUTDIR/server_$1.log"
   [ -n "${5:-}" ] && kv=(--kv-transfer-config "{\"kv_role\": \"$5\"}")
-  CUDA_VISIBLE_DEVICES=$3 python3 -m minivllm serve $SERVE_FLAGS --port "$2" --gpu-memory-utilization "$4" \
+  CUDA_VISIBLE_DEVICES=$3 python3 -m minivllm --log-level INFO serve $SERVE_FLAGS --port "$2" --gpu-memory-utilization "$4" \
     "${kv[@]}" > "$log" 2>&1 &
   PIDS+=($!)
   wait_up "http://127.0.0.1:$2" $! "$log"
@@ -76,8 +77,10 @@ trap stop_all EXIT
 
 bench() {  # MODE URL
   python3 -m minivllm.server.bench_serve --base-url "$2" --model bench --num-requests "$NUM_REQUESTS" \
-    --request-rate "$RATE" --seed 0 --input-len $INPUT_LEN --output-len $OUTPUT_LEN --engine-label "$1" \
-    --output-json "$OUTDIR/disagg_$1.json" --no-progress 2>&1 | tail -2
+    --request-rate "$RATE" --seed 0 --input-len $INPUT_LEN --output-len $OUTPUT_LEN --vocab-size "$VOCAB_SIZE" \
+    --engine-label "$1" \
+    --output-json "$OUTDIR/disagg_$1.json" --no-progress > "$OUTDIR/bench_$1.log" 2>&1
+  echo "[$1] bench exit $? ($OUTDIR/bench_$1.log)"
 }
 
 P=$BASE_PORT
@@ -102,13 +105,11 @@ for MODE in $MODES; do
         && bench dp_2gpu "http://127.0.0.1:$P" ;;
     *) echo "unknown mode $MODE" ;;
   esac
-  for role in decode; do  # how the decode instance got its KV (CUDA IPC or the host transport)
-    [ -f "$OUTDIR/server_${MODE}_$role.log" ] && grep -h -m1 -E "mapped producer|host transport" \
-      "$OUTDIR/server_${MODE}_$role.log"
-  done
-  curl -s "http://127.0.0.1:$((P + 2))/load" 2>/dev/null | python3 -c \
-    "import json,sys; d=json.load(sys.stdin); print('decode instance:', {k: d[k] for k in d if k.startswith('kv_')})" \
-    2>/dev/null
+  if [ -f "$OUTDIR/server_${MODE}_decode.log" ]; then  # how the decode instance got its KV
+    grep -h -m1 -E "mapped producer|host transport" "$OUTDIR/server_${MODE}_decode.log"
+    curl -s "http://127.0.0.1:$((P + 2))/load" | python3 -c "import json, sys; d = json.load(sys.stdin); \
+print('[$MODE] decode instance:', {k: d[k] for k in ('kv_pulled_blocks', 'kv_pull_failures')})"
+  fi
   stop_all
   P=$((P + 10))
 done

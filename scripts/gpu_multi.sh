@@ -15,6 +15,8 @@
 #   w3-32b-tpN          W3 at 16 req/s on Qwen3-32B shapes, our server, -tp N (N = 2, 4)
 #   vllm-w3-32b-tpN     the same on vLLM's server
 #   disagg1 / disagg2   scripts/gpu_disagg.sh (one GPU / two GPUs), if present
+#   w7 / w8 / w12       the single-GPU comparisons of issues 18, 19, 24 (scripts/gpu_w7.sh,
+#                       bench spec --engine minivllm|vllm, scripts/gpu_w12.sh), vLLM staged first
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
 #   gpu-tests           the single-GPU test files that last failed or never ran (one GPU)
 # Each lane gets its own port range (servers) and its own output folder under /tmp/multi, which
@@ -58,6 +60,22 @@ run_step() {  # run_step STEP LANE_DIR PORT
         VLLM_FLAGS="-tp ${step#vllm-w3-32b-tp}" bash scripts/gpu_w3.sh vllm 16 ;;
     disagg1|disagg2)
       [ -f scripts/gpu_disagg.sh ] && OUT=$dir PORT_BASE=$port NUM_GPUS=${step#disagg} bash scripts/gpu_disagg.sh ;;
+    soak-bg)  # the soak in its own session: it outlives this call while the machine stays warm;
+              # a later call collects $dir/soak.json (keep its GPU out of the lanes meanwhile)
+      setsid nohup python3 -m minivllm bench soak --device cuda --requests ${SOAK_REQUESTS:-10000} \
+        --output "$dir/soak.json" > "$dir/soak.log" 2>&1 < /dev/null &
+      echo "soak started in the background (pid $!)" ;;
+    w7)  # W7 structured output, both engines (scripts/gpu_w7.sh; needs the vLLM staging's xgrammar)
+      OUT=$dir bash scripts/gpu_w7.sh ;;
+    w8)  # W8 speculative decoding on the default model's real weights, minivllm then vLLM
+      [ -d /tmp/smollm2-bf16 ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
+      [ -d /tmp/smollm2-draft ] || python3 scripts/export_default_model.py /tmp/smollm2-draft --dtype bfloat16 --num-layers 8 >/dev/null
+      python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram,suffix,layer_skip,draft_model \
+        --draft-model /tmp/smollm2-draft --output "$dir/w8-minivllm.json"
+      PYTHONPATH=/tmp/vllm-site:$PYTHONPATH python3 -m minivllm bench spec --engine vllm --model /tmp/smollm2-bf16 \
+        --methods none,ngram,draft_model --draft-model /tmp/smollm2-draft --output "$dir/w8-vllm.json" ;;
+    w12)  # W12 KV pressure: recompute, swap, offload and vLLM's offloading (scripts/gpu_w12.sh)
+      OUT=$dir bash scripts/gpu_w12.sh ;;
     soak)
       python3 -m minivllm bench soak --device cuda --requests ${SOAK_REQUESTS:-10000} --output "$dir/soak.json" ;;
     gpu-tests)

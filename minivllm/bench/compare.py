@@ -149,6 +149,9 @@ def _w9_jobs(tp: list[str]) -> list[Job]:
         moe = _VLLM_MOE if "W10" in name else []
         smoke = (_TINY_MOE if "W10" in name else _LAT_TINY if "latency" in base else _TINY) + par(flags)
         j += _pair(name, base + par(flags), base + flags + moe, e_ours, e_vllm, smoke)
+    # the distributed code path's cost on one GPU: W1 with its one rank in a worker process (issue 20)
+    j.append(Job("ours:W1-mp", "ours", OURS + tp + ["W1", "--distributed-executor-backend", "mp"], 130, 540,
+                 _TINY + _CPU + ["--distributed-executor-backend", "mp"]))
     # data parallel + expert parallel: attention per replica, experts over both (minivllm only offline)
     dp_ep = ["throughput", "--workload", "W10", "-dp", "2", "--enable-expert-parallel"]
     j.append(Job("ours:W10-dp2-ep", "ours", OURS + dp_ep, 220, 540, _TINY_MOE + _CPU))

@@ -1,7 +1,8 @@
 """Model-config directories for dummy-weight benchmarks, and the byte counts of a model.
 
 The exact Hugging Face config.json files of ../shared/model-configs are bundled in
-minivllm/bench/configs/<name>/config.json (plus `tiny-llama` for CPU smoke tests), because
+minivllm/bench/configs/<name>/config.json (plus `tiny-llama` for CPU smoke tests and `smollm2-135m`, the
+default model's shapes, for CPU timelines), because
 ../shared does not travel to the GPU machine. `write_model_dir(name)` copies one into a fresh
 temporary directory, which minivllm, vLLM (`load_format="dummy"`, `skip_tokenizer_init=True`)
 and transformers (`AutoConfig.from_pretrained`) all accept as a model directory.

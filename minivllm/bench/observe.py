@@ -7,7 +7,8 @@
 and writes the plot afterwards (bench/timeline.py). --profile runs the torch profiler over the
 run and writes a Chrome trace (open in chrome://tracing or https://ui.perfetto.dev) to
 --profile-dir (default ./profiles): the engine's host work (schedule, launch, update) and,
-on a GPU, the kernels, so host gaps between kernels show.
+on a GPU, the kernels, so host gaps between kernels show; with worker processes
+(--distributed-executor-backend mp/ray) one more trace per rank (bench-rank<r>-...).
 """
 
 from __future__ import annotations
@@ -48,10 +49,20 @@ def observe_run(args, engine, title: str, with_cuda: bool = False):
         yield
     finally:
         if profile:
-            log(f"profile: {engine.profiler.stop(args.profile_dir, 'bench')}")
+            _stop_profile(engine, args.profile_dir)
         if timeline is not None:
             from minivllm.bench.timeline import write_timeline
             log(f"timeline: {write_timeline(history.since(first).records, timeline, title)}")
+
+
+def _stop_profile(engine, directory: str) -> None:
+    """The engine's trace, then every worker rank's (mp/ray executors: written by the ranks)."""
+    from minivllm.engine.profiler import wait_for_traces
+    log(f"profile: {engine.profiler.stop(directory, 'bench')}")
+    paths = engine.profiler.rank_trace_paths
+    missing = wait_for_traces(paths)
+    for p in paths:
+        log(f"profile: {p}" + (" (not written in time)" if p in missing else ""))
 
 
 class ServerObserver:

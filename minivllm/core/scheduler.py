@@ -134,6 +134,7 @@ class Scheduler:
         self.beam_groups: dict[str, BeamGroup] = {}  # beam-search requests by their request id
         self._unsent_forks: set[str] = set()  # running forked beams the runner has not seen yet
         self._in_flight: set[str] = set()  # (max_concurrent_batches > 1) in a batch not yet updated
+        self._batch_cap: int | None = None  # (max_concurrent_batches > 1) requests one batch may hold
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
         # prompt + max_tokens of every unfinished request: what the engine may still have to hold
@@ -350,6 +351,7 @@ class Scheduler:
         self._finished_since_last_step = set()
         budget = self.limits.max_num_batched_tokens
         self._prefill_left = self._prefill_cap()
+        self._batch_cap = self._pipeline_batch_cap()
         budget = self._schedule_running(out, budget)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
@@ -382,9 +384,23 @@ class Scheduler:
             return max(cap, budget // 2)
         return cap
 
+    def _pipeline_batch_cap(self) -> int | None:
+        """Pipeline parallelism: at most 1 / max_concurrent_batches of the requests in one batch.
+        Without it the first batch takes every decoding request (the token budget allows them
+        all), the next finds none left, and each stage idles while the others work: W1 on
+        Qwen3-32B at pp=2 ran at half of tp=2's throughput (H100 x4, 2026-11-26)."""
+        batches = self.limits.max_concurrent_batches
+        if batches <= 1:
+            return None
+        active = min(len(self.running) + len(self.waiting), self.limits.max_num_seqs)
+        return max(1, -(-active // batches))
+
+    def _batch_full(self, out: SchedulerOutput) -> bool:
+        return self._batch_cap is not None and len(out.scheduled) >= self._batch_cap
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and not self._batch_full(out):
             req = self.running[i]
             if req.request_id in self._in_flight:
                 i += 1  # its batch is still in the pipeline
@@ -456,7 +472,8 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs
+               and not self._batch_full(out)):
             req = self.waiting.peek()
             if self._must_wait(req) or self._no_lora_slot(req):
                 skipped.append(self.waiting.pop())

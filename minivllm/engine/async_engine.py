@@ -326,6 +326,8 @@ class AsyncEngine(EngineClient):
                     break
                 self._apply(commands)
                 self._abort_after_deadline()
+                if self._stop:
+                    self.engine.release_held_kv()  # (else a prefill instance waits for pulls that may never come)
                 if commands.adds:
                     self._stats = self.engine.get_stats()  # new requests count as waiting at once
                 stepped = not self._paused and self.engine.has_unfinished_requests()

@@ -8,6 +8,10 @@ interface, so `LLM` and the server's engine core drive it unchanged:
                   (prefix-cache aware), else the least loaded (waiting + running, then KV use)
     step          every replica with work steps; outputs are merged
     get_stats     the sum, with each replica's own stats in `replicas` (metrics per replica)
+    history       one merged StepRecord per round of replica steps (the dashboard, /load,
+                  timelines): counts summed over the replicas, the batches and block maps joined
+    profiler      one EngineProfiler for every replica (they step on this thread), which also
+                  traces every replica's worker ranks (mp executor)
 
 Replicas step one after another in this process: with the mp executor (the default for
 data_parallel_size > 1) each replica's model runs in its own worker process. With expert
@@ -28,6 +32,9 @@ from minivllm.config import EngineConfig
 from minivllm.engine.dp_lockstep import start_replicas, step_replicas
 from minivllm.engine.input_processor import PromptInput, parse_prompt
 from minivllm.engine.llm_engine import EngineStats, LLMEngine
+from minivllm.engine.profiler import EngineProfiler
+from minivllm.engine.step_history import (MAX_MAP_CELLS, StepHistory, merge_block_maps, merge_records, state_record,
+                                          take_block_map)
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -54,10 +61,11 @@ class DataParallelEngine:
             self.shutdown()
             raise
         self.tokenizer = self.replicas[0].tokenizer
-        # the dashboard, /load's history and the profiler see replica 0's steps (the torch profiler
-        # itself traces every replica: they step on one thread); a merged view is not built yet
-        self.history = self.replicas[0].history
-        self.profiler = self.replicas[0].profiler
+        self.history = StepHistory()  # merged: see _record_round
+        self.profiler = EngineProfiler()
+        for i, e in enumerate(self.replicas):
+            e.profiler = self.profiler  # phases of every replica are labelled while a trace runs
+            self.profiler.add_ranks(e.executor, f"dp{i}-")
         self._owner: dict[str, LLMEngine] = {}  # request id -> its replica
         self._ids = itertools.count()
         self.last_step: dict[str, float] = {}
@@ -119,6 +127,7 @@ class DataParallelEngine:
         outputs: list[RequestOutput] = []
         self.last_step = {}
         busy = [e for e in self.replicas if e.has_unfinished_requests()]
+        first = [e.history.next_step for e in self.replicas]
         if self._lockstep is not None:
             for out, idle in step_replicas(self.replicas, self._lockstep):
                 outputs += out
@@ -129,10 +138,29 @@ class DataParallelEngine:
         for e in busy:
             for k, v in e.last_step.items():
                 self.last_step[k] = self.last_step.get(k, 0) + v
+        recorded = [e.history.next_step > n for e, n in zip(self.replicas, first)]  # replicas that stepped
+        if any(recorded):
+            self._record_round(recorded)
         for o in outputs:
             if o.finished:
                 self._owner.pop(o.request_id, None)
         return outputs
+
+    def _record_round(self, recorded: list[bool]) -> None:
+        """One merged record for this round: a replica that stepped contributes its new record
+        (its state when it scheduled), an idle one its state now with no tokens; the batches
+        of the replicas that stepped are joined, and the block maps when one is due."""
+        now = time.time()
+        records = [e.history.latest() if stepped else
+                   state_record(0, now, e.scheduler, e.block_manager, e.generation_tokens_total)
+                   for e, stepped in zip(self.replicas, recorded)]
+        t = min(r.t for r, stepped in zip(records, recorded) if stepped)
+        batch = [s for e, stepped in zip(self.replicas, recorded) if stepped for s in e.history.latest_batch()]
+        block_map = None
+        if self.history.block_map_due(now):
+            cells = MAX_MAP_CELLS // len(self.replicas)
+            block_map = merge_block_maps([take_block_map(e.block_manager, now, cells) for e in self.replicas], now)
+        self.history.add([merge_records(self.history.next_step, t, records)], batch, block_map)
 
     def check_health(self) -> None:
         for e in self.replicas:
@@ -156,6 +184,10 @@ class DataParallelEngine:
 
     def reset_prefix_cache(self) -> bool:
         return all([e.reset_prefix_cache() for e in self.replicas])
+
+    def release_held_kv(self) -> None:
+        for e in self.replicas:
+            e.release_held_kv()
 
     def shutdown(self) -> None:
         for e in self.replicas:

@@ -221,6 +221,8 @@ class EngineCore:
                 busy = self.engine.has_unfinished_requests() and not self.paused
                 added = self._apply(self.inbox.take(0 if busy else self._wait_s()))
                 self._abort_after_deadline()
+                if self.stopping:
+                    self.engine.release_held_kv()  # (else a prefill instance waits for pulls that may never come)
                 if self.stopping and not self.engine.has_unfinished_requests():
                     break
                 if added:

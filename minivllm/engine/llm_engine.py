@@ -150,6 +150,7 @@ class LLMEngine:
         # MINIVLLM_STEP_HISTORY=0: record no steps (only to measure what recording costs, e.g. on W1)
         self._record_steps = os.environ.get("MINIVLLM_STEP_HISTORY", "1") != "0"
         self.profiler = EngineProfiler()  # torch-profiler traces on demand (/start_profile, --profile)
+        self.profiler.add_ranks(self.executor)  # worker processes trace themselves too
         self._spec_logged = (time.monotonic(), (0, 0, 0))  # when, and the counters then
         freeze_startup_heap()  # later full GC passes skip the model, the KV blocks, the imports
         self.startup_s = time.perf_counter() - t0
@@ -542,6 +543,12 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
+
+    def release_held_kv(self) -> None:
+        """Shutting down: a prefill instance's blocks held for decode instances are released (freed
+        at the next step); a later pull fails and that decode instance recomputes the prompt."""
+        if self.kv_connector is not None and self.kv_connector.server is not None:
+            self.kv_connector.server.release_all()
 
     def shutdown(self) -> None:
         self.structured.shutdown()

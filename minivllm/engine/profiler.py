@@ -4,6 +4,16 @@ benchmarks' --profile): Chrome trace files (chrome://tracing, https://ui.perfett
 While a trace runs, the engine's step phases are labelled (`minivllm.schedule`,
 `minivllm.launch`, `minivllm.wait`, `minivllm.update`) so host time between GPU kernels can be
 read off the trace; when none runs, `phase` is a no-op (no torch call per step).
+
+With worker processes (the mp and ray executors, executor/worker.py), the model runs outside
+the engine's process: every rank then traces itself too, started and stopped through its
+executor in the same order as the steps, and writes its own file next to the engine's:
+
+    DIR/engine-<time>-<pid>.pt.trace.json             the engine (core) process
+    DIR/engine-[dp<i>-]rank<r>-<time>-<pid>.pt.trace.json   worker rank r (of replica i)
+
+A rank writes its file when its stop message arrives (after the steps sent before it), so the
+files appear a moment after `stop` returns; `wait_for_traces` waits for them.
 """
 
 from __future__ import annotations
@@ -22,6 +32,14 @@ class EngineProfiler:
     def __init__(self) -> None:
         self._prof = None
         self._record_function = None
+        self._ranks: list[tuple[object, str]] = []  # (executor with worker ranks, file name prefix)
+        self.rank_trace_paths: list[str] = []  # the files the last stop asked the ranks to write
+
+    def add_ranks(self, executor, prefix: str = "") -> None:
+        """Also trace this executor's worker ranks (an executor without `start_rank_profiles`
+        runs the model in this process: the engine's own trace holds it)."""
+        if hasattr(executor, "start_rank_profiles"):
+            self._ranks.append((executor, prefix))
 
     @property
     def active(self) -> bool:
@@ -40,24 +58,69 @@ class EngineProfiler:
         prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
         prof.start()
         self._prof, self._record_function = prof, torch.profiler.record_function
+        for executor, _ in self._ranks:
+            _on_ranks(executor.start_rank_profiles)
 
     def stop(self, directory: str, name: str = "engine") -> str:
-        """Stops the trace and writes DIRECTORY/NAME-<time>-<pid>.pt.trace.json; returns the path."""
+        """Stops the trace and writes DIRECTORY/NAME-<time>-<pid>.pt.trace.json; returns the path.
+        Worker ranks are told to write theirs (their paths: `rank_trace_paths`)."""
+        if self._prof is None:
+            raise ValueError("no profile is running: start one first")
+        os.makedirs(directory, exist_ok=True)
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.rank_trace_paths = []
+        for executor, prefix in self._ranks:  # first: the ranks export while this process does
+            paths = [os.path.join(directory, f"{name}-{prefix}rank{r}-{stamp}.pt.trace.json")
+                     for r in range(executor.world_size)]
+            if _on_ranks(executor.stop_rank_profiles, paths):
+                self.rank_trace_paths += paths
+        path = os.path.join(directory, f"{name}-{stamp}.pt.trace.json")
+        export_trace(self.take(), path)
+        return path
+
+    def take(self):
+        """Stops this process's trace and returns the stopped torch profiler (ranks untouched)."""
         if self._prof is None:
             raise ValueError("no profile is running: start one first")
         prof, self._prof, self._record_function = self._prof, None, None
         prof.stop()
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.pt.trace.json")
-        prof.export_chrome_trace(path + ".partial")
-        os.replace(path + ".partial", path)  # appears whole: a reader polling the directory never sees half a file
-        return path
+        return prof
 
     def phase(self, name: str):
         """A labelled range in the trace while one runs; otherwise a shared no-op context."""
         if self._record_function is None:
             return _NO_PHASE
         return self._record_function(name)
+
+
+def export_trace(prof, path: str) -> None:
+    """Writes a stopped profiler's Chrome trace to path; the file appears whole (written aside,
+    then renamed), so a reader polling the directory never sees half a file."""
+    prof.export_chrome_trace(path + ".partial")
+    os.replace(path + ".partial", path)
+
+
+def _on_ranks(call, *args) -> bool:
+    """A profile command to an executor's ranks; a dead executor is logged here (the engine's
+    next step reports it), not raised into the command loop."""
+    from minivllm.executor.errors import ExecutorDeadError
+    try:
+        call(*args)
+        return True
+    except ExecutorDeadError as e:
+        logger.warning("worker ranks not profiled: %s", e)
+        return False
+
+
+def wait_for_traces(paths: list[str], timeout_s: float = 300.0) -> list[str]:
+    """Waits until every path exists (worker ranks write theirs after their stop message);
+    returns the ones still missing at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    missing = [p for p in paths if not os.path.exists(p)]
+    while missing and time.monotonic() < deadline:
+        time.sleep(0.1)
+        missing = [p for p in missing if not os.path.exists(p)]
+    return missing
 
 
 def apply_profile_command(engine, action: str, directory: str | None) -> None:
@@ -68,5 +131,7 @@ def apply_profile_command(engine, action: str, directory: str | None) -> None:
             logger.info("torch profiler started")
         else:
             logger.info("torch profiler trace written to %s", engine.profiler.stop(directory or ".", "engine"))
+            for path in engine.profiler.rank_trace_paths:
+                logger.info("worker rank trace goes to %s", path)
     except ValueError as e:
         logger.warning("%s", e)

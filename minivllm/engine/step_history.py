@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 DEFAULT_CAPACITY = 4096  # steps kept (a dashboard shows the last minutes; a timeline sets more)
 MAX_BATCH_ENTRIES = 256  # requests of the latest step shown in the batch composition
@@ -120,18 +120,26 @@ class StepHistory:
             n = len(s.token_ids)
             if s.samples and n - s.num_draft_tokens == 1:  # one known token, and it samples: decoding
                 decode += n
-        prefill = sched.num_scheduled_tokens - decode
-        bm, spec, now = block_manager, scheduler.spec_stats, time.time()
-        rec = StepRecord(self._next_step, now, len(sched.scheduled), sched.num_scheduled_tokens, prefill, decode,
-                         scheduler.limits.max_num_batched_tokens, scheduler.num_running, scheduler.num_waiting,
-                         bm.num_blocks - bm.num_free_blocks, len(bm.cached), bm.num_blocks,
-                         scheduler.num_preemptions, bm.prefix_queries, bm.prefix_hits, spec.num_draft_tokens,
-                         spec.num_accepted_tokens, generation_tokens_total)
-        block_map = None
-        if self.block_map_interval_s is not None and now >= self._next_map_t:
-            self._next_map_t = now + self.block_map_interval_s
-            block_map = take_block_map(block_manager, now)
+        now = time.time()
+        rec = state_record(self._next_step, now, scheduler, block_manager, generation_tokens_total)
+        rec.num_seqs, rec.num_tokens = len(sched.scheduled), sched.num_scheduled_tokens
+        rec.prefill_tokens, rec.decode_tokens = sched.num_scheduled_tokens - decode, decode
+        block_map = take_block_map(block_manager, now) if self.block_map_due(now) else None
         self.add([rec], sched.scheduled, block_map)
+
+    def block_map_due(self, now: float) -> bool:
+        """Whether a KV block map should be taken now (at most every block_map_interval_s, and
+        only while someone asked for them); when it is, the next one is due an interval later."""
+        if self.block_map_interval_s is None or now < self._next_map_t:
+            return False
+        self._next_map_t = now + self.block_map_interval_s
+        return True
+
+    def latest_batch(self) -> list:
+        """The latest step's batch as recorded (ScheduledRequests, or tuples in a mirror): not
+        copied, for a merged history (data parallelism) that joins several replicas' batches."""
+        with self._lock:
+            return self._last_batch
 
     # ---- both sides ---------------------------------------------------------------------------
     def add(self, records: list[StepRecord], last_batch: list[tuple[str, int, int]] | None,
@@ -162,6 +170,41 @@ class StepHistory:
     @property
     def next_step(self) -> int:
         return self._next_step
+
+
+def state_record(step: int, t: float, scheduler, block_manager, generation_tokens_total: int) -> StepRecord:
+    """A record of the engine's state (queue, KV, cumulative counters) with no tokens scheduled:
+    the caller fills the step's own fields (num_seqs, num_tokens, prefill/decode tokens)."""
+    bm, spec = block_manager, scheduler.spec_stats
+    return StepRecord(step, t, 0, 0, 0, 0, scheduler.limits.max_num_batched_tokens, scheduler.num_running,
+                      scheduler.num_waiting, bm.num_blocks - bm.num_free_blocks, len(bm.cached), bm.num_blocks,
+                      scheduler.num_preemptions, bm.prefix_queries, bm.prefix_hits, spec.num_draft_tokens,
+                      spec.num_accepted_tokens, generation_tokens_total)
+
+
+_SUMMED_FIELDS = tuple(f.name for f in fields(StepRecord) if f.name not in ("step", "t"))
+
+
+def merge_records(step: int, t: float, records: list[StepRecord]) -> StepRecord:
+    """One record for several engines' steps taken together (data parallelism): every count is
+    the sum (the token budget too: the replicas' combined capacity per step)."""
+    merged = StepRecord(step, t, *([0] * len(_SUMMED_FIELDS)))
+    for r in records:
+        for f in _SUMMED_FIELDS:
+            setattr(merged, f, getattr(merged, f) + getattr(r, f))
+    return merged
+
+
+def merge_block_maps(maps: list[BlockMap], now: float) -> BlockMap:
+    """Several engines' block maps side by side (replica 0's cells first); the request codes of
+    each later map are shifted past the earlier legends, so every request keeps its own colour."""
+    cells: list[int] = []
+    legend: list[str] = []
+    for m in maps:
+        shift = len(legend)
+        cells += [c + shift if c >= 2 else c for c in m.cells]
+        legend += m.legend
+    return BlockMap(now, sum(m.num_blocks for m in maps), maps[0].blocks_per_cell, cells, legend)
 
 
 def batch_composition(scheduled: list) -> list[tuple[str, int, int]]:

@@ -3,6 +3,8 @@
     engine core ── Listener (127.0.0.1, random port, random key) ◄── connect ── worker rank r
       launch: pickle ("step", SchedulerOutput, bitmask or None) once, send the same bytes to every rank
       finish: wait for the driver's ("out", RunnerOutput), watching every other rank meanwhile
+      profile: ("profile", "start" | "stop", trace path) to every rank, in order with the steps;
+               each rank traces itself and writes its file (no answer)
 
 Workers are plain `python -m minivllm.executor.worker` processes (not multiprocessing children:
 an engine core that is itself a daemonic process may start them, and nothing waits on them at
@@ -145,12 +147,7 @@ class MultiprocExecutor(DeathLatch):
         grammar: the bitmask of the step's constrained rows (every rank applies it to the same
         gathered logits, so every rank samples the same tokens)."""
         self._raise_if_dead()
-        payload = pickle.dumps(("step", sched, grammar), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            for conn in self._conns:
-                conn.send_bytes(payload)
-        except (OSError, ValueError) as e:
-            self._fail(f"a worker's connection is closed ({e})")
+        self._send_all(("step", sched, grammar))
         self._launched += 1
         return self._launched
 
@@ -200,6 +197,29 @@ class MultiprocExecutor(DeathLatch):
             self._fail(f"worker rank {self.driver} raised:\n{msg[1]}")
         self._expert_counts = msg[1] if msg[1] is not None else self._expert_counts
         return msg[1]
+
+    def start_rank_profiles(self) -> None:
+        """Every rank starts a torch-profiler trace before its next step (engine/profiler.py)."""
+        self._send_all(("profile", "start", None))
+
+    def stop_rank_profiles(self, paths: list[str]) -> None:
+        """Every rank stops its trace after the steps sent so far and writes it to paths[rank];
+        nothing is awaited (the files appear once written)."""
+        self._raise_if_dead()
+        for conn, path in zip(self._conns, paths):
+            self._send_to(conn, pickle.dumps(("profile", "stop", path)))
+
+    def _send_all(self, msg) -> None:
+        self._raise_if_dead()
+        payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self._conns:
+            self._send_to(conn, payload)
+
+    def _send_to(self, conn, payload: bytes) -> None:
+        try:
+            conn.send_bytes(payload)
+        except (OSError, ValueError) as e:
+            self._fail(f"a worker's connection is closed ({e})")
 
     def finish(self, handle: int) -> RunnerOutput:
         """The driver's output of step `handle` (steps finish in launch order)."""

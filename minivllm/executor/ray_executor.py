@@ -61,6 +61,9 @@ class RankActor:
     def step(self, sched: SchedulerOutput, grammar: GrammarBitmask | None) -> RunnerOutput | None:
         return self.worker.finish(self.worker.launch(sched, grammar))
 
+    def profile(self, action: str, path: str | None) -> None:
+        self.worker.profile(action, path)
+
     def ping(self) -> bool:
         return True
 
@@ -158,6 +161,19 @@ class RayExecutor(DeathLatch):
 
     def expert_token_counts_per_layer(self) -> list[list[int]] | None:
         return self._expert_counts  # as last sent (up to about a second old)
+
+    def start_rank_profiles(self) -> None:
+        """Every rank starts a torch-profiler trace (an actor runs its calls in order: after the
+        steps already sent)."""
+        self._raise_if_dead()
+        for a in self._actors:
+            a.profile.remote("start", None)
+
+    def stop_rank_profiles(self, paths: list[str]) -> None:
+        """Every rank writes its trace to paths[rank] on its own node (not awaited)."""
+        self._raise_if_dead()
+        for a, path in zip(self._actors, paths):
+            a.profile.remote("stop", path)
 
     def _get(self, refs, timeout_s: float = STARTUP_TIMEOUT_S):
         """ray.get, waiting POLL_S at a time; a dead or failed rank fails the executor."""

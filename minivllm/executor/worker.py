@@ -10,7 +10,7 @@
     shutdown()
 
 The mp process loop (`serve`): one pickled ("step", SchedulerOutput, GrammarBitmask | None)
-message per step arrives on the connection (the bitmask only for a step with constrained rows) (the executor pickles it once and writes the same bytes to every rank); the
+message per step arrives on the connection, and ("profile", "start" | "stop", path) between steps (the bitmask only for a step with constrained rows) (the executor pickles it once and writes the same bytes to every rank); the
 driver rank (last stage, TP rank 0) answers each with ("out", RunnerOutput); the other ranks
 answer nothing. ("expert_counts",) between steps: the driver answers ("counts", per-layer
 counts of a MoE model, or None). Any exception is sent as ("error", traceback) and the process exits; a closed
@@ -64,6 +64,7 @@ class Worker:
                                           replicas, p.enable_expert_parallel)
                          if self.rank.world_size * replicas > 1 else ParallelGroups.single(device))
         self.runner = ModelRunner(config, self.parallel, device)
+        self._profiler = None  # this rank's torch-profiler trace while one runs (profile())
 
     @property
     def is_driver(self) -> bool:
@@ -91,6 +92,26 @@ class Worker:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
         return self.finish(self.launch(sched))
 
+    def profile(self, action: str, path: str | None = None) -> None:
+        """This rank's own torch-profiler trace (engine/profiler.py): "start", or "stop" and
+        write it to path. A start while one runs or a stop without one is logged, not raised."""
+        from minivllm.engine.profiler import EngineProfiler, export_trace
+        try:
+            if action == "start":
+                if self._profiler is not None:
+                    raise ValueError("a profile is already running on this rank")
+                self._profiler = EngineProfiler()
+                self._profiler.start()
+                return
+            if self._profiler is None:
+                raise ValueError("no profile is running on this rank")
+            prof, self._profiler = self._profiler, None
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            export_trace(prof.take(), path)
+            logger.info("rank %d: torch profiler trace written to %s", self.rank.rank, path)
+        except ValueError as e:
+            logger.warning("rank %d: %s", self.rank.rank, e)
+
     def shutdown(self) -> None:
         from minivllm.distributed.parallel_state import destroy_distributed
         if self.parallel.pipeline is not None:
@@ -110,6 +131,9 @@ def serve(conn, worker: Worker, overlap: bool) -> None:
         msg = pickle.loads(conn.recv_bytes())
         if msg[0] == "stop":
             break
+        if msg[0] == "profile":  # between two steps: the trace holds whole steps
+            worker.profile(msg[1], msg[2])
+            continue
         if msg[0] == "expert_counts":  # sent with no step in flight; only the driver answers
             if worker.is_driver:
                 conn.send_bytes(pickle.dumps(("counts", worker.runner.expert_counts.per_layer())))

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.paged_checks import check_paged_shapes
+from minivllm.kernels.prefill_attention import mma
 from minivllm.kernels.store_kv import kv_scale_args
 
 LOG2E = math.log2(math.e)
@@ -94,6 +95,7 @@ def _decode_split_kernel(
     MIN_CHUNK_N: tl.constexpr,  # MIN_CHUNK rounded up to a multiple of BLOCK_N
     NUM_SPLITS_IS_ONE: tl.constexpr,
     KV_FP8: tl.constexpr,  # K/V tiles are float8 e4m3: widened to the query's dtype, scales folded in
+    IEEE: tl.constexpr,  # float32 cache: full-precision products (prefill_attention.mma)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -135,14 +137,14 @@ def _decode_split_kernel(
                     mask=n_valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_N, D_PAD]
         if KV_FP8:
             k_t, v = k_t.to(q.dtype), v.to(q.dtype)
-        s = tl.dot(q, k_t) * qk_scale  # [G_PAD, BLOCK_N] fp32, log2 domain
+        s = mma(q, k_t, IEEE) * qk_scale  # [G_PAD, BLOCK_N] fp32, log2 domain
         s = tl.where(n_valid[None, :], s, float("-inf"))
         # each tile holds at least one valid key (n0 < end), so m_new is finite
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, IEEE)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty chunk: acc == 0, keep the partial at 0
@@ -302,7 +304,8 @@ def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, b
         HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1],
         MIN_CHUNK_N=triton.cdiv(MIN_CHUNK, cfg["BLOCK_N"]) * cfg["BLOCK_N"],
-        NUM_SPLITS_IS_ONE=one, KV_FP8=fp8, **cfg,
+        NUM_SPLITS_IS_ONE=one, KV_FP8=fp8,
+        IEEE=k_cache.dtype == torch.float32, **cfg,
     )
 
 

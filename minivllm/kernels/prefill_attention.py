@@ -61,6 +61,16 @@ def _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def mma(a, b, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation; IEEE: full fp32 products for fp32 inputs. TF32 (the default
+    for fp32) keeps 10 mantissa bits, so an fp32 engine on the GPU would otherwise give answers
+    that depend on the path (a prefix hit vs a full prefill) at the 1e-3 level."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _attend_key_range(
     acc, m_i, l_i,  # [BLOCK_M, D_PAD] fp32, [BLOCK_M] fp32, [BLOCK_M] fp32: running state
     q,  # [BLOCK_M, D_PAD] query rows (cache dtype)
@@ -71,7 +81,7 @@ def _attend_key_range(
     qk_scale,  # softmax scale * log2(e)
     stride_cb, stride_cs, stride_cd,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
 ):
     d = tl.arange(0, D_PAD)
     for n0 in range(start, end, BLOCK_N):
@@ -89,7 +99,7 @@ def _attend_key_range(
             v = tl.load(v_ptrs)
         if KV_FP8:  # widened in registers; the scales are folded in by the caller
             k_t, v = k_t.to(q.dtype), v.to(q.dtype)
-        s = tl.dot(q, k_t) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 domain
+        s = mma(q, k_t, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 domain
         if MASKED:
             causal = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
             s = tl.where(causal, s, float("-inf"))
@@ -98,7 +108,7 @@ def _attend_key_range(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, IEEE)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -128,6 +138,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,  # keys per inner iteration
     SKIP_SINGLE: tl.constexpr,  # leave one-token queries to the decode kernel
     KV_FP8: tl.constexpr,  # K/V are float8 e4m3: widened to the query's dtype, scales folded in
+    IEEE: tl.constexpr,  # float32 cache: full-precision products (tl.dot's default is TF32)
 ):
     # reversed: within a sequence the last tiles see the most keys, so start them first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -168,10 +179,10 @@ def _prefill_kernel(
     kv_end = ctx + tl.minimum(q_tile_start + BLOCK_Q, q_len)  # one past the last key needed
     acc, m_i, l_i = _attend_key_range(
         acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, 0, full_end, qk_scale,
-        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, KV_FP8)
+        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, KV_FP8, IEEE)
     acc, m_i, l_i = _attend_key_range(
         acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, full_end, kv_end, qk_scale,
-        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, KV_FP8)
+        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, KV_FP8, IEEE)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only padding rows can have l == 0
     out = acc / l_i[:, None]
@@ -242,7 +253,8 @@ def prefill_attention(
         num_seqs, scale * LOG2E, k_scale, v_scale,
         *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, SKIP_SINGLE=skip_single_token, KV_FP8=fp8, **cfg,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, SKIP_SINGLE=skip_single_token, KV_FP8=fp8,
+        IEEE=k_cache.dtype == torch.float32, **cfg,
     )
     return out
 

@@ -56,7 +56,9 @@ class BlockServer:
         self._released: list[str] = []
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._sock = socket.create_server((host, port), reuse_port=False)
-        self.host, self.port = host, self._sock.getsockname()[1]
+        # the address consumers are told (a wildcard bind is reached through this host's address)
+        self.host = socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "::", "") else host
+        self.port = self._sock.getsockname()[1]
         self._closed = False
         threading.Thread(target=self._accept_loop, name="kv-block-server", daemon=True).start()
         logger.info("KV block server of engine %s listening on %s:%d", engine_id, self.host, self.port)
@@ -77,6 +79,12 @@ class BlockServer:
                     self._released.append(req_id)
                     logger.warning("KV blocks of request %s were not pulled within %.0f s: released", req_id,
                                    self.send_timeout_s)
+
+    def release_all(self) -> None:
+        """Every held request not being read now is released (reads in progress release theirs)."""
+        with self._cond:
+            self._released += list(self._exports)
+            self._exports.clear()
 
     def take_released(self) -> list[str]:
         with self._cond:

@@ -36,7 +36,7 @@ from minivllm.server.protocol import (
 from minivllm.server.serving_chat import ServingChat, chat_prompt_ids
 from minivllm.server.serving_common import ServerSettings, ServingBase
 from minivllm.server.serving_completions import ServingCompletion
-from minivllm.server.status_log import log_status_forever
+from minivllm.server.status_log import start_status_log
 from minivllm.server.serving_embeddings import ServingEmbedding
 
 logger = logging.getLogger(__name__)
@@ -126,9 +126,7 @@ def _query_key(scope: Scope) -> bytes:
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI):
     state: ServerState = app.state.minivllm
-    status = None
-    if state.settings.status_log_interval_s:
-        status = asyncio.create_task(log_status_forever(state.engine, state.settings.status_log_interval_s))
+    status = start_status_log(state)
     yield
     if status is not None:
         status.cancel()

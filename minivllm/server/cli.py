@@ -70,6 +70,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-dir", default=None,
                    help="enable POST /start_profile and /stop_profile (vLLM's): torch-profiler Chrome traces "
                         "of the engine core, written to this directory")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic engine status line (every $VLLM_LOG_STATS_INTERVAL s, default 10: throughput, "
+                        "running/waiting, KV use, prefix hit rate; one per model and per data-parallel replica)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -84,7 +87,20 @@ def server_settings(args: argparse.Namespace):
                           max_n=args.max_n, max_stop_sequences=args.max_stop_sequences,
                           max_logit_bias=args.max_logit_bias, max_tokens_in_flight=args.max_tokens_in_flight,
                           enable_dashboard=args.dashboard, profile_dir=args.profile_dir,
+                          status_log_interval_s=None if args.disable_log_stats else _log_stats_interval(),
                           lora_modules=parse_lora_modules(args.lora_modules))
+
+
+def _log_stats_interval() -> float:
+    """vLLM's VLLM_LOG_STATS_INTERVAL: seconds between two status lines (default 10)."""
+    raw = os.environ.get("VLLM_LOG_STATS_INTERVAL", "10")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"VLLM_LOG_STATS_INTERVAL must be a number of seconds > 0, got {raw!r}")
+    return value
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -95,6 +111,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from minivllm.server.multi_model import ModelRouter
 
     settings = server_settings(args)  # bad flag values fail before the model loads
+    if settings.status_log_interval_s:
+        from minivllm.server.status_log import show_status_lines
+        show_status_lines()
     served = _served_models(args, settings)
     engine_cls = MPAsyncEngine if args.engine_process else AsyncEngine
     engines, apps = [], []

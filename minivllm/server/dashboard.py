@@ -5,6 +5,10 @@ GET /dashboard/events.
 Everything comes from snapshots the engine side already keeps: the stats (get_stats), the step
 history (engine/step_history.py: per-step records, the latest batch, the KV block map) and the
 per-second latencies of ServerMetrics (live_stats.py). No route here waits on the engine.
+
+Under data parallelism (-dp N) the view is merged: the step records are the replicas' rounds
+with every count summed, the batch and the KV block map join the replicas' (replica 0's blocks
+first), and `load.replicas` breaks the counts down per replica (engine/dp_engine.py).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ MAX_STEPS_PER_EVENT = 2000  # records in one event (the first one sends the rece
 def load_report(state) -> dict:
     """The instant's load: counts from the engine's stats snapshot, and the queueing delay a new
     request can expect, by Little's law: the waiting requests / the recent completion rate
-    (None while nothing has finished in the last 10 s and some wait; 0 when none wait)."""
+    (None while nothing has finished in the last 10 s and some wait; 0 when none wait). Under
+    data parallelism the counts are the replicas' sums and `replicas` has each one's (else [])."""
     stats, now = state.engine.get_stats(), time.time()
     rate = state.metrics.recent.finished_rate(now)
     if stats.num_waiting == 0:
@@ -35,7 +40,18 @@ def load_report(state) -> dict:
             "tokens_in_flight": stats.tokens_in_flight, "kv_cache_usage": stats.kv_cache_usage,
             "num_kv_blocks": stats.num_kv_blocks, "num_free_kv_blocks": stats.num_free_blocks,
             "finished_per_s": rate, "estimated_queue_delay_s": delay, "num_preemptions": stats.num_preemptions,
-            "is_accepting": state.engine.is_accepting, "timestamp": now, **_kv_transfer_load(state, stats)}
+            "is_accepting": state.engine.is_accepting, "timestamp": now, **_kv_transfer_load(state, stats),
+            "replicas": [replica_load(i, r) for i, r in enumerate(stats.replicas)]}
+
+
+def replica_load(index: int, stats) -> dict:
+    """One data-parallel replica's part of the load (-dp N: the counts above are their sums)."""
+    q = stats.prefix_cache_queries
+    return {"replica": index, "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage, "num_kv_blocks": stats.num_kv_blocks,
+            "num_free_kv_blocks": stats.num_free_blocks, "num_preemptions": stats.num_preemptions,
+            "prompt_tokens": stats.prompt_tokens, "generation_tokens": stats.generation_tokens,
+            "prefix_cache_hit_rate": stats.prefix_cache_hits / q if q else None}
 
 
 def _kv_transfer_load(state, stats) -> dict:

@@ -8,7 +8,9 @@ process). Two sources:
   read from the engine's stats snapshot when /metrics is scraped (swap and offload counters
   included, `vllm:num_blocks_swapped_out_total`, `vllm:kv_offload_hits_total`, ...); for MoE models also
   `minivllm:moe_expert_tokens_total{expert}` (vLLM has no such family): tokens routed to each
-  expert, summed over the layers, so load imbalance shows (refreshed about once a second).
+  expert, summed over the layers, so load imbalance shows (refreshed about once a second);
+  with disaggregated prefill/decode `minivllm:kv_pulled_blocks_total`, `minivllm:kv_pull_failures_total`
+  (prompts recomputed) and the gauge `minivllm:kv_held_requests`.
 """
 
 from __future__ import annotations
@@ -186,11 +188,17 @@ class _EngineStatsCollector:
                  ("vllm:kv_offload_stores", "offload_stored_blocks",
                   "KV blocks evicted from the device prefix cache and kept in the CPU offload tier."),
                  ("vllm:kv_transfer_bytes", "kv_transfer_bytes",
-                  "Bytes of KV blocks copied between the device and host memory.")]
+                  "Bytes of KV blocks copied between the device and host memory."),
+                 # disaggregated prefill/decode (kv_transfer/connector.py)
+                 ("minivllm:kv_pulled_blocks", "kv_pulled_blocks", "KV blocks pulled from prefill instances."),
+                 ("minivllm:kv_pull_failures", "kv_pull_failures",
+                  "Pulls from prefill instances given up: the prompt was recomputed here.")]
     _GAUGES = [("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),
                ("vllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
                ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
-               ("vllm:num_requests_swapped", "num_swapped", "Number of requests swapped to CPU.")]
+               ("vllm:num_requests_swapped", "num_swapped", "Number of requests swapped to CPU."),
+               ("minivllm:kv_held_requests", "kv_held_requests",
+                "Finished requests whose KV blocks wait for a decode instance to pull them.")]
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine

@@ -182,12 +182,21 @@ class ModelRouter:
         await Response(status_code=200)(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
-        """The apps' own lifespans do not run behind the router: their shutdown happens here."""
+        """The apps' own lifespans do not run behind the router: their status logs (one per
+        model, each line naming it) and their shutdown happen here."""
+        from minivllm.server.status_log import start_status_log
+        status_logs = []
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                for app in self.apps:
+                    state = app.state.minivllm
+                    status_logs.append(start_status_log(state, state.base.model_name))
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                for task in status_logs:
+                    if task is not None:
+                        task.cancel()
                 for app in self.apps:
                     state = app.state.minivllm
                     state.metrics.close()

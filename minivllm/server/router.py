@@ -172,23 +172,18 @@ class Router:
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
 
-async def _relay_events(upstream: httpx.Response, inst: Instance) -> AsyncIterator[str]:
-    """The instance's SSE events, whole ones only; if it dies mid-stream, an error event and
-    [DONE] end the stream (a client never waits on a dead instance)."""
-    event: list[str] = []
+async def _relay_events(upstream: httpx.Response, inst: Instance) -> AsyncIterator[bytes]:
+    """The instance's SSE bytes as they come; if it dies mid-stream, an error event and [DONE]
+    end the stream (after closing a partly sent event), so a client never waits on a dead instance."""
+    at_boundary = True  # the bytes sent so far end between two events
     try:
-        async for line in upstream.aiter_lines():
-            if line:
-                event.append(line)
-                continue
-            if event:
-                yield "\n".join(event) + "\n\n"
-                event = []
-        if event:
-            yield "\n".join(event) + "\n\n"
+        async for chunk in upstream.aiter_raw():
+            if chunk:
+                at_boundary = chunk.endswith(b"\n\n")
+                yield chunk
     except httpx.HTTPError as e:
         body = error_body(502, f"instance {inst.url} failed mid-stream: {type(e).__name__}: {e}", code="upstream_failed")
-        yield f"data: {dumps(body)}\n\ndata: [DONE]\n\n"
+        yield ("" if at_boundary else "\n\n").encode() + f"data: {dumps(body)}\n\ndata: [DONE]\n\n".encode()
     finally:
         await upstream.aclose()
         inst.in_flight -= 1

@@ -149,31 +149,50 @@ def test_cuda_graph_replay_equals_eager():
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_tiny_moe_model_logits_close_to_hf_bf16(kind, tmp_path):
     """The whole model on the GPU in bf16 (Triton MoE and attention, CUDA graphs for decode and
-    mixed steps) against HF in bf16: the logprobs of the greedy tokens stay close. The per-expert
-    counters count real tokens only (graph padding rows have slot -1)."""
+    mixed steps) is as close to the fp32 truth as Hugging Face's own bf16 run is. Teacher-forced
+    (prompt_logprobs over the prompt and HF fp32's greedy continuation), so both score the same
+    tokens: our |logprob error| against HF fp32 at the median and the 90th percentile must stay
+    within twice HF bf16's (+0.01). A plain tolerance on greedy logprobs fails on these random
+    MoE models at a router near-tie, where bf16 rounding flips an expert for one token (HF's bf16
+    does the same); the fp32 test below holds the tight bound. The per-expert counters count
+    real tokens only (graph padding rows have slot -1)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-    from tiny_moe import PROMPTS, build, hf_logprobs
+    from tiny_moe import PROMPTS, build
 
     from minivllm import LLM, SamplingParams
     path = str(tmp_path / kind)
     model = build(kind, path)
-    max_tokens = 8
+    hf32 = model.to("cuda", torch.float32)
+    seqs = []
+    with torch.no_grad():
+        for p in PROMPTS:  # prompt + 8 greedy tokens of HF fp32
+            seqs.append(hf32.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False,
+                                      min_new_tokens=8)[0].tolist())
+
+    def hf_scores(m) -> list[torch.Tensor]:
+        with torch.no_grad():
+            out = []
+            for s in seqs:
+                lp = torch.log_softmax(m(torch.tensor([s], device="cuda")).logits[0, :-1].float(), -1)
+                out.append(lp.gather(1, torch.tensor(s[1:], device="cuda")[:, None])[:, 0].cpu())
+            return out
+
+    truth = hf_scores(hf32)
+    hf16 = hf_scores(model.to("cuda", torch.bfloat16))
     llm = LLM(model=path, device="cuda", dtype="bfloat16", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               max_num_seqs=8, max_num_batched_tokens=256)
     assert llm.llm_engine.executor.runner.graphs is not None
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1),
-                        use_tqdm=False)
-    hf = model.to("cuda", torch.bfloat16)
-    for prompt, out in zip(PROMPTS, outs):
-        toks = out.outputs[0].token_ids
-        ref = hf_logprobs(hf, prompt, toks).cpu()
-        for step, (tok, lp) in enumerate(zip(toks, out.outputs[0].logprobs)):
-            assert abs(lp[tok].logprob - ref[step, tok].item()) < 0.15, (kind, step)
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
+                        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    ours = [torch.tensor([lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])]) for s, o in zip(seqs, outs)]
+    ours_err = (torch.cat(ours) - torch.cat(truth)).abs()
+    hf_err = (torch.cat(hf16) - torch.cat(truth)).abs()
+    for q in (0.5, 0.9):
+        assert ours_err.quantile(q) <= 2 * hf_err.quantile(q) + 0.01, (kind, q, ours_err.quantile(q), hf_err.quantile(q))
     per_layer = llm.llm_engine.executor.runner.expert_counts.per_layer()
-    tokens = sum(len(p) for p in PROMPTS) + len(PROMPTS) * (max_tokens - 1)
+    tokens = sum(len(s) for s in seqs)
     top_k = llm.llm_engine.config.model.arch.moe.top_k
     assert all(sum(c) == tokens * top_k for c in per_layer), per_layer
 

@@ -166,3 +166,15 @@ def test_engine_options_disaggregation_cannot_run_with_are_refused():
                             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     cfg = build_engine_config(device="cpu", kv_transfer_config='{"kv_role": "kv_both"}')
     assert cfg.kv_transfer.is_producer and cfg.kv_transfer.is_consumer and cfg.kv_transfer.engine_id
+
+
+def test_release_all_releases_what_is_not_being_read():
+    """Shutting down: held blocks go back at once (a later pull fails: the consumer recomputes)."""
+    producer = make_kv_connector(_config("kv_producer"), _pool(0))
+    try:
+        producer.register_sends([KVSend("r1", [1]), KVSend("r2", [2])])
+        producer.server.release_all()
+        sent, _ = producer.poll()
+        assert sorted(sent) == ["r1", "r2"] and producer.server.num_held == 0
+    finally:
+        producer.shutdown()

@@ -49,3 +49,19 @@ def test_a_request_in_flight_is_never_the_preemption_victim():
     third = s.schedule()  # a needs a block; b is in flight, so a itself goes back to waiting
     assert third.is_empty and third.preempted_req_ids == {"a"}
     assert [r.request_id for r in s.running] == ["b"]
+
+
+def test_batches_split_the_requests_between_the_stages():
+    """Four requests and two stages: two per batch, so the second stage is never left without
+    a batch (one batch of all four would leave the other stage idle every step)."""
+    s = _sched()
+    for rid in "abcd":
+        s.add_request(_req(rid, 3))
+    first, second = s.schedule(), s.schedule()
+    assert len(first.scheduled) == 2 and len(second.scheduled) == 2
+    assert {x.req_id for x in first.scheduled} | {x.req_id for x in second.scheduled} == set("abcd")
+    assert s.schedule().is_empty  # every request in flight
+    s.update(first, _sampled(first))
+    third = s.schedule()  # the first batch's requests, decoding now
+    assert {x.req_id for x in third.scheduled} == {x.req_id for x in first.scheduled}
+    assert all(len(x.token_ids) == 1 for x in third.scheduled)

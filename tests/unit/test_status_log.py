@@ -7,7 +7,7 @@ import dataclasses
 import logging
 
 from minivllm.engine.llm_engine import EngineStats
-from minivllm.server.status_log import log_status_forever, status_line
+from minivllm.server.status_log import log_status_forever, status_line, status_lines
 
 IDLE = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_kv_blocks=100, num_free_blocks=100,
                    prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, prompt_tokens=0,
@@ -42,3 +42,19 @@ def test_logs_periodically(caplog):
         asyncio.run(main())
     lines = [r.getMessage() for r in caplog.records if r.name == "minivllm.engine.status"]
     assert lines and "Running: 1 reqs" in lines[0] and "Avg generation throughput:" in lines[0]
+
+
+def test_data_parallel_lines_follow_the_sum_one_per_busy_replica():
+    busy = dataclasses.replace(IDLE, num_running=2, generation_tokens=30, kv_cache_usage=0.5)
+    prev = dataclasses.replace(IDLE, replicas=(IDLE, IDLE, IDLE))
+    cur = dataclasses.replace(busy, replicas=(busy, IDLE, dataclasses.replace(busy, num_running=1)))
+    lines = status_lines(prev, cur, 10.0)
+    assert [ln.split(":")[0] for ln in lines] == ["Engine", "Engine 000", "Engine 002"]  # replica 1 idle: no line
+    assert "Running: 1 reqs" in lines[2] and "Avg generation throughput: 3.0 tokens/s" in lines[1]
+    assert status_lines(prev, prev, 10.0) == []
+
+
+def test_each_models_lines_name_it():
+    cur = dataclasses.replace(IDLE, num_waiting=1, replicas=(dataclasses.replace(IDLE, num_waiting=1), IDLE))
+    lines = status_lines(dataclasses.replace(IDLE, replicas=(IDLE, IDLE)), cur, 1.0, model="small")
+    assert [ln.split(":")[0] for ln in lines] == ["Engine [small]", "Engine 000 [small]"]

@@ -87,3 +87,33 @@ def test_no_block_map_unless_asked():
     sched.add_request(make_req("a", [1, 2, 3]))
     _step(sched, h)
     assert h.since(0).block_map is None
+
+
+def test_merged_record_sums_the_replicas_and_block_maps_sit_side_by_side():
+    """Data parallelism (engine/dp_engine.py): one record per round, counts summed; an idle
+    replica contributes its state with no tokens; the maps keep each request's own code."""
+    from minivllm.engine.step_history import merge_block_maps, merge_records, state_record
+    busy = make_sched(num_blocks=32, block_size=4, max_num_seqs=4, budget=16)
+    idle = make_sched(num_blocks=32, block_size=4, max_num_seqs=4, budget=16)
+    busy.add_request(make_req("a", list(range(10)), max_tokens=4))
+    busy.add_request(make_req("b", list(range(5)), max_tokens=4))
+    idle.add_request(make_req("c", list(range(3)), max_tokens=4))
+    hist_busy, hist_idle = StepHistory(), StepHistory()
+    _step(idle, hist_idle)  # c runs (holding a block) but does not step in the merged round
+    _step(busy, hist_busy)
+    rec = hist_busy.latest()
+    still = state_record(0, 0.0, idle, idle.block_manager, 1)
+    merged = merge_records(7, 1.5, [rec, still])
+    assert (merged.step, merged.t) == (7, 1.5)
+    assert (merged.num_seqs, merged.num_tokens, merged.prefill_tokens) == (2, 15, 15)
+    assert (merged.num_running, merged.num_waiting) == (3, 0)
+    assert merged.num_blocks == 64 and merged.token_budget == 32
+    idle_used = idle.block_manager.num_blocks - idle.block_manager.num_free_blocks
+    assert idle_used >= 1 and merged.kv_used_blocks == rec.kv_used_blocks + idle_used
+    assert merged.generation_tokens_total == 1
+    maps = [take_block_map(busy.block_manager, 0.0), take_block_map(idle.block_manager, 0.0)]
+    both = merge_block_maps(maps, 2.0)
+    assert both.num_blocks == 64 and both.cells[:32] == maps[0].cells and len(both.cells) == 64
+    assert both.legend == maps[0].legend + maps[1].legend
+    assert {c for c in both.cells[32:] if c >= 2} == {c + len(maps[0].legend) for c in maps[1].cells if c >= 2} \
+        == {2 + len(maps[0].legend)}  # c keeps a code of its own after a and b's
