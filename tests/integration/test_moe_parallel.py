@@ -132,3 +132,15 @@ def test_moe_pipeline_parallel_is_refused(moe_model):
 def test_expert_parallel_needs_a_moe_model(tiny_llama):
     with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model"):
         _llm(tiny_llama(), tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_gguf_tensor_parallel_equals_one_rank(tmp_path):
+    """GGUF's stacked expert tensors (llama.cpp's names) split by features under tp=2."""
+    from tiny_moe import write_gguf
+    path = str(tmp_path / "qwen2_moe.gguf")
+    write_gguf(build("qwen2_moe", seed=1), "qwen2_moe", path)
+    single = _llm(path)
+    reference = _generate(single)
+    single.llm_engine.shutdown()
+    got, _ = _run_parallel(path, tensor_parallel_size=2)
+    assert got == reference
