@@ -9,7 +9,8 @@
 #   pd_2gpu     prefill on GPU 0, decode on GPU 1 (it also sees GPU 0, so CUDA IPC maps the
 #               prefill instance's KV: device-to-device copies) behind the router
 #   dp_2gpu     two ordinary instances, GPU 0 and GPU 1, behind `minivllm router --instance`
-# Usage: [NUM_GPUS=1|2] [NUM_REQUESTS=1000] [RATE=16] [MODES="single pd_shared ..."] scripts/gpu_disagg.sh
+# Usage: [NUM_GPUS=1|2] [NUM_REQUESTS=1000] [RATE=16] [MODES="single pd_shared ..."] [GPU_A=0 GPU_B=1]
+#        scripts/gpu_disagg.sh
 # Output in $OUT (default /tmp/disagg): disagg_<mode>.json (bench serve's result) and per-server
 # logs; stdout ends with one JSON line per mode and a summary table.
 # Plumbing check on a CPU (tiny model, a few requests, about 2 minutes):
@@ -19,6 +20,7 @@ set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/vllm-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 NUM_GPUS=${NUM_GPUS:-1}
+GA=${GPU_A:-0}; GB=${GPU_B:-1}  # the machine's GPU indices to use (scripts/gpu_multi.sh runs modes side by side)
 NUM_REQUESTS=${NUM_REQUESTS:-1000}
 RATE=${RATE:-16}
 DEVICE=${DEVICE:-cuda}
@@ -88,19 +90,19 @@ for MODE in $MODES; do
   echo "[$MODE] starting"
   case $MODE in
     single)
-      serve single $((P + 1)) 0 0.9 && bench single "http://127.0.0.1:$((P + 1))" ;;
+      serve single $((P + 1)) "$GA" 0.9 && bench single "http://127.0.0.1:$((P + 1))" ;;
     pd_shared)
-      serve pd_shared_prefill $((P + 1)) 0 "$P_UTIL" kv_producer \
-        && serve pd_shared_decode $((P + 2)) 0 "$D_UTIL" kv_consumer \
+      serve pd_shared_prefill $((P + 1)) "$GA" "$P_UTIL" kv_producer \
+        && serve pd_shared_decode $((P + 2)) "$GA" "$D_UTIL" kv_consumer \
         && router pd_shared "$P" --prefill "http://127.0.0.1:$((P + 1))" --decode "http://127.0.0.1:$((P + 2))" \
         && bench pd_shared "http://127.0.0.1:$P" ;;
     pd_2gpu)
-      serve pd_2gpu_prefill $((P + 1)) 0 0.9 kv_producer \
-        && serve pd_2gpu_decode $((P + 2)) 1,0 0.9 kv_consumer \
+      serve pd_2gpu_prefill $((P + 1)) "$GA" 0.9 kv_producer \
+        && serve pd_2gpu_decode $((P + 2)) "$GB,$GA" 0.9 kv_consumer \
         && router pd_2gpu "$P" --prefill "http://127.0.0.1:$((P + 1))" --decode "http://127.0.0.1:$((P + 2))" \
         && bench pd_2gpu "http://127.0.0.1:$P" ;;
     dp_2gpu)
-      serve dp_2gpu_0 $((P + 1)) 0 0.9 && serve dp_2gpu_1 $((P + 2)) 1 0.9 \
+      serve dp_2gpu_0 $((P + 1)) "$GA" 0.9 && serve dp_2gpu_1 $((P + 2)) "$GB" 0.9 \
         && router dp_2gpu "$P" --instance "http://127.0.0.1:$((P + 1))" "http://127.0.0.1:$((P + 2))" \
         && bench dp_2gpu "http://127.0.0.1:$P" ;;
     *) echo "unknown mode $MODE" ;;

@@ -14,7 +14,8 @@
 #   w3-dp1 / w3-dp2     W3 (Qwen3-8B, our server) at 16 and 64 req/s with -dp 1 / -dp 2
 #   w3-32b-tpN          W3 at 16 req/s on Qwen3-32B shapes, our server, -tp N (N = 2, 4)
 #   vllm-w3-32b-tpN     the same on vLLM's server
-#   disagg1 / disagg2   scripts/gpu_disagg.sh (one GPU / two GPUs), if present
+#   disagg-1gpu         scripts/gpu_disagg.sh: one instance vs P + D sharing one GPU (W3 at 16 req/s)
+#   disagg-2gpu         P and D on two GPUs vs two ordinary instances behind the router
 #   w7 / w8 / w12       the single-GPU comparisons of issues 18, 19, 24 (scripts/gpu_w7.sh,
 #                       bench spec --engine minivllm|vllm, scripts/gpu_w12.sh), vLLM staged first
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
@@ -58,8 +59,12 @@ run_step() {  # run_step STEP LANE_DIR PORT
     vllm-w3-32b-tp*)
       OUT=$dir PORT=$port LABEL=vllm-32b-tp${step#vllm-w3-32b-tp} MODEL_CONFIG=qwen3-32b \
         VLLM_FLAGS="-tp ${step#vllm-w3-32b-tp}" bash scripts/gpu_w3.sh vllm 16 ;;
-    disagg1|disagg2)
-      [ -f scripts/gpu_disagg.sh ] && OUT=$dir PORT_BASE=$port NUM_GPUS=${step#disagg} bash scripts/gpu_disagg.sh ;;
+    disagg-1gpu)  # one instance vs prefill + decode instances sharing the lane's first GPU
+      OUT=$dir BASE_PORT=$port GPU_A=${CUDA_VISIBLE_DEVICES%%,*} MODES="single pd_shared" bash scripts/gpu_disagg.sh ;;
+    disagg-2gpu)  # prefill and decode on the lane's two GPUs vs two instances behind the router
+      g=${CUDA_VISIBLE_DEVICES#*,}
+      OUT=$dir BASE_PORT=$port GPU_A=${CUDA_VISIBLE_DEVICES%%,*} GPU_B=${g%%,*} NUM_GPUS=2 MODES="pd_2gpu dp_2gpu" \
+        bash scripts/gpu_disagg.sh ;;
     soak-bg)  # the soak in its own session: it outlives this call while the machine stays warm;
               # a later call collects $dir/soak.json (keep its GPU out of the lanes meanwhile)
       setsid nohup python3 -m minivllm bench soak --device cuda --requests ${SOAK_REQUESTS:-10000} \

@@ -172,6 +172,8 @@ def build_engine_config(
               "cannot be on with enable_expert_parallel and data_parallel_size > 1 (the replicas step in lock-step)")
         async_scheduling = False
         enforce_eager = True
+        check(speculative is None, "speculative_config", "is not supported with enable_expert_parallel and "
+              "data_parallel_size > 1 (draft forwards would break the replicas' one forward a step)")
     check(parallel.world_size == 1 or not (swap_bytes or offload_bytes), "swap_space / kv_offloading_size",
           f"need one rank (the multi-process executor has no host KV tiers yet), got world size {parallel.world_size}")
     # pipeline stages need each step's tokens on the host (a later stage cannot fill in a token

@@ -132,7 +132,9 @@ class _GgufTensor:
         elif self.hf_name.endswith("shared_expert_gate.weight") and w.ndim == 1:
             w = w[None, :]  # llama.cpp stores the [1, H] gate as [H]
         t = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
-        return t.narrow(dim, start, stop - start) if dim != 0 else t
+        # rows were cut while reading; a column range, or a 1-D tensor's (a bias), is cut here
+        cut_here = cut is not None and (dim != 0 or len(self.shape) == 1)
+        return t.narrow(dim, start, stop - start) if cut_here else t
 
 
 def iter_gguf_weights(reader, cfg: ArchConfig) -> Iterator[tuple[str, _GgufTensor]]:

@@ -132,3 +132,64 @@ def test_moe_pipeline_parallel_is_refused(moe_model):
 def test_expert_parallel_needs_a_moe_model(tiny_llama):
     with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model"):
         _llm(tiny_llama(), tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_gguf_tensor_parallel_equals_one_rank(tmp_path):
+    """GGUF's stacked expert tensors (llama.cpp's names) split by features under tp=2."""
+    from tiny_moe import write_gguf
+    path = str(tmp_path / "qwen2_moe.gguf")
+    write_gguf(build("qwen2_moe", seed=1), "qwen2_moe", path)
+    single = _llm(path)
+    reference = _generate(single)
+    single.llm_engine.shutdown()
+    got, _ = _run_parallel(path, tensor_parallel_size=2)
+    assert got == reference
+
+
+def _rank_model(path: str, rank, ep=None):
+    """One rank's model, built and loaded in this process (loading needs no process group)."""
+    import torch
+
+    from minivllm.attention.backend import get_attention_backend
+    from minivllm.distributed.communication import TensorParallelGroup
+    from minivllm.distributed.parallel_state import ParallelGroups
+    from minivllm.engine.config_builder import build_engine_config
+    from minivllm.models.loader import build_model
+    cfg = build_engine_config(model=path, dtype="float32", device="cpu")
+    cpu = torch.device("cpu")
+    groups = ParallelGroups(rank, TensorParallelGroup(None, rank.tp_rank, rank.tp_size, cpu), None, ep)
+    return build_model(cfg.model, get_attention_backend("torch"), cpu, torch.float32, groups)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "tp+ep"])
+def test_each_rank_loads_its_share_of_the_experts(tmp_path, expert_parallel):
+    """tp=2: every expert's gate/up rows and down columns of this rank's feature half (and the
+    shared expert's); with expert parallelism: whole experts, half of them each."""
+    import torch
+
+    from minivllm.distributed.parallel_state import ExpertParallelInfo
+    from minivllm.distributed.sharding import RankInfo
+    path = str(tmp_path / "qwen2_moe")
+    build("qwen2_moe", path)
+    full = dict(_rank_model(path, RankInfo()).named_parameters())
+    inter, shared, experts = 32, 48, 8
+    for r in range(2):
+        ep = ExpertParallelInfo(r, 2, False) if expert_parallel else None
+        local = dict(_rank_model(path, RankInfo(r, 2), ep).named_parameters())
+        sparse = [n for n in local if n.endswith("mlp.experts.w13")]
+        assert sparse
+        for name in sparse:
+            w13, w2 = full[name], full[name.replace("w13", "w2")]
+            if expert_parallel:
+                own = slice(r * experts // 2, (r + 1) * experts // 2)
+                want13, want2 = w13[own], w2[own]
+            else:
+                half = slice(r * inter // 2, (r + 1) * inter // 2)
+                want13 = torch.cat([w13[:, :inter][:, half], w13[:, inter:][:, half]], dim=1)
+                want2 = w2[:, :, half]
+            assert torch.equal(local[name], want13) and torch.equal(local[name.replace("w13", "w2")], want2)
+            gu = name.replace("experts.w13", "shared_expert.gate_up_proj.weight")
+            half = slice(r * shared // 2, (r + 1) * shared // 2)
+            assert torch.equal(local[gu], torch.cat([full[gu][:shared][half], full[gu][shared:][half]]))
+            gate = name.replace("experts.w13", "gate.weight")
+            assert torch.equal(local[gate], full[gate])  # the router: replicated
