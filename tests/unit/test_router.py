@@ -136,3 +136,19 @@ def test_prefill_body_takes_one_prompt_and_no_streaming():
     assert prefill_body(body) == {"prompt": "only", "max_tokens": 1, "n": 1,
                                   "kv_transfer_params": {"do_remote_decode": True}}
     assert body["prompt"] == ["only"]  # the client's request is left as it was
+
+
+def test_plain_instances_share_the_requests():
+    """--instance mode: no prefill step; idle instances take requests in turn."""
+    seen = [[], []]
+    servers = [ServerThread(_decode_app(s)).start() for s in seen]
+    router = Router([], [], [s.base_url for s in servers], timeout_s=30)
+    try:
+        with ServerThread(create_router_app(router)) as r:
+            for _ in range(4):
+                resp = httpx.post(r.base_url + "/v1/completions", json={"prompt": "Hi"}, timeout=30)
+                assert resp.status_code == 200 and resp.json()["got"] is None  # no hand-off
+        assert [len(s) for s in seen] == [2, 2]
+    finally:
+        for s in servers:
+            s.stop()
