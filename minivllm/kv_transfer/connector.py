@@ -119,14 +119,17 @@ class KVConnector(ABC):
         self._wakeup.set()
 
     def _apply(self, a: ArrivedPull) -> None:
-        """Copy arrived blocks into the KV cache, on the engine thread's (compute) stream."""
-        ids = torch.tensor(a.local_block_ids, dtype=torch.int64, device=self.device)
+        """Copy arrived blocks into the KV cache, queued on the engine thread's (compute) stream.
+        On a GPU nothing here waits for the device (a step may be in flight): the ids and any
+        host-staged blocks come from pinned memory, copied without blocking."""
         on_cuda = self.device.type == "cuda"
+        ids = torch.tensor(a.local_block_ids, dtype=torch.int64, pin_memory=on_cuda)
+        ids = ids.to(self.device, non_blocking=True)
         stream = torch.cuda.current_stream(self.device) if on_cuda else None
         for dst, src in zip(self.pool, a.blocks):
             if on_cuda and src.device.type == "cuda":
                 src.record_stream(stream)  # staged on the transport's stream: keep it until this copy ran
-            dst.index_copy_(0, ids, src.to(self.device))
+            dst.index_copy_(0, ids, src.to(self.device, non_blocking=src.is_pinned()))
 
 
 def check_layout(remote: dict, pool: list[torch.Tensor]) -> str | None:
