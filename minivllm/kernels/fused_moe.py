@@ -114,7 +114,11 @@ def count_expert_tokens(stats: torch.Tensor, topk_ids: torch.Tensor, token_valid
     counts inside moe_align)."""
     ids = topk_ids.reshape(-1).long()
     ones = torch.ones_like(ids) if token_valid is None else token_valid.long().repeat_interleave(topk_ids.shape[1])
-    stats.index_add_(0, ids, ones)
+    # a CUDA graph's padding rows route stale hidden states: their ids may be anything, even past
+    # the last expert (NaN router logits), which index_add_ would fault on (a device-side assert
+    # under tp + expert parallelism on H100s); moe_align's one-hot ignores them the same way
+    inside = (ids >= 0) & (ids < stats.shape[0])
+    stats.index_add_(0, torch.where(inside, ids, 0), ones * inside)
 
 
 # ------------------------------------------------------------------ Triton launchers

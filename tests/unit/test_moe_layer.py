@@ -92,6 +92,14 @@ def test_token_counters_skip_invalid_tokens():
     assert int(stats.sum()) == (5 + 7) * 2
 
 
+def test_token_counters_ignore_ids_past_the_experts():
+    """A CUDA graph's padding rows may route to any id (NaN router logits): the counters skip
+    ids outside [0, E) instead of faulting (a device-side assert on the GPU)."""
+    stats = torch.zeros(4, dtype=torch.int64)
+    count_expert_tokens(stats, torch.tensor([[0, 3], [4, -1], [2, 2]]), torch.tensor([True, True, False]))
+    assert stats.tolist() == [1, 0, 0, 1]
+
+
 def test_align_reference_layout():
     """Each expert's entries form one run, in entry order, padded to the block with the
     sentinel; every block is one expert's."""
