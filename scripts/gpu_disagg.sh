@@ -29,6 +29,11 @@ OUTPUT_LEN=${OUTPUT_LEN:-"100 1024"}
 VOCAB_SIZE=${VOCAB_SIZE:-10000}  # prompt token ids are drawn below this (W3: 10,000)
 P_UTIL=${P_UTIL:-0.42}
 D_UTIL=${D_UTIL:-0.88}
+# pd_shared: explicit KV budgets. Profiled ones failed on an H100 (2026-11-26): the decode instance
+# counted the prefill instance's 50 GiB (more than its 0.42 share: its allocator keeps what its
+# warm-up and graph capture took) as used and planned a negative KV cache
+P_KV=${P_KV:-$((8 << 30))}
+D_KV=${D_KV:-$((16 << 30))}
 BASE_PORT=${BASE_PORT:-8100}
 OUTDIR=${OUT:-/tmp/disagg}; mkdir -p "$OUTDIR"
 if [ -z "${MODES:-}" ]; then
@@ -54,9 +59,10 @@ wait_up() {  # URL PID LOG
   done
 }
 
-serve() {  # NAME PORT CUDA_VISIBLE_DEVICES UTIL [ROLE]
+serve() {  # NAME PORT CUDA_VISIBLE_DEVICES UTIL [ROLE [KV_BYTES]]
   local kv=() log="$OUTDIR/server_$1.log"
   [ -n "${5:-}" ] && kv=(--kv-transfer-config "{\"kv_role\": \"$5\"}")
+  [ -n "${6:-}" ] && kv+=(--kv-cache-memory-bytes "$6")
   CUDA_VISIBLE_DEVICES=$3 python3 -m minivllm --log-level INFO serve $SERVE_FLAGS --port "$2" --gpu-memory-utilization "$4" \
     "${kv[@]}" > "$log" 2>&1 &
   PIDS+=($!)
@@ -92,8 +98,8 @@ for MODE in $MODES; do
     single)
       serve single $((P + 1)) "$GA" 0.9 && bench single "http://127.0.0.1:$((P + 1))" ;;
     pd_shared)
-      serve pd_shared_prefill $((P + 1)) "$GA" "$P_UTIL" kv_producer \
-        && serve pd_shared_decode $((P + 2)) "$GA" "$D_UTIL" kv_consumer \
+      serve pd_shared_prefill $((P + 1)) "$GA" "$P_UTIL" kv_producer "$P_KV" \
+        && serve pd_shared_decode $((P + 2)) "$GA" "$D_UTIL" kv_consumer "$D_KV" \
         && router pd_shared "$P" --prefill "http://127.0.0.1:$((P + 1))" --decode "http://127.0.0.1:$((P + 2))" \
         && bench pd_shared "http://127.0.0.1:$P" ;;
     pd_2gpu)
