@@ -10,6 +10,8 @@
     minivllm bench tune --slo ttft_p99=500ms,itl_p99=50ms    (serving settings of most goodput under an SLO)
     minivllm bench invariance [--batch-invariant]           (one prompt under random load: distinct outputs)
     minivllm bench parallel-check --layouts tp1,tp2,pp2      (sharded layouts vs tp=1 on the same weights)
+    minivllm bench tp-steps --tp 1,3                         (per-step time at each tensor_parallel_size)
+    minivllm bench perplexity [--variants fp32,awq,...]      (the default model in each quantized format)
 
 Every sub-command prints one JSON object (see minivllm.bench.common). The peers run through
 their own modules (python -m minivllm.bench.peers.vllm_runner / hf_runner) and the GPU driver
@@ -22,8 +24,8 @@ import argparse
 
 
 def register(subparsers) -> None:
-    from minivllm.bench import (config_grid, cpu_bench, invariance, parallel_check, run_minivllm, soak, spec_bench,
-                                startup, tune)
+    from minivllm.bench import (config_grid, cpu_bench, invariance, parallel_check, perplexity, run_minivllm, soak,
+                                spec_bench, startup, tune)
     from minivllm.server.bench_serve import register_bench_serve
     b = subparsers.add_parser("bench", help="benchmarks: throughput, latency, startup, cpu, serve",
                               description="The standard workloads of BENCHMARKS.md on minivllm.")
@@ -40,6 +42,8 @@ def register(subparsers) -> None:
     register_bench_serve(sub)  # W3, against any OpenAI-compatible server
     tune.add_parser(sub)  # the serving settings of most goodput under an SLO
     parallel_check.add_parser(sub)  # tp/pp layouts vs tp=1 on the same weights (issue 27)
+    parallel_check.add_tp_steps_parser(sub)  # per-step time at tp=N (issue 20)
+    perplexity.add_parser(sub)  # quality of the quantized formats (issue 25)
     b.set_defaults(func=_dispatch)
 
 

@@ -223,3 +223,43 @@ def add_parser(sub) -> None:
     p.add_argument("--keep-checkpoint", action="store_true")
     p.add_argument("--output", default=None, help="also write the JSON result to this file")
     p.set_defaults(bench_func=cmd_parallel_check)
+
+
+# ---- per-step time at tp=N (issue 20's CPU figure) ----------------------------------------------------
+TP_STEP_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
+
+
+def cmd_tp_steps(args) -> int:
+    """Per-step decode time of the bundled model at each tensor_parallel_size (N > 1: N mp workers)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    for tp in (int(x) for x in args.tp.split(",")):
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for batch, ms in pool.submit(_tp_step_times, tp, args.device, args.steps).result():
+                print(f"tp={tp} batch={batch}: {ms:.1f} ms per step ({args.steps} decode steps, prompt included)",
+                      flush=True)
+    return 0
+
+
+def _tp_step_times(tp: int, device: str, steps: int) -> list[tuple[int, float]]:
+    from minivllm import LLM, SamplingParams
+    llm = LLM(dtype="float32" if device == "cpu" else "auto", device=device, tensor_parallel_size=tp,
+              max_model_len=512)
+    llm.generate(TP_STEP_PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    out = []
+    for batch in (1, 4):
+        t = time.perf_counter()
+        llm.generate(TP_STEP_PROMPTS[:batch], params, use_tqdm=False)
+        out.append((batch, (time.perf_counter() - t) / steps * 1000))
+    llm.llm_engine.shutdown()
+    return out
+
+
+def add_tp_steps_parser(sub) -> None:
+    p = sub.add_parser("tp-steps", help="per-step decode time of the default model at tp=1,3,... (issue 20's "
+                                        "CPU figure)")
+    p.add_argument("--tp", default="1,3", help="comma-separated tensor_parallel_size values")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=int, default=64)
+    p.set_defaults(bench_func=cmd_tp_steps)

@@ -1,5 +1,5 @@
 """Summaries of per-step engine records (`LLMEngine.last_step` plus the step's wall time), as
-written by the engine core's MINIVLLM_STEP_LOG or collected by scripts/profile_w3_offline.py.
+written by the engine core's MINIVLLM_STEP_LOG.
 
     python -m minivllm.bench.step_stats steps.jsonl
 

@@ -8,7 +8,7 @@ Two packings, one per layer:
   (`kernel_linear_preferred`).
 - oneDNN's, described below, everywhere else: on an Intel Xeon (Sapphire Rapids) oneDNN was
   1.6x faster at 32 rows (both kernel builds, AVX-512 and AVX2; ours was 1.1-1.9x faster at one
-  row only). scripts/probe_cpu_linear.py measures both on any CPU; docs/perf.md, session 7.
+  row only). The measurements are in docs/perf.md, session 7 (the probe that took them, scripts/probe_cpu_linear.py, is in git history).
 
 On the CPU, oneDNN with a weight reordered once into its blocked layout runs the linear shapes
 of a batch 1.5-2x faster than `F.linear` (MKL on a plain row-major weight) from a few tokens up,

@@ -53,7 +53,7 @@ def mixed_token_sizes(max_num_batched_tokens: int, limit: int | None = None) -> 
     (2^k, 2^(k+1)] multiples of 2^k / 8 (128 up to 2,048, 256 up to 4,096, ...), so padding
     stays under 12.5 %. Such steps are GEMM-bound (~18 us per token for Qwen3-8B on an H200),
     so every padding token costs what a real one does. `limit` defaults to MAX_MIXED_TOKENS,
-    read at call time (scripts/profile_w3_offline.py --max-graph-tokens sets it)."""
+    read at call time (a profiling run may set it to try other graph sizes)."""
     limit = MAX_MIXED_TOKENS if limit is None else limit
     sizes = list(range(64, min(limit, 1024) + 1, 64))
     low = 1024

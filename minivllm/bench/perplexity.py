@@ -1,8 +1,9 @@
-"""Perplexity of the bundled SmolLM2-135M on a fixed text (scripts/perplexity_text.txt), through
-minivllm's own model code on the CPU in float32, for the unquantized weights and each quantized
-form: the quality cost of the formats (docs/perf.md, quantization).
+"""`minivllm bench perplexity`: perplexity of the bundled SmolLM2-135M on a fixed text
+(bench/data/perplexity_text.txt), through minivllm's own model code on the CPU in float32, for the
+unquantized weights and each quantized form: the quality cost of the formats (docs/perf.md,
+quantization).
 
-    python scripts/quant_perplexity.py [--quant-dir DIR] [--variants fp32,awq,...]
+    minivllm bench perplexity [--quant-dir DIR] [--variants fp32,awq,...]
 
 DIR: scripts/quantize_default_model.py's output (written to a temporary directory if not given).
 Each variant runs the whole text as one sequence of at most --max-tokens tokens: one forward pass
@@ -19,7 +20,7 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "perplexity_text.txt")
 # variant -> (checkpoint sub-directory or None for the bundled GGUF, LLM keyword arguments)
 VARIANTS = {
     "fp32": (None, {}),
@@ -63,32 +64,38 @@ def _one_sequence(t: int, block_size: int):
                              torch.arange(-(-t // block_size), dtype=i32).view(1, -1), t, t, [0, t], [t])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quant-dir", default=None)
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--max-tokens", type=int, default=1024)
-    args = p.parse_args()
-    from minivllm.models.source import default_gguf_path
+def cmd_perplexity(args) -> int:
     from transformers import AutoTokenizer
+
+    from minivllm.models.source import default_gguf_path
     gguf = default_gguf_path()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    with open(os.path.join(HERE, "perplexity_text.txt")) as f:
+    with open(TEXT) as f:
         ids = tok(f.read())["input_ids"][: args.max_tokens]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     quant_dir = args.quant_dir
     needed = sorted({VARIANTS[v][0] for v in variants if VARIANTS[v][0]})
     if needed and quant_dir is None:
         from minivllm.quant.export import write_all
         quant_dir = tempfile.mkdtemp(prefix="minivllm-quant-")
         write_all(gguf, quant_dir, tuple(needed), 64)
-    print(f"{len(ids)} tokens of scripts/perplexity_text.txt")
+    print(f"{len(ids)} tokens of bench/data/perplexity_text.txt")
     for v in variants:
         sub, kw = VARIANTS[v]
         t0 = time.time()
         ppl = perplexity(os.path.join(quant_dir, sub) if sub else None, ids, **kw)
         print(f"{v:12s} perplexity {ppl:8.3f}   ({time.time() - t0:.0f} s)", flush=True)
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+def add_parser(sub) -> None:
+    p = sub.add_parser("perplexity", help="perplexity of the default model, unquantized and in each quantized "
+                                          "format (CPU, fp32)")
+    p.add_argument("--quant-dir", default=None, help="scripts/quantize_default_model.py's output (default: "
+                                                     "written to a temporary directory)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.set_defaults(bench_func=cmd_perplexity)
