@@ -49,6 +49,18 @@ class ServerThread:
         self.stop()
 
 
+def wait_until(pred, timeout_s: float = 30.0, what: str = "condition", poll_s: float = 0.1):
+    """pred()'s first truthy value, polled every poll_s; an AssertionError naming `what` after
+    timeout_s (tests wait for a server's state this way)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} not reached"
+        time.sleep(poll_s)
+
+
 def pid_gone(pid: int, timeout_s: float = 20.0) -> bool:
     """Whether process `pid` (of this machine) is gone within timeout_s (tests: nothing left behind)."""
     import os

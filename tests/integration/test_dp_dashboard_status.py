@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from minivllm.models.source import default_gguf_path
-from minivllm.server.testing import free_port
+from minivllm.server.testing import free_port, wait_until
 
 COMMON = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(32 << 20), "--dtype", "float32",
           "--device", "cpu", "--max-num-seqs", "4"]
@@ -73,13 +73,7 @@ def _status_lines(log: Path, label: str) -> list[str]:
 
 
 def _until(pred, timeout_s: float = 120.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} not reached"
-        time.sleep(0.2)
+    return wait_until(pred, timeout_s, what, poll_s=0.2)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 from minivllm.server.app import create_app
 from minivllm.server.serving_common import ServerSettings
-from minivllm.server.testing import ServerThread
+from minivllm.server.testing import ServerThread, wait_until
 
 KW = dict(dtype="float32", device="cpu", max_model_len=512, kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
 PROMPT_LEN, MAX_TOKENS, N = 40, 300, 5
@@ -32,13 +32,7 @@ def server(request):
 
 
 def _until(pred, timeout_s: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} not reached"
-        time.sleep(0.05)
+    return wait_until(pred, timeout_s, what, poll_s=0.05)
 
 
 def _stream_in_background(base: str, i: int, stop: threading.Event) -> threading.Thread:

@@ -8,23 +8,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.profiler import apply_profile_command
+from minivllm.server.testing import wait_until
 
 
 def _until(pred, timeout_s: float = 120.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} not reached"
-        time.sleep(0.1)
+    return wait_until(pred, timeout_s, what, poll_s=0.1)
 
 
 def _names(trace: Path) -> set[str]:
