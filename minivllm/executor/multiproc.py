@@ -2,7 +2,9 @@
 
     engine core ── Listener (127.0.0.1, random port, random key) ◄── connect ── worker rank r
       launch: pickle ("step", SchedulerOutput, bitmask or None) once, send the same bytes to every rank
-      finish: wait for the driver's ("out", RunnerOutput), watching every other rank meanwhile
+      finish: wait for the driver's ("out", RunnerOutput), watching every other rank meanwhile;
+              with async scheduling, first send ("finish",) if no later step was launched (a
+              worker finishes a step when the next one arrives, or when told to)
       profile: ("profile", "start" | "stop", trace path) to every rank, in order with the steps;
                each rank traces itself and writes its file (no answer)
 
@@ -60,6 +62,9 @@ class MultiprocExecutor(DeathLatch):
         self._procs: list[subprocess.Popen] = []
         self._conns: list = []
         self._launched = self._finished = 0
+        # async scheduling: a worker finishes its step in flight only when the next step arrives
+        # (launched first, so the device never waits) or when told to ("finish"), see finish()
+        self._overlap = config.async_scheduling
         self._expert_counts: list[list[int]] | None = None  # the driver's latest, [MoE layers][experts]
         self._finalizer = weakref.finalize(self, _stop_processes, self._procs, self._conns)
         atexit.register(self._finalizer)
@@ -225,6 +230,9 @@ class MultiprocExecutor(DeathLatch):
         """The driver's output of step `handle` (steps finish in launch order)."""
         assert handle == self._finished + 1, (handle, self._finished)
         self._raise_if_dead()
+        if self._overlap and handle == self._launched:
+            # no step queued behind this one: the workers would wait for it, so ask for the result
+            self._send_all(("finish",))
         msg = self._recv(self.driver)
         if msg[0] == "error":
             self._fail(f"worker rank {self.driver} raised:\n{msg[1]}")

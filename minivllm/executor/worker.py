@@ -121,16 +121,24 @@ class Worker:
 
 def serve(conn, worker: Worker, overlap: bool) -> None:
     """The step loop of an mp worker (see the module docstring). overlap (async scheduling):
-    a step queued behind this one is launched before this one is finished, as the in-process
-    engine does, so the device never waits for the connection."""
+    the step in flight is finished only once the next step has arrived and been launched behind
+    it, as the in-process engine does, so the device never waits for the connection; when the
+    engine core needs the result with no step to queue behind it, it sends ("finish",). (Polling
+    for the next step instead lost the overlap at every step: the engine core sends step N + 1 a
+    few milliseconds after it has taken in N - 1, while N still runs.)"""
     pending = None
     while True:
-        if pending is not None and not (overlap and conn.poll()):
+        if pending is not None and not overlap:
             _reply(conn, worker.finish(pending))
             pending = None
         msg = pickle.loads(conn.recv_bytes())
         if msg[0] == "stop":
             break
+        if msg[0] == "finish":
+            if pending is not None:
+                _reply(conn, worker.finish(pending))
+                pending = None
+            continue
         if msg[0] == "profile":  # between two steps: the trace holds whole steps
             worker.profile(msg[1], msg[2])
             continue
