@@ -16,12 +16,17 @@ there), max_tokens 0. A prefill instance that cannot be reached at all is skippe
 error (502, OpenAI's error body), never a hang. A decode instance that dies mid-stream ends the
 stream with an error event.
 
-Plain data parallelism (--instance URL...): each request goes to the instance with the fewest
-requests in flight through this router.
+Plain data parallelism (--instance URL...): each request goes to the least loaded instance. Load
+comes from each instance's GET /load, polled every LOAD_POLL_S (running + waiting requests, plus
+those this router sent it since that report, so a burst between two polls spreads out); an
+instance whose report is older than LOAD_FRESH_S (unreachable, or not a minivllm server) is ranked
+by the requests in flight through this router instead. The prefill and decode pools of the
+disaggregated mode pick the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -38,22 +43,37 @@ from minivllm.server.errors import JSONResponse, dumps, error_body
 logger = logging.getLogger(__name__)
 
 DOWN_S = 5.0  # an instance that refused a connection is skipped this long
+LOAD_POLL_S = 0.1  # how often each instance's /load is read
+LOAD_FRESH_S = 1.0  # a /load report older than this is not used
 _HOP_HEADERS = {"authorization"}  # forwarded to the instances as the client sent them
 
 
 @dataclass(eq=False)
 class Instance:
     url: str
-    in_flight: int = 0
+    in_flight: int = 0  # requests of this router it is serving now
     down_until: float = 0.0
+    reported: int | None = None  # running + waiting requests in its last /load
+    reported_at: float = 0.0
+    sent_since_report: int = 0
 
     @property
     def up(self) -> bool:
         return time.monotonic() >= self.down_until
 
+    def score(self, now: float) -> int:
+        """How busy it is: its own last report plus what was sent since, else this router's view."""
+        if self.reported is not None and now - self.reported_at <= LOAD_FRESH_S:
+            return self.reported + self.sent_since_report
+        return self.in_flight
+
+    def take_report(self, load: dict, now: float) -> None:
+        self.reported = int(load["num_requests_running"]) + int(load["num_requests_waiting"])
+        self.reported_at, self.sent_since_report = now, 0
+
 
 class InstancePool:
-    """Instances of one kind; picks the one with the fewest requests in flight (ties: in turn)."""
+    """Instances of one kind; picks the least loaded (Instance.score; ties: in turn)."""
 
     def __init__(self, urls: list[str]) -> None:
         self.instances = [Instance(u.rstrip("/")) for u in urls]
@@ -65,7 +85,10 @@ class InstancePool:
             return None
         self._turn += 1
         order = up[self._turn % len(up):] + up[:self._turn % len(up)]
-        return min(order, key=lambda i: i.in_flight)
+        now = time.monotonic()
+        best = min(order, key=lambda i: i.score(now))
+        best.sent_since_report += 1
+        return best
 
     def __bool__(self) -> bool:
         return bool(self.instances)
@@ -86,6 +109,21 @@ class Router:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+    async def poll_loads(self) -> None:
+        """Reads every instance's /load every LOAD_POLL_S, for as long as the router runs."""
+        instances = self.prefill.instances + self.decode.instances
+        while True:
+            await asyncio.gather(*(self._read_load(i) for i in instances))
+            await asyncio.sleep(LOAD_POLL_S)
+
+    async def _read_load(self, inst: Instance) -> None:
+        try:
+            r = await self.client.get(inst.url + "/load", timeout=0.5)
+            if r.status_code == 200:
+                inst.take_report(r.json(), time.monotonic())
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            pass  # no fresh report: ranked by this router's own count until one comes
 
     # ---- one request -------------------------------------------------------------------------
     async def handle(self, request: Request, path: str) -> Response:
@@ -225,7 +263,9 @@ def create_router_app(router: Router) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        poller = asyncio.create_task(router.poll_loads())
         yield
+        poller.cancel()
         await router.close()
 
     app = FastAPI(title="minivllm router", lifespan=lifespan)
@@ -250,7 +290,8 @@ def create_router_app(router: Router) -> FastAPI:
     @app.get("/load")
     async def load() -> Response:
         pools = {"prefill": router.prefill, "decode": router.decode}
-        return JSONResponse({name: [{"url": i.url, "in_flight": i.in_flight, "up": i.up} for i in pool.instances]
+        return JSONResponse({name: [{"url": i.url, "in_flight": i.in_flight, "up": i.up, "reported": i.reported}
+                                    for i in pool.instances]
                              for name, pool in pools.items()} | {"prefill_skipped": router.num_prefill_skipped})
 
     return app

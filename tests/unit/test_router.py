@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from minivllm.server.router import Router, create_router_app, prefill_body
-from minivllm.server.testing import ServerThread, free_port
+from minivllm.server.testing import ServerThread, free_port, wait_until
 
 ANSWER = {"do_remote_prefill": True, "remote_request_id": "p-1"}
 
@@ -149,6 +149,29 @@ def test_plain_instances_share_the_requests():
                 resp = httpx.post(r.base_url + "/v1/completions", json={"prompt": "Hi"}, timeout=30)
                 assert resp.status_code == 200 and resp.json()["got"] is None  # no hand-off
         assert [len(s) for s in seen] == [2, 2]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_plain_instances_are_ranked_by_their_own_load_report():
+    """The router reads each instance's /load: an instance reporting 5 running requests gets none
+    of 4 new ones while the other reports an empty queue (4 sent since its report < 5)."""
+    seen = [[], []]
+    apps = [_decode_app(s) for s in seen]
+    for app, running in zip(apps, (5, 0)):
+        @app.get("/load")
+        async def load(running=running):
+            return {"num_requests_running": running, "num_requests_waiting": 0}
+    servers = [ServerThread(app).start() for app in apps]
+    router = Router([], [], [s.base_url for s in servers], timeout_s=30)
+    try:
+        with ServerThread(create_router_app(router)) as r:
+            wait_until(lambda: all(i["reported"] is not None for i in httpx.get(r.base_url + "/load").json()["decode"]),
+                       10.0, "both instances' /load read")
+            for _ in range(4):
+                assert httpx.post(r.base_url + "/v1/completions", json={"prompt": "Hi"}, timeout=30).status_code == 200
+        assert [len(s) for s in seen] == [0, 4]
     finally:
         for s in servers:
             s.stop()
