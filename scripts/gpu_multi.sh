@@ -25,6 +25,16 @@
 # (every record of every call so far on this machine), summary.txt, logs.tgz (all logs).
 # NUM_REQUESTS shortens the W3 steps (default 1000, BENCHMARKS.md's). SMOKE=1 runs the compare
 # steps in their CPU smoke form (plumbing check: SMOKE=1 OUT=/tmp/x bash scripts/gpu_multi.sh 'ours:W1-8B-tp2+vllm:W1-8B-tp2@').
+#
+# What issue 27 still needs (after `bash scripts/device_wheels.sh` here; on a 4-GPU machine, each
+# call carrying one of .vllm/p1..p5, deps, x, then .gpu/g1 + .whl and .gpu/g2, back to back):
+#   'ours:W1@0' 'ours:W1-mp@1' 'ours:W1-8B-tp2@2,3'               (the mp overlap fix, ws=1 cost)
+#   'ours:W1-8B-tp4@0,1,2,3'  then  'vllm:W1-8B-tp4@0,1,2,3'
+#   'ours:W2-tp2+vllm:W2-tp2@0,1' 'ours:W1-32B-tp2+vllm:W1-32B-tp2@2,3'
+#   'ours:W1-32B-tp4@0,1,2,3' 'vllm:W1-32B-tp4@0,1,2,3' 'vllm:W1-32B-pp2@0,1' 'vllm:W1-32B-tp2pp2@0,1,2,3'
+#   'w3-dp2@0,1' 'w3-dp1@2' 'w3-32b-tp2@...' 'vllm-w3-32b-tp2@...'
+#   'ours:W10-tp2-ep+vllm:W10-tp2-ep@0,1' 'ours:W10-decode-tp2-ep+vllm:W10-decode-tp2-ep@2,3'
+#   'disagg-1gpu@0' 'disagg-2gpu@1,2' 'check-default@0,1,2' 'soak-bg@3' 'gpu-tests@3'
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
