@@ -129,13 +129,13 @@ def run_layout(model: str, tp: int, pp: int, prompts: list[list[int]], args) -> 
     return {"tokens": tokens, "prompt_lps": prompt_lps, "startup_s": round(startup, 1)}
 
 
-def run_in_child(model: str, tp: int, pp: int, prompts: list[list[int]], args) -> dict:
-    """run_layout in a fresh process: an engine leaves CUDA memory behind in its process, which the
-    next layout's rank 0 (same GPU) would count as used and plan no KV cache around."""
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new (spawned) process: an engine leaves CUDA memory behind in its process,
+    which the next engine's rank 0 (same GPU) would count as used and plan no KV cache around."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(run_layout, model, tp, pp, prompts, args).result()
+        return pool.submit(fn, *args).result()
 
 
 def compare(ref: dict, got: dict) -> dict:
@@ -184,7 +184,7 @@ def cmd_parallel_check(args) -> int:
     for tp, pp in layouts:
         key = f"tp{tp}pp{pp}"
         log(f"layout {key}: starting")
-        runs[key] = run_in_child(model, tp, pp, prompts, args)
+        runs[key] = in_fresh_process(run_layout, model, tp, pp, prompts, args)
         if key != "tp1pp1":
             report[key] = dict(compare(runs["tp1pp1"], runs[key]), startup_s=runs[key]["startup_s"])
             log(f"layout {key} vs tp1: {report[key]}")
@@ -231,13 +231,10 @@ TP_STEP_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a
 
 def cmd_tp_steps(args) -> int:
     """Per-step decode time of the bundled model at each tensor_parallel_size (N > 1: N mp workers)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
     for tp in (int(x) for x in args.tp.split(",")):
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for batch, ms in pool.submit(_tp_step_times, tp, args.device, args.steps).result():
-                print(f"tp={tp} batch={batch}: {ms:.1f} ms per step ({args.steps} decode steps, prompt included)",
-                      flush=True)
+        for batch, ms in in_fresh_process(_tp_step_times, tp, args.device, args.steps):
+            print(f"tp={tp} batch={batch}: {ms:.1f} ms per step ({args.steps} decode steps, prompt included)",
+                  flush=True)
     return 0
 
 
