@@ -74,17 +74,21 @@ def pid_gone(pid: int, timeout_s: float = 20.0) -> bool:
     return False
 
 
-def spawn_server(cmd: list[str], base_url: str, timeout_s: float = 300.0, path: str = "/health"):
-    """Start a server process (`cmd`) and wait until GET base_url + path answers 200; the process
-    (stdout and stderr to one pipe). Raises with the process's output if it exits first."""
+def spawn_server(cmd: list[str], base_url: str, timeout_s: float = 300.0, path: str = "/health",
+                 log=None, env: dict | None = None):
+    """Start a server process (`cmd`, environment `env`) and wait until GET base_url + path answers
+    200; the process (stdout and stderr to one pipe, or to the file `log` when given). Raises with
+    the process's output if it exits first."""
     import subprocess
 
     import httpx
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = open(log, "w") if log is not None else subprocess.PIPE
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}: {proc.stdout.read()[-4000:]}")
+            output = open(log).read() if log is not None else proc.stdout.read()
+            raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}: {output[-4000:]}")
         if time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"{cmd[:4]} did not answer {path} within {timeout_s} s")

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from minivllm.models.source import default_gguf_path
-from minivllm.server.testing import free_port, wait_until
+from minivllm.server.testing import free_port, spawn_server, wait_until
 
 COMMON = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(32 << 20), "--dtype", "float32",
           "--device", "cpu", "--max-num-seqs", "4"]
@@ -29,18 +29,8 @@ def _serve(log: Path, *args: str):
     port = free_port()
     env = {**os.environ, "VLLM_LOG_STATS_INTERVAL": "0.5"}
     cmd = [sys.executable, "-m", "minivllm", "serve", "--port", str(port), *COMMON, *args]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "server did not come up"
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    return spawn_server(cmd, base, 600, log=log, env=env), base
 
 
 def _stop(proc) -> None:
