@@ -13,7 +13,8 @@ The mp process loop (`serve`): one pickled ("step", SchedulerOutput, GrammarBitm
 message per step arrives on the connection, and ("profile", "start" | "stop", path) between steps (the bitmask only for a step with constrained rows) (the executor pickles it once and writes the same bytes to every rank); the
 driver rank (last stage, TP rank 0) answers each with ("out", RunnerOutput); the other ranks
 answer nothing. ("expert_counts",) between steps: the driver answers ("counts", per-layer
-counts of a MoE model, or None). Any exception is sent as ("error", traceback) and the process exits; a closed
+counts of a MoE model, or None). ("finish",): with async scheduling, finish the step in flight
+now (none will be queued behind it; see serve). Any exception is sent as ("error", traceback) and the process exits; a closed
 connection (the engine is gone) makes it exit too, so no worker outlives its engine.
 """
 
