@@ -18,6 +18,8 @@
 #   disagg-2gpu         P and D on two GPUs vs two ordinary instances behind the router
 #   w7 / w8 / w12       the single-GPU comparisons of issues 18, 19, 24 (scripts/gpu_w7.sh,
 #                       bench spec --engine minivllm|vllm, scripts/gpu_w12.sh), vLLM staged first
+#   invariance          bench invariance on the GPU: 1,000 repeats under random load (issue 22)
+#   diagnose-invariance scripts/diagnose_invariance.py (chunked vs one-step prefill, module by module)
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
 #   gpu-tests           the single-GPU test files that last failed or never ran (one GPU)
 # Each lane gets its own port range (servers) and its own output folder under /tmp/multi, which
@@ -91,6 +93,11 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --methods none,ngram,draft_model --draft-model /tmp/smollm2-draft --output "$dir/w8-vllm.json" ;;
     w12)  # W12 KV pressure: recompute, swap, offload and vLLM's offloading (scripts/gpu_w12.sh)
       OUT=$dir bash scripts/gpu_w12.sh ;;
+    invariance)  # issue 22: 1,000 repeats of one prompt under random load, batch-invariant mode, bf16
+      python3 -m minivllm bench invariance --device cuda --dtype bfloat16 --repeats ${REPEATS:-1000} --batch-invariant \
+        --output "$dir/invariance.json" ;;
+    diagnose-invariance)  # issue 22: the first module whose rows differ, chunked vs one-step prefill
+      python3 scripts/diagnose_invariance.py > "$dir/diagnose-invariance.txt" 2>&1; tail -30 "$dir/diagnose-invariance.txt" ;;
     soak)
       python3 -m minivllm bench soak --device cuda --requests ${SOAK_REQUESTS:-10000} --output "$dir/soak.json" ;;
     gpu-tests)

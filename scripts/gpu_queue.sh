@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One queue of scripts/gpu_multi.sh steps per device lease, run in the background so that it is
+# not cut at a call's 10-minute limit; later calls keep the machine warm and bring back what is
+# done (the machine goes back 30 s after a call ends, so issue them back to back):
+#
+#   source scripts/gpu_env.sh && bash scripts/gpu_queue.sh start 'gpu-tests+w7+w8@0'
+#   source scripts/gpu_env.sh && bash scripts/gpu_queue.sh wait 560     # repeat until "queue done"
+#
+# `wait S` returns when the queue ends or after S seconds, whichever is first, and leaves in $OUT
+# queue.tgz (every lane folder of /tmp/multi so far: records, JSON, logs) and progress.txt.
+set -u
+cd "$(dirname "$0")/.."
+Q=/tmp/queue
+mkdir -p "$Q"
+
+report() {
+  local out=${OUT:-$Q/out}
+  mkdir -p "$out"
+  {
+    echo "queue: $(kill -0 "$(cat "$Q/pid" 2>/dev/null)" 2>/dev/null && echo running || echo done) at $(date +%T)"
+    for f in /tmp/multi/*-lane*/lane.log; do [ -f "$f" ] && echo "== $f" && grep -E "step |rc=" "$f" | tail -30; done
+    echo "== driver"; tail -5 "$Q/driver.log" 2>/dev/null
+    nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
+  } > "$out/progress.txt"
+  (cd /tmp && tar czf "$out/queue.tgz" multi queue/driver.log 2>/dev/null)
+  cat "$out/progress.txt"
+}
+
+case "${1:-}" in
+  start)
+    shift
+    OUT=$Q/final setsid nohup bash scripts/gpu_multi.sh "$@" > "$Q/driver.log" 2>&1 < /dev/null &
+    echo $! > "$Q/pid"
+    echo "queue started (pid $(cat "$Q/pid")): $*" ;;
+  wait)
+    deadline=$((SECONDS + ${2:-560}))
+    while kill -0 "$(cat "$Q/pid" 2>/dev/null)" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 5; done
+    report ;;
+  *) echo "usage: gpu_queue.sh start LANE... | wait SECONDS"; exit 2 ;;
+esac
