@@ -29,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_layers is not None:
         model.model.layers = model.model.layers[:args.num_layers]
         model.config.num_hidden_layers = args.num_layers
+    # transformers marks a model loaded from GGUF as quantized with GGUF (its tensors are
+    # de-quantized on load) and, in some versions (5.17 on the GPU machine), refuses to save it:
+    # the weights in memory are plain tensors of the chosen dtype, so drop the mark
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
     model.save_pretrained(args.out)
     AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(args.out)
     print(f"wrote {args.out} ({model.config.num_hidden_layers} layers, {args.dtype})")

@@ -59,7 +59,7 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --dtype bfloat16 --skip-tokenizer-init --num-prompts 16 --prompt-len 128 --max-tokens 64 \
         --max-model-len 1024 --output "$dir/check-8b.json" ;;
     check-default)
-      python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null &&
+      [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
       python3 -m minivllm bench parallel-check --model /tmp/smollm2-bf16 --layouts tp1,tp3,pp2 \
         --dtype bfloat16 --num-prompts 16 --prompt-len 128 --max-tokens 64 --max-model-len 1024 \
         --output "$dir/check-default.json" ;;
@@ -85,11 +85,14 @@ run_step() {  # run_step STEP LANE_DIR PORT
     w7)  # W7 structured output, both engines (scripts/gpu_w7.sh; needs the vLLM staging's xgrammar)
       OUT=$dir bash scripts/gpu_w7.sh ;;
     w8)  # W8 speculative decoding on the default model's real weights, minivllm then vLLM
-      [ -d /tmp/smollm2-bf16 ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
-      [ -d /tmp/smollm2-draft ] || python3 scripts/export_default_model.py /tmp/smollm2-draft --dtype bfloat16 --num-layers 8 >/dev/null
-      python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram,suffix,layer_skip,draft_model \
-        --draft-model /tmp/smollm2-draft --output "$dir/w8-minivllm.json"
-      PYTHONPATH=/tmp/vllm-site:$PYTHONPATH python3 -m minivllm bench spec --engine vllm --model /tmp/smollm2-bf16 \
+      [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
+      [ -f /tmp/smollm2-draft/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-draft --dtype bfloat16 --num-layers 8 >/dev/null
+      # Medusa heads trained on the CPU (scripts/train_medusa.py), carried once as .gpu/medusa
+      [ -f .gpu/medusa/config.json ] && rm -rf /tmp/medusa-heads && cp -r .gpu/medusa /tmp/medusa-heads
+      medusa=; [ -f /tmp/medusa-heads/config.json ] && medusa="--medusa-model /tmp/medusa-heads"
+      python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram,suffix,layer_skip,draft_model${medusa:+,medusa} \
+        --draft-model /tmp/smollm2-draft $medusa --output "$dir/w8-minivllm.json"
+      PYTHONPATH=/tmp/vllm-site:${PYTHONPATH:-} python3 -m minivllm bench spec --engine vllm --model /tmp/smollm2-bf16 \
         --methods none,ngram,draft_model --draft-model /tmp/smollm2-draft --output "$dir/w8-vllm.json" ;;
     w12)  # W12 KV pressure: recompute, swap, offload and vLLM's offloading (scripts/gpu_w12.sh)
       OUT=$dir bash scripts/gpu_w12.sh ;;

@@ -131,6 +131,11 @@ def run_engine(kind: str, args) -> dict:
            "first_constrained_request_s": first_constrained_s}
     res.update(ttft_probe(engine, prompt))
     res.update(throughput(engine, args.num_requests, args.max_tokens))
+    if kind == "minivllm":  # which bitmask fill the engine measured cheaper (mean s per row)
+        backend = engine.llm.llm_engine.structured._backend
+        choice = getattr(backend, "_fill_choice", None)
+        if choice is not None:
+            res["fill_s_per_row"] = dict(choice.cost)
     return res
 
 

@@ -103,3 +103,36 @@ def get_backend_class(name: str) -> type:
     except ImportError as e:
         raise ValueError(f"structured outputs need the {name} package, which is not installed ({e})") from None
     return getattr(module, cls_name)
+
+
+class FastestOf:
+    """Picks, step by step, the cheaper of two ways to do the same work, by measurement: each
+    way is tried PROBES times first, then the one with the lower running mean cost is used, and
+    the other is tried again every REPROBE_EVERY picks (costs drift with the batch's grammars).
+
+    Used for the bitmask fill: xgrammar's thread pool pays for itself only when the host has
+    idle cores and each row's mask is costly; on a busy or small host one thread is faster
+    (measured on the 2-core CI machine: 256 W7 rows, 3.6 ms in one thread vs 5.6 ms in two)."""
+
+    PROBES = 3
+    REPROBE_EVERY = 64
+    DECAY = 0.5  # weight of the old mean in the running mean
+
+    def __init__(self, ways: tuple[str, str]) -> None:
+        self.ways = ways
+        self.cost = {w: None for w in ways}
+        self.tries = {w: 0 for w in ways}
+        self.picks = 0
+
+    def pick(self) -> str:
+        self.picks += 1
+        for w in self.ways:
+            if self.tries[w] < self.PROBES:
+                return w
+        best, other = sorted(self.ways, key=lambda w: self.cost[w])
+        return other if self.picks % self.REPROBE_EVERY == 0 else best
+
+    def record(self, way: str, cost: float) -> None:
+        old = self.cost[way]
+        self.cost[way] = cost if old is None else self.DECAY * old + (1 - self.DECAY) * cost
+        self.tries[way] += 1

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from typing import Any
 
 import xgrammar as xgr
 
 from minivllm.sampling_params import StructuredOutputsParams
-from minivllm.structured.backend import GrammarKey
+from minivllm.structured.backend import FastestOf, GrammarKey
 from minivllm.structured.json_schema import check_schema, forbid_additional_properties, parse_schema
 from minivllm.structured.lark import ebnf_string, is_lark, lark_to_ebnf
 
@@ -59,6 +60,7 @@ class XgrammarBackend:
         # its own cache stays off: the manager caches compiled grammars by GrammarKey
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self._fill_choice = FastestOf(("threads", "serial"))
 
     # ---- validation (no tokenizer) ------------------------------------------------------------
     @staticmethod
@@ -115,9 +117,19 @@ class XgrammarBackend:
         return mask.pin_memory() if pin else mask
 
     def fill_bitmask(self, matchers: list[XgrammarMatcher], bitmask: Any) -> None:
-        if len(matchers) >= PARALLEL_FILL_MIN_ROWS:
-            self._batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], bitmask)
+        if len(matchers) < PARALLEL_FILL_MIN_ROWS:
+            self._fill_serial(matchers, bitmask)
             return
+        mode = self._fill_choice.pick()
+        t = time.perf_counter()
+        if mode == "threads":
+            self._batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], bitmask)
+        else:
+            self._fill_serial(matchers, bitmask)
+        self._fill_choice.record(mode, (time.perf_counter() - t) / len(matchers))
+
+    @staticmethod
+    def _fill_serial(matchers: list[XgrammarMatcher], bitmask: Any) -> None:
         for i, m in enumerate(matchers):
             m.matcher.fill_next_token_bitmask(bitmask, i)
 

@@ -133,6 +133,48 @@ def test_batch_bitmask_rows_follow_the_handles(tokenizer):
     mgr.shutdown()
 
 
+def test_threaded_and_serial_fills_give_the_same_rows(tokenizer):
+    """A batch big enough for the measured choice between xgrammar's threads and one thread: every
+    step, whichever way was picked, the rows equal a serial fill of the same matchers."""
+    from minivllm.structured.xgrammar_backend import PARALLEL_FILL_MIN_ROWS
+    mgr = _manager(tokenizer)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}
+    hs = [_ready(mgr.new_handle(f"r{i}", StructuredOutputsParams(json=schema), [1]))
+          for i in range(PARALLEL_FILL_MIN_ROWS + 4)]
+    backend = mgr._get_backend()
+    rng = random.Random(0)
+    for _ in range(8):
+        bm = mgr.bitmask(hs)
+        serial = torch.zeros_like(bm.bitmask)
+        backend._fill_serial([h.matcher for h in hs], serial)
+        assert torch.equal(bm.bitmask, serial)
+        for row, h in enumerate(hs):  # advance each matcher by one allowed token (not the end)
+            bits = ((bm.bitmask[row].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+            allowed = [t for t in torch.nonzero(bits).flatten().tolist() if t != tokenizer.eos_token_id]
+            if allowed:  # (an object already closed allows only the end)
+                assert h.accept_token(rng.choice(allowed))
+    assert all(n >= 3 for n in backend._fill_choice.tries.values())  # both ways were measured
+    mgr.shutdown()
+
+
+def test_fastest_of_probes_both_then_keeps_the_cheaper_and_reprobes():
+    from minivllm.structured.backend import FastestOf
+    choice = FastestOf(("a", "b"))
+    cost = {"a": 2.0, "b": 1.0}
+    seen = []
+    for _ in range(2 * FastestOf.REPROBE_EVERY):
+        way = choice.pick()
+        seen.append(way)
+        choice.record(way, cost[way])
+    assert seen[:6] == ["a"] * 3 + ["b"] * 3  # probes first
+    assert seen[6:].count("a") == 2  # then the cheaper, with one reprobe per REPROBE_EVERY picks
+    cost["a"] = 0.1  # the other way got cheaper: seen at the next reprobes, then kept
+    for _ in range(3 * FastestOf.REPROBE_EVERY):
+        way = choice.pick()
+        choice.record(way, cost[way])
+    assert choice.pick() == "a"
+
+
 @pytest.mark.parametrize("vocab,rows,batch", [(100, 3, 5), (64, 1, 1), (1000, 7, 7), (33, 2, 4)])
 def test_apply_bitmask_matches_a_loop(vocab, rows, batch):
     g = torch.Generator().manual_seed(vocab)
