@@ -42,11 +42,13 @@ def method_configs(args) -> dict[str, dict | None]:
 
 def prompt_ids(model_dir: str, n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
+
+    from minivllm.engine.tokenizer import apply_chat_template
     tok = AutoTokenizer.from_pretrained(model_dir)
     with open(PROMPTS_PATH) as f:
         prompts = json.load(f)[:n]
-    return [tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
-                                    tokenize=True) for p in prompts]
+    # the project's helper: transformers 5 returns a BatchEncoding from a tokenizing apply_chat_template
+    return [apply_chat_template(tok, [{"role": "user", "content": p["prompt"]}]) for p in prompts]
 
 
 def _engine(args, spec: dict | None):
