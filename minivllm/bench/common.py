@@ -289,3 +289,13 @@ def quant_engine_kwargs(args: argparse.Namespace) -> dict:
         if getattr(args, k, None) is not None:
             kw[k] = getattr(args, k)
     return kw
+
+
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new (spawned) process, for runs that each start an engine on one GPU: an
+    engine leaves CUDA memory behind in its process, which the next engine would count as used
+    and plan no KV cache around. fn, its arguments and its result must pickle."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()

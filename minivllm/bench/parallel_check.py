@@ -33,7 +33,7 @@ import re
 import tempfile
 import time
 
-from minivllm.bench.common import emit, envelope, log
+from minivllm.bench.common import emit, envelope, in_fresh_process, log
 
 _LAYOUT = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?$")
 
@@ -127,15 +127,6 @@ def run_layout(model: str, tp: int, pp: int, prompts: list[list[int]], args) -> 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"tokens": tokens, "prompt_lps": prompt_lps, "startup_s": round(startup, 1)}
-
-
-def in_fresh_process(fn, *args):
-    """fn(*args) in a new (spawned) process: an engine leaves CUDA memory behind in its process,
-    which the next engine's rank 0 (same GPU) would count as used and plan no KV cache around."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def compare(ref: dict, got: dict) -> dict:

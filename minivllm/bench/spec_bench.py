@@ -18,6 +18,8 @@ import json
 import os
 import time
 
+from minivllm.bench.common import emit, in_fresh_process
+
 PROMPTS_PATH = os.path.join(os.path.dirname(__file__), "data", "w8_prompts.json")
 
 
@@ -102,31 +104,29 @@ def _timed(llm, engine: str, batches: list[list[list[int]]], params) -> dict:
             "mean_acceptance_length": round(1 + d["accepted"] / d["drafts"], 3) if d["drafts"] else None}
 
 
+def measure_method(args, name: str, spec: dict | None, prompts: list[list[int]]) -> dict:
+    """One proposer's W8 figures, batch 1 then batch 32, on its own engine."""
+    # a copy: vLLM writes its own objects into the speculative_config dict it is given
+    llm = _engine(args, dict(spec) if spec is not None else None)
+    params = _params(args.engine, args.max_tokens)
+    llm.generate([{"prompt_token_ids": prompts[0]}], _params(args.engine, 8), use_tqdm=False)  # warm-up
+    one = [[p] for p in prompts[:args.batch1_prompts]]
+    many = [prompts[i:i + 32] for i in range(0, len(prompts), 32)]
+    return {"batch1": _timed(llm, args.engine, one, params), "batch32": _timed(llm, args.engine, many, params),
+            "config": spec}
+
+
 def run(args) -> dict:
     prompts = prompt_ids(args.model, args.num_prompts)
-    params = _params(args.engine, args.max_tokens)
     results = {}
     for name, spec in method_configs(args).items():
-        llm = _engine(args, spec)
-        llm.generate([{"prompt_token_ids": prompts[0]}], _params(args.engine, 8), use_tqdm=False)  # warm-up
-        one = [[p] for p in prompts[:args.batch1_prompts]]
-        many = [prompts[i:i + 32] for i in range(0, len(prompts), 32)]
-        results[name] = {"batch1": _timed(llm, args.engine, one, params),
-                         "batch32": _timed(llm, args.engine, many, params), "config": spec}
+        # each engine in its own process: one left in this process keeps its GPU memory, and the
+        # next engine would find no room for a KV cache
+        results[name] = in_fresh_process(measure_method, args, name, spec, prompts) if args.fresh_process \
+            else measure_method(args, name, spec, prompts)
         print(json.dumps({"method": name, **results[name]}), flush=True)
-        del llm
-        _free()
     return {"workload": "W8", "engine": args.engine, "model": args.model, "num_prompts": len(prompts),
             "max_tokens": args.max_tokens, "results": results}
-
-
-def _free() -> None:
-    import gc
-
-    import torch
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -144,6 +144,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--output", default=None)
+    p.add_argument("--no-fresh-process", dest="fresh_process", action="store_false",
+                   help="every proposer's engine in this process (CPU tests; on a GPU each needs its own)")
 
 
 def add_parser(sub) -> None:
@@ -154,7 +156,6 @@ def add_parser(sub) -> None:
 
 def cmd_spec(args) -> int:
     out = run(args)
-    from minivllm.bench.common import emit
     emit(out, args.output)
     return 0
 
