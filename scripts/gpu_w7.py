@@ -44,6 +44,35 @@ class MinivllmEngine:
         self.llm = LLM(model=model_dir, load_format="dummy", dtype=dtype, max_model_len=max_model_len, seed=0,
                        device=device)
         self.startup_s = time.perf_counter() - t
+        self._count_step_phases()
+
+    def _count_step_phases(self) -> None:
+        """Sums the engine's per-step phase times (LLMEngine.last_step: schedule, launch, wait,
+        update, outputs) over the steps since the last take_phases(): where a step's host time
+        goes, constrained vs unconstrained."""
+        engine = self.llm.llm_engine
+        step = engine.step
+        self._phases: dict[str, float] = {}
+        self._steps = 0
+
+        def counted_step():
+            out = step()
+            self._steps += 1
+            for k, v in engine.last_step.items():
+                if isinstance(v, float):
+                    self._phases[k] = self._phases.get(k, 0.0) + v
+            return out
+        engine.step = counted_step
+
+    def take_phases(self) -> dict:
+        """Mean ms per step of each phase since the last call, and the step count (None for
+        vLLM, whose engine has no such record)."""
+        if not hasattr(self, "_phases"):
+            return None
+        out = {k: round(1e3 * v / max(self._steps, 1), 3) for k, v in self._phases.items()}
+        out["steps"] = self._steps
+        self._phases, self._steps = {}, 0
+        return out
 
     @staticmethod
     def param_classes() -> tuple[type, type]:
@@ -104,9 +133,13 @@ def throughput(engine, n: int, max_tokens: int) -> dict:
     prompts, params, names = prompts[:n], params[:n], names[:n]
     for p in params:
         p["max_tokens"] = min(p["max_tokens"], max_tokens)
+    phases = getattr(engine, "take_phases", lambda: None)
+    phases()
     wall_c, outs = _timed(engine, prompts, params)
+    phases_c = phases()
     counts = [len(o.outputs[0].token_ids) for o in outs]
     wall_u, outs_u = _timed(engine, prompts, w7.unconstrained_twins(params, counts))
+    phases_u = phases()
     assert [len(o.outputs[0].token_ids) for o in outs_u] == counts, "the twin run must produce the same tokens"
     stopped = [(o.outputs[0].text, p["json_schema"]) for o, p in zip(outs, params) if o.outputs[0].finish_reason == "stop"]
     valid = sum(w7.validates(text, schema) for text, schema in stopped)
@@ -115,7 +148,8 @@ def throughput(engine, n: int, max_tokens: int) -> dict:
             "constrained_tok_s": total / wall_c, "unconstrained_tok_s": total / wall_u,
             "constrained_ms_per_token": 1e3 * wall_c / total, "unconstrained_ms_per_token": 1e3 * wall_u / total,
             "overhead": wall_c / wall_u - 1.0, "finished_stop": len(stopped), "valid": valid,
-            "valid_share_of_stop": valid / len(stopped) if stopped else None}
+            "valid_share_of_stop": valid / len(stopped) if stopped else None,
+            "step_phase_ms_constrained": phases_c, "step_phase_ms_unconstrained": phases_u}
 
 
 def run_engine(kind: str, args) -> dict:
