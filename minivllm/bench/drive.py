@@ -58,6 +58,9 @@ def throughput(args: argparse.Namespace, engine: str, make_adapter: AdapterFacto
     wls = [api_variants.workload(wl, args) for wl in wls]  # beam search: one max_tokens for all
     settings = _with_quant(dict(settings, max_model_len=settings.get("max_model_len") or wls[0].max_model_len), args)
     model_dir = model_dirs.write_model_dir(wls[0].model_config, quantization_config=quant_dir_config(args))
+    if getattr(args, "beam_width", 0):  # vLLM's beam_search needs a tokenizer: both engines get the same one
+        cfg = dict(cfg, vocab_size=model_dirs.add_bundled_tokenizer(model_dir))
+        settings = dict(settings, skip_tokenizer_init=False, tokenizer="bundled SmolLM2 (vocab_size 49,152)")
     log(f"{engine} {'+'.join(w.name for w in wls)} on {model_dirs.config_name(wls[0].model_config)}: {settings}")
     adapter = make_adapter(model_dir, wls[0])
     api_variants.attach(adapter, args, model_dir)  # LoRA adapters, beam width (issue 23's variants)

@@ -5,18 +5,25 @@ minivllm/bench/configs/<name>/config.json (plus `tiny-llama` for CPU smoke tests
 default model's shapes, for CPU timelines), because
 ../shared does not travel to the GPU machine. `write_model_dir(name)` copies one into a fresh
 temporary directory, which minivllm, vLLM (`load_format="dummy"`, `skip_tokenizer_init=True`)
-and transformers (`AutoConfig.from_pretrained`) all accept as a model directory.
+and transformers (`AutoConfig.from_pretrained`) all accept as a model directory;
+`add_bundled_tokenizer(dir)` gives one the default model's tokenizer when an engine needs text.
 
 Pure Python: importable from the vLLM process without torch or the minivllm engine.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import shutil
 import tempfile
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+# the default model's tokenizer (SmolLM2, 49,152 tokens): the one real tokenizer that reaches the
+# GPU machine, for benchmarks whose engines need text (W7's grammars, vLLM's beam_search)
+TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizers", "smollm2")
+BUNDLED_VOCAB, BUNDLED_EOS, BUNDLED_BOS = 49152, 2, 1  # <|im_end|>, <|im_start|>
 
 
 def bundled_names() -> list[str]:
@@ -66,6 +73,29 @@ def write_model_dir(name_or_path: str, dest: str | None = None, quantization_con
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return d
+
+
+def add_bundled_tokenizer(model_dir: str) -> int:
+    """Gives a dummy model directory the bundled SmolLM2 tokenizer: its files, and a config whose
+    vocab_size (and eos/bos) match it, so every id an engine samples decodes. The model's shapes
+    are otherwise unchanged (a smaller embedding and LM head). Returns the new vocab_size."""
+    cfg_path = os.path.join(model_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update(vocab_size=BUNDLED_VOCAB, eos_token_id=BUNDLED_EOS, bos_token_id=BUNDLED_BOS)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(TOKENIZER_DIR, name), os.path.join(model_dir, name))
+    with gzip.open(os.path.join(TOKENIZER_DIR, "tokenizer.json.gz"), "rb") as src, \
+            open(os.path.join(model_dir, "tokenizer.json"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return BUNDLED_VOCAB
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    """Whether the engines should load a tokenizer from model_dir (else skip_tokenizer_init)."""
+    return os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
 
 
 # ---- sizes ---------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from minivllm.bench import drive
+from minivllm.bench import drive, model_dirs
 from minivllm.bench.common import param_bytes, quant_engine_kwargs
 from minivllm.bench.procedures import GenResult
 
@@ -30,7 +30,9 @@ class MinivllmAdapter:
         from minivllm import LLM
         self.version = minivllm.__version__
         t = time.perf_counter()
-        self.llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, **engine_kwargs)
+        # a tokenizer only where the directory carries one (beam search: model_dirs.add_bundled_tokenizer)
+        self.llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=not model_dirs.has_tokenizer(model_dir),
+                       **engine_kwargs)
         self.startup_s = time.perf_counter() - t
         self.engine_obj = self.llm.llm_engine
 

@@ -15,21 +15,16 @@ it with a 400, vLLM's xgrammar backend too): W7 drops that keyword, for both eng
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
-import shutil
 from pathlib import Path
 
 from minivllm.bench import model_dirs, workloads
 
 HERE = Path(__file__).resolve().parent
 SCHEMAS_DIR = HERE / "schemas"
-TOKENIZER_DIR = HERE / "tokenizers" / "smollm2"
 W7_MAX_TOKENS = 512
 W7_TEMPERATURE = 0.6
-W7_VOCAB = 49152
-W7_EOS, W7_BOS = 2, 1  # <|im_end|>, <|im_start|> in the SmolLM2 vocabulary
 
 
 def load_schemas() -> list[tuple[str, str, dict]]:
@@ -74,16 +69,7 @@ def write_model_dir(dest: str | None = None, base: str = "qwen3-8b") -> str:
     """Qwen3-8B's config.json (or `base`'s, for smoke tests) with the SmolLM2 vocabulary and
     tokenizer files, in dest or a new temporary directory."""
     d = model_dirs.write_model_dir(base, dest)
-    cfg_path = os.path.join(d, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg.update(vocab_size=W7_VOCAB, eos_token_id=W7_EOS, bos_token_id=W7_BOS)
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2)
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(TOKENIZER_DIR / name, os.path.join(d, name))
-    with gzip.open(TOKENIZER_DIR / "tokenizer.json.gz", "rb") as src, open(os.path.join(d, "tokenizer.json"), "wb") as dst:
-        shutil.copyfileobj(src, dst)
+    model_dirs.add_bundled_tokenizer(d)
     return d
 
 

@@ -209,3 +209,22 @@ def test_bench_throughput_cpu_smoke():
     assert f["launch_to_first_token_s"] is None or f["launch_to_first_token_s"] > 0
     assert res["details"]["runs"][0]["per_request_lengths_ok"] is True
     assert res["date"] and res["device"] and "bench throughput" in res["command"]
+
+
+def test_bundled_tokenizer_makes_every_model_id_decodable(tmp_path):
+    """Beam jobs and W7 give the dummy model the default model's tokenizer: the config's vocab
+    then equals the tokenizer's, so every id an engine can sample decodes (vLLM's beam_search
+    detokenizes every beam)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from minivllm.bench import model_dirs
+    d = model_dirs.write_model_dir("qwen3-0.6b", str(tmp_path / "m"))
+    assert not model_dirs.has_tokenizer(d)
+    vocab = model_dirs.add_bundled_tokenizer(d)
+    cfg = json.load(open(f"{d}/config.json"))
+    tok = AutoTokenizer.from_pretrained(d)
+    assert model_dirs.has_tokenizer(d) and cfg["vocab_size"] == vocab == len(tok)
+    assert cfg["hidden_size"] == model_dirs.load_config("qwen3-0.6b")["hidden_size"]  # shapes otherwise unchanged
+    assert tok.decode([vocab - 1]) and tok.convert_ids_to_tokens(cfg["eos_token_id"]) == "<|im_end|>"

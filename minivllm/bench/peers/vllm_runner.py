@@ -188,7 +188,9 @@ _LIVE: list[VllmAdapter] = []
 
 def llm_kwargs(model_dir: str, max_model_len: int, gpu_memory_utilization: float, enforce_eager: bool,
                enable_prefix_caching: bool, seed: int, extra: dict | None = None) -> dict:
-    kw = {"model": model_dir, "load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": max_model_len,
+    # a tokenizer only where the directory carries one: vLLM's beam_search needs it
+    skip_tokenizer = not (os.path.isdir(model_dir) and model_dirs.has_tokenizer(model_dir))
+    kw = {"model": model_dir, "load_format": "dummy", "skip_tokenizer_init": skip_tokenizer, "max_model_len": max_model_len,
           "gpu_memory_utilization": gpu_memory_utilization, "seed": seed, "enforce_eager": enforce_eager,
           "enable_prefix_caching": enable_prefix_caching}
     for k, v in (extra or {}).items():
