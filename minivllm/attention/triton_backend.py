@@ -46,7 +46,8 @@ class TritonAttentionBackend:
         # (workspace, max_seq_len, num_sms), set by reserve_decode_workspace
         self._reserved: tuple[DecodeWorkspace, int, int] | None = None
         # batch-invariant mode (set by the runner): every row through the prefill kernel with
-        # one fixed tile size, so a row's key tiles never depend on the step's other rows
+        # one fixed tile size and every key tile through its masked path, so a row's
+        # arithmetic never depends on the step's other rows or on how its prompt was chunked
         self.invariant = False
 
     def store_kv(
@@ -73,7 +74,8 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if self.invariant:
             return self._prefill(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                 scale, max_query_len=INVARIANT_MAX_QUERY_LEN, k_scale=k_scale, v_scale=v_scale)
+                                 scale, max_query_len=INVARIANT_MAX_QUERY_LEN, k_scale=k_scale, v_scale=v_scale,
+                                 invariant=True)
         if meta.is_decode_only:
             ws, num_splits = self._decode_plan(meta.num_seqs, query.shape[1], k_cache.shape[2])
         else:

@@ -137,6 +137,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile (power of two >= 16)
     BLOCK_N: tl.constexpr,  # keys per inner iteration
     SKIP_SINGLE: tl.constexpr,  # leave one-token queries to the decode kernel
+    ALL_MASKED: tl.constexpr,  # every key tile through the masked path (batch-invariant mode)
     KV_FP8: tl.constexpr,  # K/V are float8 e4m3: widened to the query's dtype, scales folded in
     IEEE: tl.constexpr,  # float32 cache: full-precision products (tl.dot's default is TF32)
 ):
@@ -174,8 +175,13 @@ def _prefill_kernel(
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # keys 0..ctx + q_tile_start are seen by every row: whole tiles of them need no mask
-    full_end = (ctx + q_tile_start + 1) // BLOCK_N * BLOCK_N
+    # keys 0..ctx + q_tile_start are seen by every row: whole tiles of them need no mask.
+    # ALL_MASKED (batch-invariant mode) walks every tile through the masked path instead: where
+    # the unmasked part ends depends on the row's query tile and on how much of its sequence
+    # was cached (chunked prefill, a prefix hit), and the two paths differ in the last bit (the
+    # masked one's `where` keeps the compiler from fusing the scale into the exponent: 1-ulp
+    # changes, found by scripts/diagnose_invariance.py at one row of layer 9)
+    full_end = 0 if ALL_MASKED else (ctx + q_tile_start + 1) // BLOCK_N * BLOCK_N
     kv_end = ctx + tl.minimum(q_tile_start + BLOCK_Q, q_len)  # one past the last key needed
     acc, m_i, l_i = _attend_key_range(
         acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, 0, full_end, qk_scale,
@@ -226,6 +232,7 @@ def prefill_attention(
     skip_single_token: bool = False,  # leave rows of one-token sequences untouched (decode kernel's)
     k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches only (None: 1.0)
     v_scale: torch.Tensor | None = None,
+    invariant: bool = False,  # batch-invariant mode: a row's bits never depend on its query tile or chunk
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -253,7 +260,7 @@ def prefill_attention(
         num_seqs, scale * LOG2E, k_scale, v_scale,
         *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, SKIP_SINGLE=skip_single_token, KV_FP8=fp8,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, SKIP_SINGLE=skip_single_token, ALL_MASKED=invariant, KV_FP8=fp8,
         IEEE=k_cache.dtype == torch.float32, **cfg,
     )
     return out

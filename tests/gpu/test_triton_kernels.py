@@ -192,13 +192,14 @@ def check_store_kv(case: PagedCase) -> Errors:
     return (0.0, 0.0) if same_nan and exact else (float("inf"), float("inf"))
 
 
-def check_prefill(case: PagedCase) -> Errors:
+def check_prefill(case: PagedCase, invariant: bool = False) -> Errors:
+    """invariant: the batch-invariant mode's launch (every key tile through the masked path)."""
     from minivllm.kernels.prefill_attention import prefill_attention
 
     out = torch.full_like(case.query, float("nan"))
     q_lens = [b - a for a, b in zip(case.qsl_list, case.qsl_list[1:])]
     prefill_attention(case.query, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
-                      case.block_tables, case.scale, max_query_len=max(q_lens), out=out)
+                      case.block_tables, case.scale, max_query_len=max(q_lens), out=out, invariant=invariant)
     if case.query.shape[0] > case.num_valid and not torch.isnan(out[case.num_valid :]).all():
         return float("inf"), float("inf")  # padding rows must be left alone
     return errors(out[: case.num_valid], reference(case))
@@ -363,3 +364,26 @@ def test_backend_reserved_workspace() -> None:
     out = backend.attend(case.query, case.k_cache, case.v_cache, case.metadata(), case.scale)
     errs = errors(out, reference(case))
     assert ok(errs, torch.bfloat16), errs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_invariant_prefill_rows_do_not_depend_on_the_chunking(dtype, group: int) -> None:
+    """Batch-invariant mode: a prompt's rows attended in one step and in chunks of 64 (the later
+    chunks' keys already cached: chunked prefill, a prefix hit) are bitwise equal. Without the
+    mode the unmasked key range ends at a tile-dependent place, which changed the last bit of a
+    row on an H100 (scripts/diagnose_invariance.py)."""
+    from minivllm.kernels.prefill_attention import prefill_attention
+
+    total, chunk = 301, 64
+    num_heads, num_kv_heads = (3 * group, 3)
+    case = make_case([(total, total)], num_heads, num_kv_heads, 64, 16, dtype, "cuda", seed=7)
+    whole = prefill_attention(case.query, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
+                              case.block_tables, case.scale, max_query_len=64, invariant=True)
+    for start in range(0, total, chunk):
+        end = min(total, start + chunk)
+        qsl = torch.tensor([0, end - start], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([end], dtype=torch.int32, device="cuda")
+        part = prefill_attention(case.query[start:end].contiguous(), case.k_cache, case.v_cache, qsl, lens,
+                                 case.block_tables, case.scale, max_query_len=64, invariant=True)
+        assert torch.equal(part, whole[start:end]), (start, (part - whole[start:end]).abs().max())

@@ -39,6 +39,7 @@ record("store_kv fp32 bs32", f32, checks.check_store_kv(case(mixed, (8, 2), 128,
 record("prefill fp32 d64 gqa1 bs16", f32,
        checks.check_prefill(case(mixed + [(150, 230)], (4, 4), 64, 16, f32, 3, pad_tokens=3)))
 record("prefill fp16 d128 gqa4 bs32", f16, checks.check_prefill(case(mixed, (8, 2), 128, 32, f16, 4)))
+record("prefill fp32 d64 gqa4 invariant", f32, checks.check_prefill(case(mixed, (12, 4), 64, 16, f32, 14), invariant=True))
 record("prefill fp32 d128 gqa4 decode-only", f32, checks.check_prefill(case(decode, (8, 2), 128, 16, f32, 5)))
 record("decode fp32 d64 gqa1 bs16 auto", f32, checks.check_decode(case(decode, (4, 4), 64, 16, f32, 6)))
 record("decode fp16 d128 gqa4 bs32 auto", f16, checks.check_decode(case(decode, (8, 2), 128, 32, f16, 7)))
