@@ -8,6 +8,21 @@
 #
 # `wait S` returns when the queue ends or after S seconds, whichever is first, and leaves in $OUT
 # queue.tgz (every lane folder of /tmp/multi so far: records, JSON, logs) and progress.txt.
+#
+# Carry order on a fresh lease (after `bash scripts/device_wheels.sh` here), back to back: each of
+# .vllm/p1 .. p5, .vllm/deps, .vllm/x with `bash scripts/vllm_stage.sh`; then .gpu/g1 + .whl; then
+# .gpu/g2 (+ .gpu/medusa) with `source scripts/gpu_env.sh >/dev/null && bash scripts/gpu_queue.sh start ...`
+# (source it with a redirect, never through a pipe: a piped `source` runs in a subshell and
+# the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
+# two at once share the GPU and spoil both timings.
+#
+# What the single-GPU issues still need (2026-11-26 evening; ~25 minutes on one H100):
+#   'w8@0'                                                          (19: every proposer, both engines)
+#   'ours:W1+vllm:W1+ours:W1-lora4+vllm:W1-lora4+ours:W1-beam4+vllm:W1-beam4@0'          (23)
+#   'w7@0'                                        (18: now with the per-step phase times)
+#   GPU_TESTS="tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_triton_kernels.py::test_invariant_prefill_rows_do_not_depend_on_the_chunking"
+#   'gpu-tests+ours:W1-bi+vllm:W1-bi@0'                            (22: the masked-tile fix)
+#   'w12+disagg-1gpu@0'                                            (24)
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue
