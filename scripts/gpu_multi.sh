@@ -87,8 +87,10 @@ run_step() {  # run_step STEP LANE_DIR PORT
     w8)  # W8 speculative decoding on the default model's real weights, minivllm then vLLM
       [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
       [ -f /tmp/smollm2-draft/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-draft --dtype bfloat16 --num-layers 8 >/dev/null
-      # Medusa heads trained on the CPU (scripts/train_medusa.py), carried once as .gpu/medusa
-      [ -f .gpu/medusa/config.json ] && rm -rf /tmp/medusa-heads && cp -r .gpu/medusa /tmp/medusa-heads
+      # Medusa heads trained on the CPU by scripts/train_medusa.py: the repository's test heads
+      # (tests/data/medusa-smollm2, 2 MB), or fresher ones carried as .gpu/medusa
+      heads=tests/data/medusa-smollm2; [ -f .gpu/medusa/config.json ] && heads=.gpu/medusa
+      [ -f $heads/config.json ] && rm -rf /tmp/medusa-heads && cp -r $heads /tmp/medusa-heads
       medusa=; [ -f /tmp/medusa-heads/config.json ] && medusa="--medusa-model /tmp/medusa-heads"
       python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram,suffix,layer_skip,draft_model${medusa:+,medusa} \
         --draft-model /tmp/smollm2-draft $medusa --output "$dir/w8-minivllm.json"

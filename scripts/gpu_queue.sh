@@ -11,7 +11,7 @@
 #
 # Carry order on a fresh lease (after `bash scripts/device_wheels.sh` here), back to back: each of
 # .vllm/p1 .. p5, .vllm/deps, .vllm/x with `bash scripts/vllm_stage.sh`; then .gpu/g1 + .whl; then
-# .gpu/g2 (+ .gpu/medusa) with `source scripts/gpu_env.sh >/dev/null && bash scripts/gpu_queue.sh start ...`
+# .gpu/g2 with `source scripts/gpu_env.sh >/dev/null && bash scripts/gpu_queue.sh start ...`
 # (source it with a redirect, never through a pipe: a piped `source` runs in a subshell and
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
