@@ -104,7 +104,7 @@ def _timed(llm, engine: str, batches: list[list[list[int]]], params) -> dict:
             "mean_acceptance_length": round(1 + d["accepted"] / d["drafts"], 3) if d["drafts"] else None}
 
 
-def measure_method(args, name: str, spec: dict | None, prompts: list[list[int]]) -> dict:
+def measure_method(args, spec: dict | None, prompts: list[list[int]]) -> dict:
     """One proposer's W8 figures, batch 1 then batch 32, on its own engine."""
     # a copy: vLLM writes its own objects into the speculative_config dict it is given
     llm = _engine(args, dict(spec) if spec is not None else None)
@@ -122,8 +122,8 @@ def run(args) -> dict:
     for name, spec in method_configs(args).items():
         # each engine in its own process: one left in this process keeps its GPU memory, and the
         # next engine would find no room for a KV cache
-        results[name] = in_fresh_process(measure_method, args, name, spec, prompts) if args.fresh_process \
-            else measure_method(args, name, spec, prompts)
+        results[name] = in_fresh_process(measure_method, args, spec, prompts) if args.fresh_process \
+            else measure_method(args, spec, prompts)
         print(json.dumps({"method": name, **results[name]}), flush=True)
     return {"workload": "W8", "engine": args.engine, "model": args.model, "num_prompts": len(prompts),
             "max_tokens": args.max_tokens, "results": results}
