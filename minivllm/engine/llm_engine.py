@@ -393,11 +393,16 @@ class LLMEngine:
             if not handles:
                 return sched, self.executor.launch(sched)
             forward = self.executor.launch_forward(sched)
-            if self._inflight is not None:
-                t = self._add_time("launch", t)  # the wait and update below are timed on their own
-                outputs += self._take_inflight(sched)
+            if self._inflight is None:
+                bitmask = self.structured.bitmask(handles)
+            else:
+                t = self._add_time("launch", t)  # the wait, update and outputs below are timed on their own
+                done, ok, bitmask = self._take_in(self._inflight, fill_handles=handles)
+                self._inflight = None
+                outputs += done if ok else done + self._fail_scheduled(sched)
+                if bitmask is None:  # the step in flight failed before its tokens were in
+                    bitmask = self.structured.bitmask(handles)
                 t = time.perf_counter()
-            bitmask = self.structured.bitmask(handles)
             return sched, self.executor.launch_sampling(forward, bitmask)
         except ExecutorDeadError as e:
             self._aborted_outputs += self._die(e)
@@ -425,26 +430,44 @@ class LLMEngine:
 
     def _complete(self, inflight) -> tuple[list[RequestOutput], bool]:
         """Waits for a launched step and takes in its results: (outputs, whether it succeeded)."""
+        done, ok, _ = self._take_in(inflight)
+        return done, ok
+
+    def _take_in(self, inflight, fill_handles: list | None = None):
+        """_complete, and with fill_handles (a constrained step launched behind this one) also
+        that step's bitmask: (outputs, ok, bitmask or None). The fill starts on the grammar
+        manager's thread as soon as this step's tokens have advanced the grammars, runs beside
+        this thread's output processing (detokenization; xgrammar releases the GIL), and is
+        joined before any request is finished (finishing releases matchers)."""
         sched, launched = inflight
         t = time.perf_counter()
         try:
             with self.profiler.phase("minivllm.wait"):
                 result = self.executor.finish(launched)
         except ExecutorDeadError as e:
-            return self._die(e), False
+            return self._die(e), False, None
         except Exception as e:
-            return self._fail_scheduled(sched, e), False
+            return self._fail_scheduled(sched, e), False, None
         t = self._add_time("wait", t)
         with self.profiler.phase("minivllm.update"):
             updates = self.scheduler.update(sched, result)
             self._count_tokens(updates)
         t = self._add_time("update", t)
+        fill = self.structured.fill_async(fill_handles) if fill_handles else None
         with self.profiler.phase("minivllm.outputs"):
             new_outputs, stopped = self.output_processor.process(updates)
+        t = self._add_time("outputs", t)
+        bitmask = None
+        if fill is not None:
+            try:
+                bitmask = fill.result()
+            except Exception:  # noqa: BLE001 - the caller fills again on its own thread, where a
+                pass  # failure fails only the constrained step, after these outputs are out
+            t = self._add_time("fill_wait", t)  # what the fill took beyond the output processing
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._add_time("outputs", t)
-        return new_outputs, True
+        return new_outputs, True, bitmask
 
     def _add_time(self, phase: str, since: float) -> float:
         now = time.perf_counter()

@@ -46,6 +46,9 @@ class StructuredOutputManager:
         self._lock = threading.Lock()  # the backend's construction, the cache, the failed list
         self._pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2),
                                         thread_name_prefix="minivllm-grammar")
+        # one thread for the step's bitmask, beside the engine thread's output processing
+        # (fill_async); apart from the compile pool, so a fill never queues behind a compile
+        self._fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-grammar-fill")
         self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._failed: deque[tuple[str, BaseException]] = deque()
         self._compiling: set[Future] = set()
@@ -149,5 +152,12 @@ class StructuredOutputManager:
         backend.fill_bitmask([h.matcher for h in live], rows)
         return GrammarBitmask([h.request_id for h in live], rows)
 
+    def fill_async(self, handles: list[GrammarHandle]) -> Future:
+        """bitmask(handles) on the fill thread. xgrammar's calls release the GIL, so the caller's
+        thread can work meanwhile, but it must not advance, roll back or release these handles
+        until the future is done, nor call bitmask() (one host buffer serves both)."""
+        return self._fill_thread.submit(self.bitmask, handles)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_thread.shutdown(wait=False, cancel_futures=True)

@@ -216,6 +216,29 @@ def test_async_scheduling_gives_the_same_outputs(llm, tiny_kv_llm):
     assert got == want
 
 
+def test_async_constrained_steps_fill_the_mask_beside_the_outputs(llm, tiny_kv_llm, monkeypatch):
+    """With a step in flight, a constrained step's bitmask is filled on the manager's fill thread
+    (beside the detokenization of the step before), and the outputs equal the synchronous
+    engine's, where every fill runs on the engine thread."""
+    import threading
+    manager = tiny_kv_llm.llm_engine.structured
+    threads = []
+    fill = manager.bitmask
+
+    def recording_bitmask(handles):
+        threads.append(threading.current_thread().name)
+        return fill(handles)
+    monkeypatch.setattr(manager, "bitmask", recording_bitmask)
+    schema = load_schemas()["shape"][1]
+    prompts = [_chat(llm, "Describe a shape as JSON.")] * 2
+    params = [_json(schema, s, 40) for s in SEEDS]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in tiny_kv_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    on_fill_thread = sum(name.startswith("minivllm-grammar-fill") for name in threads)
+    assert on_fill_thread >= len(threads) // 2, threads  # all but the steps with nothing in flight
+
+
 def test_preemption_mid_constraint_still_valid(tiny_kv_llm):
     schemas = load_schemas()
     names = ["order", "person", "shape", "event"]
