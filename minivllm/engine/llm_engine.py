@@ -307,11 +307,11 @@ class LLMEngine:
         outputs += self._fail_broken_grammars()
         sched = self._schedule()
         if self._inflight is not None and self._needs_sync(sched):
-            outputs += self._take_inflight(sched)
+            outputs += self._take_inflight(sched)[0]
         with self.profiler.phase("minivllm.launch"):
             launched = self._launch(sched, outputs)
         if self._inflight is not None:
-            outputs += self._take_inflight(launched[0] if launched is not None else None)
+            outputs += self._take_inflight(launched[0] if launched is not None else None)[0]
         self._inflight = launched
         if launched is not None and not self.async_scheduling:
             outputs += self._complete(launched)[0]
@@ -365,15 +365,16 @@ class LLMEngine:
             outputs += self._complete(self._batches.popleft())[0]
         return outputs
 
-    def _take_inflight(self, next_sched) -> list[RequestOutput]:
-        """Completes the step in flight. If it failed, the step scheduled after it (launched, or
-        to be launched all the same, so the runner's request state stays in step) may read what
-        the failed one never wrote: its requests fail too; its device work still finishes first."""
-        done, ok = self._complete(self._inflight)
+    def _take_inflight(self, next_sched, fill_handles: list | None = None):
+        """Completes the step in flight: (outputs, the next step's bitmask if fill_handles were
+        given, see _take_in). If it failed, the step scheduled after it (launched, or to be
+        launched all the same, so the runner's request state stays in step) may read what the
+        failed one never wrote: its requests fail too; its device work still finishes first."""
+        done, ok, bitmask = self._take_in(self._inflight, fill_handles)
         self._inflight = None
         if not ok and next_sched is not None:
             done += self._fail_scheduled(next_sched)
-        return done
+        return done, bitmask
 
     def _needs_sync(self, sched) -> bool:
         """Penalties need the previous step's token values on the host before sampling."""
@@ -397,10 +398,11 @@ class LLMEngine:
                 bitmask = self.structured.bitmask(handles)
             else:
                 t = self._add_time("launch", t)  # the wait, update and outputs below are timed on their own
-                done, ok, bitmask = self._take_in(self._inflight, fill_handles=handles)
-                self._inflight = None
-                outputs += done if ok else done + self._fail_scheduled(sched)
-                if bitmask is None:  # the step in flight failed before its tokens were in
+                done, bitmask = self._take_inflight(sched, fill_handles=handles)
+                outputs += done
+                if bitmask is None:
+                    # none filled (the step in flight failed, or the fill raised): fill here, where
+                    # a failure fails this step alone, the step before's outputs already taken
                     bitmask = self.structured.bitmask(handles)
                 t = time.perf_counter()
             return sched, self.executor.launch_sampling(forward, bitmask)

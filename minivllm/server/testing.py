@@ -98,3 +98,12 @@ def spawn_server(cmd: list[str], base_url: str, timeout_s: float = 300.0, path: 
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
+
+
+def greedy_completion_texts(http, model: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """One /v1/completions request for every prompt, greedy and ignore_eos, on an httpx client
+    of a running server: the choices' texts in prompt order (asserts a 200)."""
+    body = {"model": model, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]

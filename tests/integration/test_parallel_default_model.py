@@ -16,7 +16,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.engine.mp_async_engine import MPAsyncEngine
 from minivllm.server.app import ServerSettings, create_app
-from minivllm.server.testing import ServerThread
+from minivllm.server.testing import ServerThread, greedy_completion_texts
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
            "1, 2, 3, 4,", "Water boils at", "The best way to learn a language is"]
@@ -57,12 +57,7 @@ def test_tp3_server_equals_one_rank_and_a_dead_worker_is_unhealthy(single):
     server = ServerThread(create_app(engine, ServerSettings(own_engine=False))).start()
     try:
         with httpx.Client(base_url=server.base_url, timeout=300) as http:
-            body = {"model": engine.config.model.served_name, "prompt": PROMPTS, "max_tokens": NEW,
-                    "temperature": 0, "ignore_eos": True}
-            r = http.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-            assert [c["text"] for c in choices] == want
+            assert greedy_completion_texts(http, engine.config.model.served_name, PROMPTS, NEW) == want
             workers = _workers(engine)
             assert len(workers) == 3 and http.get("/health").status_code == 200
             os.kill(workers[2].pid, signal.SIGKILL)

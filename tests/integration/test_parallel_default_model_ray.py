@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.engine.mp_async_engine import MPAsyncEngine  # noqa: E402
 from minivllm.server.app import ServerSettings, create_app  # noqa: E402
-from minivllm.server.testing import ServerThread  # noqa: E402
+from minivllm.server.testing import ServerThread, greedy_completion_texts  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
            "1, 2, 3, 4,"]
@@ -61,12 +61,7 @@ def test_ray_tp3_server_equals_one_rank(cluster, single):
     server = ServerThread(create_app(engine, ServerSettings(own_engine=False))).start()
     try:
         with httpx.Client(base_url=server.base_url, timeout=300) as http:
-            body = {"model": engine.config.model.served_name, "prompt": PROMPTS, "max_tokens": NEW,
-                    "temperature": 0, "ignore_eos": True}
-            r = http.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-            assert [c["text"] for c in choices] == single[0]
+            assert greedy_completion_texts(http, engine.config.model.served_name, PROMPTS, NEW) == single[0]
     finally:
         server.stop()
         engine.shutdown()
