@@ -25,19 +25,22 @@ from minivllm.lora.ops import lora_delta_reference, lora_delta_triton
 class LoRAStepState:
     """The step's adapter assignment, shared by every LoRALinear of a model.
 
-    slots: [max tokens] int32 on the device (slot per token, -1 none), a persistent buffer so
-    CUDA graphs read it at a fixed address; groups: (slot, token indices) per slot present (the
-    CPU reference); active: whether layers add deltas this step (always on the GPU, where graphs
-    capture the kernels; on the CPU only for steps with adapters)."""
+    On the GPU the step's token rows grouped by slot (`slot_segments`): order [max tokens],
+    start and count [max_loras], int32 persistent buffers so CUDA graphs read them at fixed
+    addresses (graph padding rows are in no segment); groups: (slot, token indices) per slot
+    present (the CPU reference); active: whether layers add deltas this step (always on the
+    GPU, where graphs capture the kernels; on the CPU only for steps with adapters)."""
 
-    slots: torch.Tensor
+    order: torch.Tensor
+    start: torch.Tensor
+    count: torch.Tensor
     use_triton: bool
     active: bool = False
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
-            return lora_delta_triton(x, y, a, b, self.slots)
+            return lora_delta_triton(x, y, a, b, (self.order, self.start, self.count))
         return lora_delta_reference(x, y, a, b, self.groups)
 
 

@@ -6,7 +6,7 @@
 
 The scheduler admits at most max_loras distinct adapters among running requests, so a step
 never needs more slots than exist. `prepare_step` sets the model's LoRAStepState: the slot of
-each token (-1: the base model).
+each token (-1: the base model), grouped by slot for the GPU kernel.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from minivllm.lora.adapter import load_adapter_weights, read_adapter
 from minivllm.lora.config import LoRAConfig
 from minivllm.lora.layers import LoRALinear, LoRAStepState, wrap_model
+from minivllm.lora.ops import slot_segments
 from minivllm.lora.request import LoRARequest
 
 Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A, B * scaling)
@@ -30,7 +31,8 @@ class LoRAManager:
         self.arch = arch
         self.device, self.dtype = device, dtype
         on_gpu = device.type == "cuda"
-        self.state = LoRAStepState(torch.full((max_tokens,), -1, dtype=torch.int32, device=device),
+        zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
+        self.state = LoRAStepState(zeros(max_tokens), zeros(config.max_loras), zeros(config.max_loras),
                                    use_triton=on_gpu, active=on_gpu)
         self.layers = wrap_model(model, arch, self.state, config.max_loras, config.max_lora_rank, dtype, device)
         self.host: OrderedDict[int, Weights] = OrderedDict()  # lora_int_id -> weights, LRU order
@@ -96,8 +98,12 @@ class LoRAManager:
         slots = torch.repeat_interleave(torch.tensor(per_req, dtype=torch.int32),
                                         torch.tensor(token_counts, dtype=torch.int64))
         if self.state.use_triton:
-            self.state.slots.fill_(-1)  # graph padding tokens: no adapter
-            self.state.slots[:num_tokens].copy_(slots.to(self.device, non_blocking=True))
+            # grouped on the host (a few hundred ints), one copy per buffer; graph padding rows
+            # past num_tokens are in no segment
+            order, start, count = slot_segments(slots, self.config.max_loras)
+            self.state.order[:order.shape[0]].copy_(order, non_blocking=True)
+            self.state.start.copy_(start, non_blocking=True)
+            self.state.count.copy_(count, non_blocking=True)
             return
         self.state.active = bool(in_use)
         self.state.groups = [(s, (slots == s).nonzero().flatten()) for s in sorted(in_use)]

@@ -4,7 +4,8 @@
 
 A: [S, R, in] and B: [S, out, R] are the layer's device slots (lora/layers.py; the adapter's
 scaling is folded into B, a smaller rank is zero-padded). On a GPU this is two launches of the
-Triton gather kernel (kernels/lora_bgmv.py: shrink, then expand into y); elsewhere the
+Triton segmented kernel (kernels/lora_sgmv.py: shrink, then expand into y) over the step's
+tokens grouped by slot (`slot_segments`, computed once a step on the host); elsewhere the
 reference below, one pair of matmuls per adapter present in the step (`groups`).
 """
 
@@ -24,14 +25,28 @@ def lora_delta_reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: t
     return y
 
 
+def slot_segments(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's token rows grouped by adapter slot, for the segmented kernel: (order, start,
+    count), int32 on slots' device, with order[start[s] : start[s] + count[s]] the rows of slot s
+    in ascending order. slots: [T] int, -1 for a row without an adapter (in no segment)."""
+    slots = slots.to(torch.int64)
+    with_adapter = (slots >= 0).nonzero().flatten()
+    order = with_adapter[torch.argsort(slots[with_adapter], stable=True)]
+    count = torch.bincount(slots[with_adapter], minlength=num_slots)[:num_slots]
+    start = torch.cumsum(count, 0) - count
+    order = torch.cat([order, order.new_zeros(slots.shape[0] - order.shape[0])])  # unused tail
+    return order.to(torch.int32), start.to(torch.int32), count.to(torch.int32)
+
+
 def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                      slots: torch.Tensor) -> torch.Tensor:
-    """As the reference, for every token by its slot (graph-safe: no host sync). y must be
-    contiguous in its last dim; the shrink's [T, R] intermediate is float32."""
-    from minivllm.kernels.lora_bgmv import bgmv
+                      segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """As the reference, for the rows of each slot's segment (`slot_segments`; graph-safe: no
+    host sync). y must be contiguous in its last dim; the shrink's [T, R] intermediate is float32."""
+    from minivllm.kernels.lora_sgmv import sgmv
     x = x.contiguous()
+    order, start, count = segments
     mid = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
-    bgmv(x, a, slots, mid, accumulate=False)
-    # rows of slot -1 were not written: B is read for none of them either
-    bgmv(mid, b, slots, y, accumulate=True)
+    sgmv(x, a, order, start, count, mid, accumulate=False)
+    # rows in no segment were not written: the expand reads none of them either
+    sgmv(mid, b, order, start, count, y, accumulate=True)
     return y

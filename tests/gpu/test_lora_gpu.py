@@ -1,4 +1,4 @@
-"""Multi-LoRA's Triton gather kernel (kernels/lora_bgmv.py) against the per-adapter torch
+"""Multi-LoRA's Triton segmented kernel (kernels/lora_sgmv.py) against the per-adapter torch
 reference (lora/ops.py), and the engine's LoRA and beam search on the GPU.
 
 `check_lora_delta` is device-agnostic and returns failure strings (empty = pass):
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.lora.ops import lora_delta_reference, lora_delta_triton
+from minivllm.lora.ops import lora_delta_reference, lora_delta_triton, slot_segments
 
 
 def check_lora_delta(tokens: int, d_in: int, d_out: int, rank: int, slots: int, dtype: torch.dtype, device: str,
@@ -24,9 +24,11 @@ def check_lora_delta(tokens: int, d_in: int, d_out: int, rank: int, slots: int, 
     y0 = torch.randn(tokens, d_out, generator=g).to(dtype)
     groups = [(s, (slot_of == s).nonzero().flatten()) for s in range(slots) if (slot_of == s).any()]
     want = lora_delta_reference(x.float(), y0.float().clone(), a.float(), b.float(), groups)
-    padded = torch.full((tokens + 5,), -1, dtype=torch.int32)  # a longer slot buffer, as the runner's
-    padded[:tokens] = slot_of
-    got = lora_delta_triton(x.to(device), y0.to(device).clone(), a.to(device), b.to(device), padded.to(device))
+    # the runner's buffers are longer than the step (graph padding): a stale tail must not matter
+    order, start, count = slot_segments(slot_of, slots)
+    order = torch.cat([order, torch.full((5,), 10 ** 6, dtype=torch.int32)])
+    segments = tuple(t.to(device) for t in (order, start, count))
+    got = lora_delta_triton(x.to(device), y0.to(device).clone(), a.to(device), b.to(device), segments)
     got = got.float().cpu()
     fails = []
     base_rows = slot_of < 0

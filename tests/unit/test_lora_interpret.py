@@ -1,5 +1,6 @@
 """Multi-LoRA's Triton gather kernel on the CPU, under Triton's interpreter, against the torch
-reference (`check_lora_delta` of tests/gpu/test_lora_gpu.py, small shapes, slot -1 rows)."""
+reference (`check_lora_delta` of tests/gpu/test_lora_gpu.py, small shapes, slot -1 rows, rows of
+one slot spread over the step, segments longer than one tile)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ res = {}
 res["fp32 t9 in40 out70 r8 s3"] = checks.check_lora_delta(9, 40, 70, 8, 3, f32, "cpu", seed=1)
 res["fp16 t5 in200 out33 r16 s2"] = checks.check_lora_delta(5, 200, 33, 16, 2, f16, "cpu", seed=2)
 res["fp32 t1 in16 out16 r4 s1"] = checks.check_lora_delta(1, 16, 16, 4, 1, f32, "cpu", seed=3)
+res["fp32 t150 in72 out200 r8 s4"] = checks.check_lora_delta(150, 72, 200, 8, 4, f32, "cpu", seed=4)  # BLOCK_M 64
 print("RESULT " + json.dumps(res))
 """
 
 
 def test_lora_kernel_matches_reference_under_interpreter():
     res = run_under_interpreter(CHILD, CHECKS, timeout_s=300)
-    assert len(res) == 3
+    assert len(res) == 4
     bad = {name: fails for name, fails in res.items() if fails}
     assert not bad, f"kernel differs from the torch reference: {bad}"
