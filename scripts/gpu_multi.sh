@@ -20,6 +20,8 @@
 #                       bench spec --engine minivllm|vllm, scripts/gpu_w12.sh), vLLM staged first
 #   invariance          bench invariance on the GPU: 1,000 repeats under random load (issue 22)
 #   diagnose-invariance scripts/diagnose_invariance.py (chunked vs one-step prefill, module by module)
+#   moe-sweep-decode    scripts/sweep_fused_moe.py at M = 1-16; later steps of the lease use the file
+#   fp8-sweep           scripts/fp8_gemm_sweep.py: FP8 GEMM variants on Qwen3-8B's shapes (issue 25)
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
 #   gpu-tests           the single-GPU test files that last failed or never ran (one GPU)
 # Each lane gets its own port range (servers) and its own output folder under /tmp/multi, which
@@ -103,6 +105,11 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --output "$dir/invariance.json" ;;
     diagnose-invariance)  # issue 22: the first module whose rows differ, chunked vs one-step prefill
       python3 scripts/diagnose_invariance.py > "$dir/diagnose-invariance.txt" 2>&1; tail -30 "$dir/diagnose-invariance.txt" ;;
+    moe-sweep-decode)  # issue 21: tile sweep of the fused MoE at decode sizes (Qwen3-30B-A3B), kept for later steps
+      python3 scripts/sweep_fused_moe.py --tokens 1,2,4,8,16 --budget-s 300
+      cp minivllm/kernels/configs/fused_moe/*.json "$dir"/ ;;
+    fp8-sweep)  # issue 25: torch._scaled_mm's FP8 variants vs bf16 on Qwen3-8B's linear shapes
+      python3 scripts/fp8_gemm_sweep.py --out "$dir/fp8-sweep.json" ;;
     soak)
       python3 -m minivllm bench soak --device cuda --requests ${SOAK_REQUESTS:-10000} --output "$dir/soak.json" ;;
     gpu-tests)

@@ -2,13 +2,17 @@
 Triton kernel, the product by torch._scaled_mm (cuBLASLt FP8 GEMM) with row-wise scales.
 
     x [M, K] -> x_q [M, K] e4m3, s_x [M, 1]      (_quant_rows_kernel: one program per row)
-    y = _scaled_mm(x_q, w_q.T, scale_a=s_x, scale_b=s_w [1, N], out_dtype=x.dtype)
+    y = _scaled_mm(x_q, w_q.T, scale_a=s_x, scale_b=s_w [1, N], out_dtype=x.dtype, use_fast_accum=True)
 
-w_q [N, K] row-major is exactly the column-major [K, N] operand _scaled_mm wants. The
-reference is quant/fp8.py: quantize_rows, fp8_linear_reference.
+w_q [N, K] row-major is exactly the column-major [K, N] operand _scaled_mm wants. Fast
+accumulation (the tensor cores' own FP8 accumulator, not promoted to float32 every few MMAs) is
+what vLLM's CUTLASS FP8 kernels use too; MINIVLLM_FP8_FAST_ACCUM=0 turns it off. The reference
+is quant/fp8.py: quantize_rows, fp8_linear_reference.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -16,6 +20,8 @@ import triton.language as tl
 
 from minivllm.quant.fp8 import FP8, MIN_SCALE
 from minivllm.quant.config import FP8_E4M3_MAX
+
+FAST_ACCUM = os.environ.get("MINIVLLM_FP8_FAST_ACCUM", "1") != "0"
 
 
 @triton.jit
@@ -59,7 +65,8 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
         rows = rows.contiguous()
     x_q, x_scale = quantize_rows_triton(rows)
     # row-wise scales come with a bfloat16 output only (cuBLASLt / CUTLASS); other dtypes convert after
-    y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16,
+                         use_fast_accum=FAST_ACCUM)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     if bias is not None:

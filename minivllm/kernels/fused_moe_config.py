@@ -9,8 +9,10 @@
     tile = {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
 
 "up" is the gate/up GEMM (SiLU-and-mul fused), "down" the down GEMM; both share BLOCK_M, the
-block the tokens are aligned to. At run time the entry of the nearest measured M is used; with
-no file for the GPU, or no entry for the shape, `default_config` (a heuristic) is.
+block the tokens are aligned to. At run time the entry of the nearest measured M is used if it
+is within a factor of two of the step's M (a sweep of decode sizes only says nothing about a
+prefill); otherwise, or with no file for the GPU or no entry for the shape, `default_config` (a
+heuristic) is.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def pick_config(device_name: str, m: int, num_experts: int, inter: int, hidden: 
     """The tile configuration for a step of m tokens: the sweep's entry for the nearest m, else
     the default. Cached (each layer of each eager step asks); treat the result as read-only."""
     table = load_configs(device_name).get(shape_key(num_experts, inter, hidden, dtype_name))
-    if not table:
-        return default_config(m, num_experts, top_k)
-    nearest = min(table, key=lambda k: abs(int(k) - m))
-    return table[nearest]
+    if table:
+        nearest = min(table, key=lambda k: abs(int(k) - m))
+        if int(nearest) <= 2 * max(m, 1) and m <= 2 * int(nearest):
+            return table[nearest]
+    return default_config(m, num_experts, top_k)

@@ -1,5 +1,5 @@
-"""The fused MoE tile configuration: the sweep's JSON for this GPU (nearest token count), or the
-default when the GPU or the shape has no entry."""
+"""The fused MoE tile configuration: the sweep's JSON for this GPU (nearest token count, when
+within a factor of two), or the default when the GPU or the shape has no entry near enough."""
 
 from __future__ import annotations
 
@@ -32,7 +32,11 @@ def test_sweep_file_nearest_token_count(config_dir):
     with open(path, "w") as f:
         json.dump({key: {"1": _entry(16), "64": _entry(32), "4096": _entry(128)}}, f)
     pick = lambda m: fmc.pick_config("NVIDIA H100 80GB HBM3", m, 128, 768, 2048, 8, "bfloat16")["BLOCK_M"]  # noqa: E731
-    assert [pick(m) for m in (1, 20, 40, 64, 1000, 3000, 16384)] == [16, 16, 32, 32, 32, 128, 128]
+    assert [pick(m) for m in (1, 40, 64, 3000)] == [16, 32, 32, 128]
+    # no measured M within a factor of two: the default, not a decode or prefill tile stretched
+    for m in (20, 1000, 16384):
+        assert fmc.pick_config("NVIDIA H100 80GB HBM3", m, 128, 768, 2048, 8, "bfloat16") == fmc.default_config(m, 128, 8)
+    assert pick(16384) == 64 != 128
     # another shape, dtype or GPU: the default
     assert fmc.pick_config("NVIDIA H100 80GB HBM3", 1, 8, 14336, 4096, 2, "bfloat16") == fmc.default_config(1, 8, 2)
     assert fmc.pick_config("NVIDIA H200", 1, 128, 768, 2048, 8, "bfloat16") == fmc.default_config(1, 128, 8)
