@@ -21,6 +21,7 @@
 #   invariance          bench invariance on the GPU: 1,000 repeats under random load (issue 22)
 #   diagnose-invariance scripts/diagnose_invariance.py (chunked vs one-step prefill, module by module)
 #   moe-sweep-decode    scripts/sweep_fused_moe.py at M = 1-16; later steps of the lease use the file
+#   profile-bi / profile-moe1  scripts/kernel_profile.py: kernel times (issues 22 / 21)
 #   fp8-sweep           scripts/fp8_gemm_sweep.py: FP8 GEMM variants on Qwen3-8B's shapes (issue 25)
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
 #   gpu-tests           the single-GPU test files that last failed or never ran (one GPU)
@@ -108,6 +109,12 @@ run_step() {  # run_step STEP LANE_DIR PORT
     moe-sweep-decode)  # issue 21: tile sweep of the fused MoE at decode sizes (Qwen3-30B-A3B), kept for later steps
       python3 scripts/sweep_fused_moe.py --tokens 1,2,4,8,16 --budget-s 300
       cp minivllm/kernels/configs/fused_moe/*.json "$dir"/ ;;
+    profile-bi)  # issue 22: kernel times of W1-like decode at batch 256, invariant mode vs default
+      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --batch-invariant --out "$dir/profile-bi.json"
+      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --out "$dir/profile-default.json" ;;
+    profile-moe1)  # issue 21: kernel times of batch-1 decode on Qwen3-30B-A3B shapes
+      python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --batch 1 --prompt-len 128 --max-tokens 64 \
+        --out "$dir/profile-moe1.json" ;;
     fp8-sweep)  # issue 25: torch._scaled_mm's FP8 variants vs bf16 on Qwen3-8B's linear shapes
       python3 scripts/fp8_gemm_sweep.py --out "$dir/fp8-sweep.json" ;;
     soak)

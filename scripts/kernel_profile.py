@@ -1,0 +1,68 @@
+"""Where a decode step's GPU time goes, kernel by kernel (issues 21 and 22: batch-1 MoE decode,
+batch-invariant W1): a dummy-weight model decodes a fixed batch under the torch profiler, eager
+(every kernel itemised; CUDA graphs would hide them), and the kernels are summed by name.
+
+    python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --batch-invariant --out bi.json
+    python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --batch 1 --out moe1.json
+
+Prints the top kernels (total ms over the profiled steps, share of GPU time, calls) and writes
+them as JSON with the profiled decode steps' wall time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-config", default="qwen3-0.6b")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=32, help="decode steps profiled (after a warm-up run)")
+    ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from minivllm import LLM, SamplingParams
+    from minivllm.bench import model_dirs
+    model_dir = model_dirs.write_model_dir(args.model_config)
+    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+              batch_invariant=args.batch_invariant, max_model_len=args.prompt_len + args.max_tokens + 16,
+              max_num_seqs=max(args.batch, 1))
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(args.prompt_len)]} for i in range(args.batch)]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every kernel
+    cuda = torch.cuda.is_available()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    rows = []
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if dev_us > 0 and ev.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append({"kernel": ev.key[:120], "ms": round(dev_us / 1000, 3), "calls": ev.count})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    for r in rows:
+        r["share"] = round(r["ms"] / total, 4) if total else 0.0
+    print(f"{args.model_config} batch {args.batch} bi={args.batch_invariant}: wall {wall * 1000:.1f} ms for "
+          f"prefill + {args.max_tokens} decode steps, GPU kernel time {total:.1f} ms")
+    for r in rows[:args.top]:
+        print(f"{r['ms']:10.2f} ms {100 * r['share']:5.1f} % {r['calls']:7d}  {r['kernel']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "wall_ms": round(wall * 1000, 2), "kernel_ms": round(total, 2),
+                       "device": torch.cuda.get_device_name() if cuda else "cpu", "kernels": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
