@@ -99,6 +99,9 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --draft-model /tmp/smollm2-draft $medusa --output "$dir/w8-minivllm.json"
       PYTHONPATH=/tmp/vllm-site:${PYTHONPATH:-} python3 -m minivllm bench spec --engine vllm --model /tmp/smollm2-bf16 \
         --methods none,ngram,draft_model --draft-model /tmp/smollm2-draft --output "$dir/w8-vllm.json" ;;
+    w8-ngram)  # W8's n-gram row alone, minivllm (after the async back-off above disable_by_batch_size)
+      [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
+      python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram --output "$dir/w8-ngram-minivllm.json" ;;
     w12)  # W12 KV pressure: recompute, swap, offload and vLLM's offloading (scripts/gpu_w12.sh)
       OUT=$dir bash scripts/gpu_w12.sh ;;
     invariance)  # issue 22: 1,000 repeats of one prompt under random load, batch-invariant mode, bf16

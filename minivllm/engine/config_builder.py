@@ -160,9 +160,6 @@ def build_engine_config(
                             max_prefill_tokens_with_decodes or None)
     from minivllm.spec_decode.config import parse_speculative_config
     speculative = parse_speculative_config(speculative_config, arch.num_layers)
-    # speculative steps need the previous step's accepted tokens before they are scheduled
-    check(not (speculative and async_scheduling), "async_scheduling",
-          "cannot be on with speculative decoding (a step's drafts depend on the previous step's result)")
     parallel = resolve_parallel(arch, device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
                                 distributed_executor_backend, quant, speculative, enable_expert_parallel)
     if parallel.spans_replicas:
@@ -180,7 +177,9 @@ def build_engine_config(
     # the step before samples): several whole batches are in flight instead
     check(not (async_scheduling and parallel.pipeline_parallel_size > 1), "async_scheduling",
           "cannot be on with pipeline_parallel_size > 1 (the stages keep several batches in flight instead)")
-    async_scheduling = ((on_gpu and speculative is None and parallel.pipeline_parallel_size == 1)
+    # with speculative decoding only the steps that speculate run synchronously (their drafts
+    # depend on the step before: LLMEngine._speculates); plain steps keep a step in flight
+    async_scheduling = ((on_gpu and parallel.pipeline_parallel_size == 1)
                         if async_scheduling is None else async_scheduling)
     # CUDA graphs capture the whole model's forward; a pipeline stage's receives stay eager
     eager = enforce_eager or not on_gpu or parallel.pipeline_parallel_size > 1

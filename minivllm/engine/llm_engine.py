@@ -313,7 +313,7 @@ class LLMEngine:
         if self._inflight is not None:
             outputs += self._take_inflight(launched[0] if launched is not None else None)[0]
         self._inflight = launched
-        if launched is not None and not self.async_scheduling:
+        if launched is not None and (not self.async_scheduling or self._speculates(launched[0])):
             outputs += self._complete(launched)[0]
             self._inflight = None
         if launched is None and self._inflight is None and self.structured.num_compiling:
@@ -377,10 +377,22 @@ class LLMEngine:
         return done, bitmask
 
     def _needs_sync(self, sched) -> bool:
-        """Penalties need the previous step's token values on the host before sampling."""
+        """Penalties need the previous step's token values on the host before sampling; so do a
+        speculative step's verify and proposals (every request's tokens so far)."""
         reqs = self.scheduler.requests
-        return not self.async_scheduling or any(
+        return not self.async_scheduling or self._speculates(sched) or any(
             s.req_id in reqs and reqs[s.req_id].sampling_params.uses_penalties for s in sched.scheduled)
+
+    def _speculates(self, sched) -> bool:
+        """With speculative decoding, whether the step verifies drafts or proposes new ones (the
+        runner's choice, made the same way): such a step runs synchronously, since the next
+        one is scheduled with its proposals. Others (a batch above disable_by_batch_size) are
+        plain steps, kept in flight with async scheduling."""
+        spec = self.config.speculative
+        if spec is None:
+            return False
+        rows = [s for s in sched.scheduled if s.samples]
+        return spec.speculates(len(rows), any(s.num_draft_tokens for s in rows))
 
     def _launch(self, sched, outputs: list[RequestOutput]):
         """Launches the step: (sched, launched step), or None if there is nothing to run. A step

@@ -431,7 +431,7 @@ class ModelRunner:
         """Queue the sampling of a forward, with the grammar's bitmask on its constrained rows."""
         if not fwd.req_ids:
             step = LaunchedStep([], [])
-        elif self.speculator is not None:
+        elif self.speculator is not None and self.speculator.speculates(len(fwd.req_ids), fwd.inputs.draft_token_ids):
             step = self._run_speculative(fwd.hidden, fwd.inputs, grammar)
         else:
             step = self._launch_sampling(fwd.hidden, fwd.req_ids, grammar)

@@ -86,6 +86,11 @@ class Speculator:
                                 states, drafts, counts)
         return VerifiedStep(tokens, lps, hidden[final_rows])
 
+    def speculates(self, num_sampling_rows: int, drafts: list[list[int]] | None) -> bool:
+        """Whether a step goes through verify and propose (SpeculativeConfig.speculates); the
+        engine makes the same choice from the schedule to run such a step synchronously."""
+        return self.config.speculates(num_sampling_rows, any(drafts or ()))
+
     def propose(self, req_ids: list[str], states: list[SamplingRequestState], block_ids: list[list[int]],
                 final_hidden: torch.Tensor) -> dict[str, list[int]]:
         limit = self.config.disable_by_batch_size

@@ -176,10 +176,39 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path, base):
         LLMEngine(config, model=base[0])
 
 
-def test_async_scheduling_with_speculation_is_refused():
-    with pytest.raises(ValueError, match="async_scheduling"):
-        build_engine_config(dtype="float32", device="cpu", async_scheduling=True,
-                            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+def test_backing_off_above_disable_by_batch_size(base):
+    """With async scheduling, steps of more than disable_by_batch_size sampling rows are plain
+    ones (kept in flight, no drafts) and smaller ones speculate (synchronously): as requests of
+    different lengths finish, the engine switches from the one to the other mid-request, and
+    the greedy tokens still equal the non-speculative ones."""
+    model, prompts, ref = base
+    llm = _spec_llm(model, dict(METHODS["ngram"], disable_by_batch_size=3), async_scheduling=True)
+    engine = llm.llm_engine
+    assert engine.async_scheduling
+    lengths = [8, 12, 16, 20, MAX_NEW, MAX_NEW]  # 6 rows, then fewer than 4 after the third finishes
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=n))
+    outs, kept_in_flight, synchronous = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+        kept_in_flight += engine._inflight is not None
+        synchronous += engine._inflight is None and engine.scheduler.num_running > 0
+    assert [outs[str(i)] for i in range(len(prompts))] == [r[:n] for r, n in zip(ref, lengths)]
+    assert kept_in_flight > 0 and synchronous > 0, (kept_in_flight, synchronous)
+    assert engine.scheduler.spec_stats.num_drafts > 0
+    _assert_no_leak(llm)
+
+
+def test_disable_by_batch_size_default_and_explicit_none():
+    from minivllm.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE, parse_speculative_config
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2}, 30).disable_by_batch_size \
+        == DEFAULT_DISABLE_BY_BATCH_SIZE
+    cfg = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": None}, 30)
+    assert cfg.disable_by_batch_size is None and cfg.speculates(10 ** 6, False)
+    assert not parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2}, 30).speculates(
+        DEFAULT_DISABLE_BY_BATCH_SIZE + 1, False)
 
 
 def test_server_with_speculation_and_its_metrics(base):

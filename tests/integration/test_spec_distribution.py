@@ -31,6 +31,8 @@ def _tiny_model(path, seed: int) -> str:
 
 
 def _sample(model_dir: str, spec: dict | None) -> np.ndarray:
+    if spec is not None:  # 256 rows a step: speculate in every one of them
+        spec = dict(spec, disable_by_batch_size=None)
     llm = LLM(model_dir, dtype="float32", device="cpu", skip_tokenizer_init=True, max_num_seqs=256,
               max_model_len=64, speculative_config=spec)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=4, ignore_eos=True) for i in range(N)]
