@@ -16,6 +16,7 @@
 #   vllm-w3-32b-tpN     the same on vLLM's server
 #   disagg-1gpu         scripts/gpu_disagg.sh: one instance vs P + D sharing one GPU (W3 at 16 req/s)
 #   disagg-2gpu         P and D on two GPUs vs two ordinary instances behind the router
+#   w7-trace            W7 for minivllm with GPU kernel time per step, constrained vs not
 #   w7 / w8 / w12       the single-GPU comparisons of issues 18, 19, 24 (scripts/gpu_w7.sh,
 #                       bench spec --engine minivllm|vllm, scripts/gpu_w12.sh), vLLM staged first
 #   invariance          bench invariance on the GPU: 1,000 repeats under random load (issue 22)
@@ -87,6 +88,8 @@ run_step() {  # run_step STEP LANE_DIR PORT
       echo "soak started in the background (pid $!)" ;;
     w7)  # W7 structured output, both engines (scripts/gpu_w7.sh; needs the vLLM staging's xgrammar)
       OUT=$dir bash scripts/gpu_w7.sh ;;
+    w7-trace)  # W7, minivllm alone, then 256 requests' kernel times constrained vs unconstrained (issue 18)
+      OUT=$dir bash scripts/gpu_w7.sh --engine minivllm --trace-requests 256 ;;
     w8)  # W8 speculative decoding on the default model's real weights, minivllm then vLLM
       [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
       [ -f /tmp/smollm2-draft/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-draft --dtype bfloat16 --num-layers 8 >/dev/null

@@ -16,13 +16,13 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (2026-11-26 evening; ~25 minutes on one H100):
-#   'w8@0'                                                          (19: every proposer, both engines)
-#   'ours:W1+vllm:W1+ours:W1-lora4+vllm:W1-lora4+ours:W1-beam4+vllm:W1-beam4@0'          (23)
-#   'w7@0'                                        (18: now with the per-step phase times)
-#   GPU_TESTS="tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_triton_kernels.py::test_invariant_prefill_rows_do_not_depend_on_the_chunking"
-#   'gpu-tests+ours:W1-bi+vllm:W1-bi@0'                            (22: the masked-tile fix)
-#   'w12+disagg-1gpu@0'                                            (24)
+# What the single-GPU issues still need (2026-11-26 night; about 25 minutes on one H100, so two
+# leases at a 50-67 % device-time count):
+#   'w8-ngram+ours:W11-fp8+vllm:W11-fp8+fp8-sweep@0'   (19: n-gram with the async back-off;
+#                                                        25: FP8 with fast accumulation)
+#   'w12+disagg-1gpu@0'                                  (24: the offload variant, vLLM's, W3 P/D)
+#   'profile-moe1+moe-sweep-decode+ours:W10-decode+profile-bi@0'   (21, 22: where the time goes)
+#   'w7-trace@0'                (18: is a constrained step's GPU part 27.8 ms, or does the GPU wait?)
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue

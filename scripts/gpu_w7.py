@@ -15,6 +15,10 @@ grammar backend's tokenizer tables, a one-off):
    token count its constrained run produced: the same schedule, so
    overhead = constrained wall / unconstrained wall - 1 is the grammar's cost per token
    (target <= 3 % at batch 256; constrained throughput >= 1.0x vLLM's).
+4. With --trace-requests N (minivllm): the first N requests again, constrained then their twins
+   (at most --trace-max-tokens tokens each), under the torch profiler: GPU kernel time per
+   engine step and the top kernels of each, i.e. whether a constrained step's GPU part is longer
+   than an unconstrained one's or the GPU waits between steps.
 """
 
 from __future__ import annotations
@@ -152,6 +156,40 @@ def throughput(engine, n: int, max_tokens: int) -> dict:
             "step_phase_ms_constrained": phases_c, "step_phase_ms_unconstrained": phases_u}
 
 
+def kernel_time(engine, prompts, params, top: int = 8) -> dict:
+    """The generate call under the torch profiler: engine steps, GPU kernel ms per step, wall ms
+    per step, and the kernels that took most of it."""
+    import torch
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    engine.take_phases()
+    with torch.profiler.profile(activities=acts) as prof:
+        wall, _ = _timed(engine, prompts, params)
+    steps = max(engine.take_phases()["steps"], 1)
+    kernels = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", 0) or 0
+        if us > 0 and ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append((us / 1e3, ev.count, ev.key[:100]))
+    kernels.sort(reverse=True)
+    total = sum(k[0] for k in kernels)
+    return {"steps": steps, "gpu_kernel_ms_per_step": round(total / steps, 3),
+            "wall_ms_per_step": round(1e3 * wall / steps, 3),
+            "top_kernels": [{"ms": round(ms, 2), "calls": n, "kernel": name} for ms, n, name in kernels[:top]]}
+
+
+def trace(engine, n: int, max_tokens: int) -> dict:
+    prompts, params, _ = w7.w7_requests()
+    prompts, params = prompts[:n], params[:n]
+    for p in params:
+        p["max_tokens"] = min(p["max_tokens"], max_tokens)
+    constrained = kernel_time(engine, prompts, params)
+    outs = engine.generate(prompts, params)  # the twins need the token counts (not traced)
+    twins = w7.unconstrained_twins(params, [len(o.outputs[0].token_ids) for o in outs])
+    return {"trace_constrained": constrained, "trace_unconstrained": kernel_time(engine, prompts, twins)}
+
+
 def run_engine(kind: str, args) -> dict:
     model_dir = w7.write_model_dir(base=args.model_config)
     engine = (MinivllmEngine if kind == "minivllm" else VllmEngine)(model_dir, 4096, args.device)
@@ -165,6 +203,8 @@ def run_engine(kind: str, args) -> dict:
            "first_constrained_request_s": first_constrained_s}
     res.update(ttft_probe(engine, prompt))
     res.update(throughput(engine, args.num_requests, args.max_tokens))
+    if kind == "minivllm" and args.trace_requests:
+        res.update(trace(engine, args.trace_requests, args.trace_max_tokens))
     if kind == "minivllm":  # which bitmask fill the engine measured cheaper (mean s per row)
         backend = engine.llm.llm_engine.structured._backend
         choice = getattr(backend, "_fill_choice", None)
@@ -179,7 +219,8 @@ def run_both(args) -> int:
     for kind, extra in (("minivllm", args.xgrammar_site), ("vllm", args.vllm_site)):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (extra, ROOT, os.environ.get("PYTHONPATH")) if p))
         cmd = [sys.executable, __file__, "--engine", kind, "--num-requests", str(args.num_requests),
-               "--max-tokens", str(args.max_tokens), "--model-config", args.model_config]
+               "--max-tokens", str(args.max_tokens), "--model-config", args.model_config,
+               "--trace-requests", str(args.trace_requests), "--trace-max-tokens", str(args.trace_max_tokens)]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
@@ -222,6 +263,8 @@ def main() -> int:
     ap.add_argument("--vllm-site", default="/tmp/vllm-site")
     ap.add_argument("--xgrammar-site", default="/tmp/xgr-site")
     ap.add_argument("--timeout-s", type=int, default=270, help="per engine, with --engine both")
+    ap.add_argument("--trace-requests", type=int, default=0, help="minivllm: kernel times of this many requests (0: none)")
+    ap.add_argument("--trace-max-tokens", type=int, default=48)
     args = ap.parse_args()
     if args.engine == "both":
         return run_both(args)
