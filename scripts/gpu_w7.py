@@ -160,6 +160,8 @@ def kernel_time(engine, prompts, params, top: int = 8) -> dict:
     """The generate call under the torch profiler: engine steps, GPU kernel ms per step, wall ms
     per step, and the kernels that took most of it."""
     import torch
+
+    from minivllm.engine.profiler import kernel_times
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -167,16 +169,9 @@ def kernel_time(engine, prompts, params, top: int = 8) -> dict:
     with torch.profiler.profile(activities=acts) as prof:
         wall, _ = _timed(engine, prompts, params)
     steps = max(engine.take_phases()["steps"], 1)
-    kernels = []
-    for ev in prof.key_averages():
-        us = getattr(ev, "self_device_time_total", 0) or 0
-        if us > 0 and ev.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.append((us / 1e3, ev.count, ev.key[:100]))
-    kernels.sort(reverse=True)
-    total = sum(k[0] for k in kernels)
-    return {"steps": steps, "gpu_kernel_ms_per_step": round(total / steps, 3),
-            "wall_ms_per_step": round(1e3 * wall / steps, 3),
-            "top_kernels": [{"ms": round(ms, 2), "calls": n, "kernel": name} for ms, n, name in kernels[:top]]}
+    kernels = kernel_times(prof)
+    return {"steps": steps, "gpu_kernel_ms_per_step": round(sum(k["ms"] for k in kernels) / steps, 3),
+            "wall_ms_per_step": round(1e3 * wall / steps, 3), "top_kernels": kernels[:top]}
 
 
 def trace(engine, n: int, max_tokens: int) -> dict:

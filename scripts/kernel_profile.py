@@ -30,6 +30,7 @@ def main() -> None:
 
     from minivllm import LLM, SamplingParams
     from minivllm.bench import model_dirs
+    from minivllm.engine.profiler import kernel_times
     model_dir = model_dirs.write_model_dir(args.model_config)
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               batch_invariant=args.batch_invariant, max_model_len=args.prompt_len + args.max_tokens + 16,
@@ -45,15 +46,8 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    rows = []
-    for ev in prof.key_averages():
-        dev_us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
-        if dev_us > 0 and ev.device_type == torch.autograd.DeviceType.CUDA:
-            rows.append({"kernel": ev.key[:120], "ms": round(dev_us / 1000, 3), "calls": ev.count})
-    rows.sort(key=lambda r: -r["ms"])
+    rows = kernel_times(prof)
     total = sum(r["ms"] for r in rows)
-    for r in rows:
-        r["share"] = round(r["ms"] / total, 4) if total else 0.0
     print(f"{args.model_config} batch {args.batch} bi={args.batch_invariant}: wall {wall * 1000:.1f} ms for "
           f"prefill + {args.max_tokens} decode steps, GPU kernel time {total:.1f} ms")
     for r in rows[:args.top]:

@@ -100,6 +100,22 @@ def export_trace(prof, path: str) -> None:
     os.replace(path + ".partial", path)
 
 
+def kernel_times(prof) -> list[dict]:
+    """A stopped profiler's GPU kernels summed by name, most time first: [{"kernel", "ms",
+    "calls", "share"}], share = of all kernel time (scripts/kernel_profile.py, gpu_w7.py)."""
+    import torch
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", 0) or 0
+        if us > 0 and ev.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append({"kernel": ev.key[:120], "ms": round(us / 1000, 3), "calls": ev.count})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    for r in rows:
+        r["share"] = round(r["ms"] / total, 4) if total else 0.0
+    return rows
+
+
 def _on_ranks(call, *args) -> bool:
     """A profile command to an executor's ranks; a dead executor is logged here (the engine's
     next step reports it), not raised into the command loop."""

@@ -93,8 +93,7 @@ class Speculator:
 
     def propose(self, req_ids: list[str], states: list[SamplingRequestState], block_ids: list[list[int]],
                 final_hidden: torch.Tensor) -> dict[str, list[int]]:
-        limit = self.config.disable_by_batch_size
-        if not req_ids or (limit is not None and len(req_ids) > limit):
+        if not req_ids or not self.config.speculates(len(req_ids), has_drafts=False):  # too many rows to propose for
             return {}
         reqs = [ProposalRequest(r, s.prompt_token_ids, s.output_token_ids, b)
                 for r, s, b in zip(req_ids, states, block_ids)]

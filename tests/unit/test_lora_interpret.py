@@ -30,3 +30,21 @@ def test_lora_kernel_matches_reference_under_interpreter():
     assert len(res) == 4
     bad = {name: fails for name, fails in res.items() if fails}
     assert not bad, f"kernel differs from the torch reference: {bad}"
+
+
+def test_slot_segments_at_the_edges():
+    """The kernel's grouping of rows by slot: no rows, no row with an adapter, every row in one
+    slot, slots in descending order (rows stay ascending within a slot), an empty slot."""
+    import torch
+
+    from minivllm.lora.ops import slot_segments
+
+    def seg(slots, n):
+        order, start, count = slot_segments(torch.tensor(slots, dtype=torch.int32), n)
+        assert order.dtype == start.dtype == count.dtype == torch.int32 and order.shape[0] == len(slots)
+        return [order[s:s + c].tolist() for s, c in zip(start.tolist(), count.tolist())]
+
+    assert seg([], 2) == [[], []]
+    assert seg([-1, -1, -1], 2) == [[], []]
+    assert seg([1, 1, 1, 1], 2) == [[], [0, 1, 2, 3]]
+    assert seg([2, 1, 0, -1, 2, 0], 4) == [[2, 5], [1], [0, 4], []]
