@@ -105,6 +105,15 @@ run_step() {  # run_step STEP LANE_DIR PORT
     w8-ngram)  # W8's n-gram row alone, minivllm (after the async back-off above disable_by_batch_size)
       [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
       python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram --output "$dir/w8-ngram-minivllm.json" ;;
+    w8-ngram-vllm)  # the same two rows on vLLM 0.20.0, for a speed-up ratio measured in the same lease
+      [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
+      PYTHONPATH=/tmp/vllm-site:${PYTHONPATH:-} python3 -m minivllm bench spec --engine vllm --model /tmp/smollm2-bf16 \
+        --methods none,ngram --output "$dir/w8-ngram-vllm.json" ;;
+    profile-spec)  # issue 19: a batch-1 speculative step's host phases and GPU kernels, host vs device verify
+      [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
+      python3 scripts/spec_profile.py --model /tmp/smollm2-bf16 --methods none,ngram --out "$dir/spec-profile.json"
+      MINIVLLM_SPEC_HOST_VERIFY=0 python3 scripts/spec_profile.py --model /tmp/smollm2-bf16 --methods ngram \
+        --out "$dir/spec-profile-device-verify.json" ;;
     w12)  # W12 KV pressure: recompute, swap, offload and vLLM's offloading (scripts/gpu_w12.sh)
       OUT=$dir bash scripts/gpu_w12.sh ;;
     invariance)  # issue 22: 1,000 repeats of one prompt under random load, batch-invariant mode, bf16

@@ -10,6 +10,7 @@ extra query tokens of the request's next step.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,12 @@ from minivllm.spec_decode.proposer import ProposalRequest, Proposer
 from minivllm.spec_decode.rejection import VerifyLayout, target_probs, verify
 
 logger = logging.getLogger(__name__)
+
+# Greedy batches without logprobs or a grammar verify on the host (one copy of R argmax ids, a
+# few comparisons per request) instead of the device path's ~20 small kernels and two copies:
+# at batch 1 a speculative step is launch-bound (issue 19). 0 turns it off (spec_profile.py
+# compares both in one lease).
+HOST_VERIFY = os.environ.get("MINIVLLM_SPEC_HOST_VERIFY", "1") != "0"
 
 
 @dataclass
@@ -63,6 +70,8 @@ class Speculator:
         rows = [r for s, d in zip(states, drafts) for r in row_states(s, d)]
         vocab = model.lm_head.out_features
         batch = SamplingBatch.build(rows, vocab, device, generator)
+        if HOST_VERIFY and batch.argmax_of_raw_logits and logits_hook is None:
+            return _verify_greedy_on_host(model, hidden, drafts)
         layout = VerifyLayout.build(drafts, device)
         raw_logprobs = probs = argmax = None
         if device.type == "cpu" and batch.argmax_of_raw_logits and logits_hook is None:
@@ -99,6 +108,23 @@ class Speculator:
                 for r, s, b in zip(req_ids, states, block_ids)]
         drafts = self.proposer.propose(reqs, self.k, final_hidden if self.proposer.needs_hidden else None)
         return {r: d[:self.k] for r, d in zip(req_ids, drafts) if d}
+
+
+def _verify_greedy_on_host(model, hidden: torch.Tensor, drafts: list[list[int]]) -> VerifiedStep:
+    """rejection.verify's greedy rule with the comparisons on the host: request i's rows are its
+    1 + len(drafts[i]) consecutive rows; it keeps its drafts while each equals the argmax of the
+    row before it, then gains that row's argmax (the correction, or the bonus after all)."""
+    argmax = model.compute_greedy_tokens(hidden).tolist()  # [R], the step's one device-to-host copy
+    tokens, final_rows, start = [], [], 0
+    for d in drafts:
+        n = 0
+        while n < len(d) and d[n] == argmax[start + n]:
+            n += 1
+        tokens.append(d[:n] + [argmax[start + n]])
+        final_rows.append(start + n)
+        start += len(d) + 1
+    index = torch.tensor(final_rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
+    return VerifiedStep(tokens, None, hidden.index_select(0, index))
 
 
 def _row_logprobs(out, states, drafts, counts) -> list[list[TokenLogprobs] | None]:

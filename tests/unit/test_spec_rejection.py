@@ -104,3 +104,46 @@ def test_seeded_rows_are_reproducible_and_others_not_tied_to_them():
     c, _ = _sample_many(p_rows, None, SamplingParams(temperature=1.0), 50, seed=3)
     d, _ = _sample_many(p_rows, None, SamplingParams(temperature=1.0), 50, seed=99)
     assert not torch.equal(c.tokens, d.tokens)  # unseeded rows follow the generator
+
+
+class _ArgmaxModel:
+    """A stand-in target: its LM head is a fixed random [V, H] matrix."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.weight.T
+
+    def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden).argmax(-1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_host_greedy_verify_equals_the_device_rule(seed, monkeypatch):
+    """The host-side greedy verification (speculator._verify_greedy_on_host) gives the same
+    tokens and final hidden rows as rejection.verify on random drafts, some matching the argmax."""
+    from minivllm.spec_decode import speculator as spec_mod
+    from minivllm.spec_decode.config import SpeculativeConfig
+    g = torch.Generator().manual_seed(seed)
+    hidden_size, vocab = 8, 12
+    model = _ArgmaxModel(torch.randn(vocab, hidden_size, generator=g))
+    counts = torch.randint(0, 5, (6,), generator=g).tolist()
+    rows = sum(counts) + len(counts)
+    hidden = torch.randn(rows, hidden_size, generator=g)
+    argmax = model.compute_greedy_tokens(hidden).tolist()
+    drafts, start = [], 0
+    for c in counts:  # each draft is the row before's argmax with probability 0.7: real accept runs
+        drafts.append([argmax[start + j] if torch.rand(1, generator=g).item() < 0.7
+                       else int(torch.randint(0, vocab, (1,), generator=g)) for j in range(c)])
+        start += c + 1
+    states = [SamplingRequestState(SamplingParams(temperature=0.0, max_tokens=16), [1], []) for _ in counts]
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    results = {}
+    for host in (True, False):
+        monkeypatch.setattr(spec_mod, "HOST_VERIFY", host)
+        results[host] = spec_mod.Speculator(config, proposer=None).verify(model, hidden, states, drafts, None)
+    assert results[True].tokens == results[False].tokens
+    assert any(len(t) > 1 for t in results[True].tokens)  # some drafts were accepted
+    torch.testing.assert_close(results[True].final_hidden, results[False].final_hidden, rtol=0, atol=0)
