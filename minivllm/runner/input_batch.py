@@ -26,6 +26,9 @@ class StepInputs:
     # speculative decoding: the tokens each sampling request verifies (aligned with
     # sampling_req_ids); None when no request of the step has any
     draft_token_ids: list[list[int]] | None = None
+    # [num_requests + 1] each scheduled request's first flat token (the attention metadata's
+    # query_start_loc unless the step's verify rows attend as one-token sequences, see below)
+    request_starts: list[int] | None = None
 
 
 def build_step_inputs(
@@ -66,6 +69,18 @@ def build_step_inputs(
     else:
         logits_indices = cu[1:][sampling] - 1
 
+    att_cu, att_lens, att_table, max_query_len = cu, seq_lens, block_table, int(q_lens.max())
+    if drafts is not None and all(s.samples and len(s.token_ids) == s.num_draft_tokens + 1 for s in scheduled):
+        # A pure verify step (every request decodes its last token and its drafts): each token
+        # attends as a one-token sequence of its own (seq_len = its position + 1, its request's
+        # block table), causal by construction. The step is then decode-only: the split-K decode
+        # kernel and the decode CUDA graphs, instead of the prefill kernel's one program per
+        # (request, kv head) walking the whole context serially (issue 19, batch-1 verify).
+        att_cu = np.arange(total + 1, dtype=np.int64)
+        att_lens = (positions + 1).astype(np.int32)
+        att_table = block_table[seq_idx]
+        max_query_len = 1
+
     def to_dev(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
         if pin:
@@ -74,15 +89,15 @@ def build_step_inputs(
 
     meta = AttentionMetadata(
         slot_mapping=to_dev(slot_mapping),
-        query_start_loc=to_dev(cu.astype(np.int32)),
-        seq_lens=to_dev(seq_lens),
-        block_tables=to_dev(block_table),
-        max_query_len=int(q_lens.max()),
+        query_start_loc=to_dev(att_cu.astype(np.int32)),
+        seq_lens=to_dev(att_lens),
+        block_tables=to_dev(att_table),
+        max_query_len=max_query_len,
         max_seq_len=int(seq_lens.max()),
-        query_start_loc_cpu=cu.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
+        query_start_loc_cpu=att_cu.tolist(),
+        seq_lens_cpu=att_lens.tolist(),
     )
     holes = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN).tolist()
     return StepInputs(to_dev(input_ids), to_dev(positions), meta, to_dev(logits_indices.astype(np.int64)),
                       [scheduled[i].req_id for i in sampling], holes, [scheduled[seq_idx[h]].req_id for h in holes],
-                      drafts)
+                      drafts, cu.tolist())

@@ -406,7 +406,7 @@ class ModelRunner:
             self.lora.prepare_step([len(s.token_ids) for s in sched.scheduled],
                                    [self.requests[s.req_id].lora_request for s in sched.scheduled],
                                    inputs.input_ids.shape[0])
-        extra = plan_extra_rows(sched.scheduled, inputs.meta.query_start_loc_cpu, self.requests)
+        extra = plan_extra_rows(sched.scheduled, inputs.request_starts, self.requests)
         hidden = self._forward(inputs, extra)
         if hidden is None:  # a pipeline stage before the last: its output went to the next stage
             return ForwardStep(None, [])
