@@ -14,9 +14,28 @@ share one group: the scale and zero tiles are [BLOCK_K/8, BLOCK_N] too.
 
 One or two rows (batch-1 decode) take `_w4a16_gemv_kernel` instead (BLOCK_M 1 in the configs):
 elementwise products, no tensor cores. Decode is bound by the weight reads: SPLIT_K > 1 cuts K so
-that enough programs stream the weights (partial sums in float32, added by one torch sum). Prefill steps of
-DENSE_MIN_ROWS rows or more dequantize the weight once into the activation dtype
-(`_dequant_kernel`) and run cuBLAS: then the weight is read once for thousands of rows.
+that enough programs stream the weights. Prefill steps of DENSE_MIN_ROWS rows or more dequantize
+the weight once into the activation dtype (`_dequant_kernel`) and run cuBLAS: then the weight is
+read once for thousands of rows.
+
+Split-K fix-up, in the kernel (`_store_tile`, both GEMM kernels): with SPLIT_K > 1 every program
+stores its float32 partial tile to a workspace [SPLIT_K, M, N] (torch.empty per call: free inside
+a CUDA graph's pool) and adds 1 to its output tile's int32 counter (tl.atomic_add, acq_rel). The
+program that reads back SPLIT_K - 1 is the last of its tile: it adds the SPLIT_K partials in the
+fixed order 0..SPLIT_K-1 (deterministic bits whatever order the programs finished in), writes the
+tile in x's dtype and sets the counter back to 0. So a split-K product is one launch (no torch
+sum + cast after it) and needs no host work or memset per call: the counters (`_tile_counters`,
+one zeroed buffer per device, cached) are 0 again when each kernel ends, which keeps them valid
+across CUDA graph replays. The buffer only grows outside graph capture; the engine's capture
+(runner/cuda_graph.py) runs every shape eagerly first, so it is already large enough there.
+Kernels on two streams of one device at once would share the counters: the engine runs its
+forward on one stream.
+
+Nibble dequant without int -> float conversion (I2F runs at a fraction of the FMA rate on Hopper,
+and there is one per weight): q | 0x4B000000 read as float32 is 2^23 + q exactly (0x4B000000 is
+2^23, whose mantissa ulp is 1), so (f - (2^23 + z)) * s is one FADD and one FMUL; 2^23 + z is formed
+once per loaded zero tile. Zero points are integers 0..15 (quant/w4.py), so both sums are exact
+and f - zb = q - z exactly: the same bits as (q.to(float32) - z) * s.
 
 Tile configs: `W4A16_CONFIGS` (scripts/sweep_w4a16.py times the candidates on the GPU and prints
 this table). The reference is quant/w4.py: w4a16_reference.
@@ -44,6 +63,42 @@ W4A16_CONFIGS: list[tuple[int, dict[str, int]]] = [
 ]
 MAX_SPLIT_K = 16
 PROGRAMS_PER_SM = 2  # split K until about this many programs per SM
+# the float32 bits of 2^23 (ulp 1): OR-ing a nibble q into them gives the float 2^23 + q exactly
+MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)
+MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2^23
+
+
+@triton.jit
+def _nibble(w, j: tl.constexpr):
+    """Nibble j of each int32 word as the float32 2^23 + q, exactly, without an I2F: the
+    nibble OR-ed into the mantissa of 2^23 and the bits read as a float."""
+    return (((w >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_tile(acc, out_ptr, ws_ptr, cnt_ptr, o_off, ws_off, stride_ws, mask, pid_k, tile,
+                SPLIT_K: tl.constexpr):
+    """The program's float32 tile `acc` -> the output. SPLIT_K 1: stored in out's dtype. Else the
+    split-K fix-up: the partial goes to ws[pid_k] and the last program of the tile (by its
+    counter cnt[tile]) adds ws[0..SPLIT_K-1] in that order, stores the sum, resets the counter."""
+    if SPLIT_K == 1:
+        tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + pid_k * stride_ws + ws_off, acc, mask=mask)
+        # Visibility of the partials to the last program: the partial is stored by all of the
+        # program's threads, but Triton issues a scalar atomic from one thread, with no barrier
+        # before it. The CTA barrier orders every thread's store before that atomic, whose
+        # release (acq_rel, the default sem; gpu scope) publishes them with the increment; the
+        # last program's acquire on the same counter makes all SPLIT_K partials visible to its
+        # loads below (its threads get the atomic's result after a barrier; .cg reads from L2).
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tile, 1)  # programs of this tile finished before this one
+        if done == SPLIT_K - 1:
+            total = tl.load(ws_ptr + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
+            for i in tl.static_range(1, SPLIT_K):  # fixed order: the same bits on every run
+                total += tl.load(ws_ptr + i * stride_ws + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(cnt_ptr + tile, 0)  # every program of the tile has counted: reusable (graph replays too)
 
 
 @triton.jit
@@ -51,12 +106,14 @@ def _w4a16_kernel(
     x_ptr,  # [M, K] activations
     qw_ptr,  # [K/8, N] int32
     s_ptr, z_ptr,  # [K/G, N] scales, zeros
-    out_ptr,  # SPLIT_K == 1: [M, N] in x's dtype; else [SPLIT_K, M, N] float32 partials
+    out_ptr,  # [M, N] in x's dtype
+    ws_ptr,  # SPLIT_K > 1: [SPLIT_K, M, N] float32 partials (contiguous); else unused
+    cnt_ptr,  # SPLIT_K > 1: int32 counters, one per output tile, 0 on entry and on exit; else unused
     M, N, K,
     stride_xm, stride_xk,
     stride_qk, stride_qn,
     stride_sg, stride_sn,
-    stride_os, stride_om, stride_on,
+    stride_om, stride_on,
     GROUP: tl.constexpr,  # input features per group (a multiple of 8)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -77,25 +134,26 @@ def _w4a16_kernel(
         grp = (words * 8) // GROUP
         g_off = grp[:, None] * stride_sg + rn[None, :] * stride_sn
         s = tl.load(s_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
+        zb = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32) + MAGIC  # 2^23 + z, exact
         for j in tl.static_range(8):
-            wj = (((w >> (4 * j)) & 0xF).to(tl.float32) - z) * s  # [BK/8, BN]: rows 8r + j
+            wj = (_nibble(w, j) - zb) * s  # [BK/8, BN]: rows 8r + j; the difference is q - z exactly
             k = words * 8 + j
             xj = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :] * stride_xk,
                          mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK/8]
             acc += tl.dot(xj, wj.to(xj.dtype))
-    o_off = pid_k * stride_os + rm[:, None] * stride_om + rn[None, :] * stride_on
-    tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _store_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm[:, None] * stride_om + rn[None, :] * stride_on,
+                rm[:, None] * N + rn[None, :], M * N, m_ok[:, None] & n_ok[None, :], pid_k,
+                pid_m * tl.num_programs(0) + pid_n, SPLIT_K)
 
 
 @triton.jit
 def _w4a16_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,  # as _w4a16_kernel; one activation row per program
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,  # as _w4a16_kernel; one activation row per program
     M, N, K,
     stride_xm, stride_xk,
     stride_qk, stride_qn,
     stride_sg, stride_sn,
-    stride_os, stride_om, stride_on,
+    stride_om, stride_on,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """Few rows (batch-1 decode): no tensor cores, so the dequantized tile never changes layout
@@ -115,13 +173,14 @@ def _w4a16_gemv_kernel(
         w = tl.load(qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn, mask=w_ok, other=0)
         g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
         s = tl.load(s_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
+        zb = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32) + MAGIC  # 2^23 + z, exact
         for j in tl.static_range(8):
             k = words * 8 + j
             xj = tl.load(x_ptr + m * stride_xm + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)  # [BK/8]
-            acc += xj[:, None] * ((((w >> (4 * j)) & 0xF).to(tl.float32) - z) * s)
+            acc += xj[:, None] * ((_nibble(w, j) - zb) * s)
     out = tl.sum(acc, 0)  # [BLOCK_N]
-    tl.store(out_ptr + pid_k * stride_os + m * stride_om + rn * stride_on, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    _store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn * stride_on, m * N + rn, M * N, n_ok, pid_k,
+                m * tl.num_programs(0) + pid_n, SPLIT_K)
 
 
 @triton.jit
@@ -138,9 +197,9 @@ def _dequant_kernel(
     w = tl.load(qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn, mask=ok, other=0)
     g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
     s = tl.load(s_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
+    zb = tl.load(z_ptr + g_off, mask=ok, other=0.0).to(tl.float32) + MAGIC  # 2^23 + z, exact
     for j in tl.static_range(8):
-        wj = (((w >> (4 * j)) & 0xF).to(tl.float32) - z) * s
+        wj = (_nibble(w, j) - zb) * s
         k = words * 8 + j
         tl.store(w_ptr + k[:, None] * stride_wk + rn[None, :] * stride_wn, wj.to(w_ptr.dtype.element_ty), mask=ok)
 
@@ -163,9 +222,30 @@ def choose_split_k(m: int, n: int, k: int, cfg: dict[str, int], num_sms: int) ->
     return 1 << (max(1, split).bit_length() - 1)  # round down to a power of two
 
 
+# device -> int32 tile counters, the last (largest) in use; grown buffers stay alive because a
+# captured CUDA graph may still point at an older one
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+MIN_COUNTERS = 4096  # the first buffer's size (16 KiB): Llama-3.1-8B's largest split grid needs ~900
+
+
+def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 counters on `device`, all 0 between kernels (each split-K kernel leaves
+    them so). Allocated once per device and grown (to a power of two) only outside CUDA graph
+    capture: a zeroing captured into a graph would run on every replay, and the engine's capture
+    warms up every shape eagerly first, so the buffer is already big enough there."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"w4a16 split-K needs {n} tile counters during CUDA graph capture, "
+                               f"{bufs[-1].numel() if bufs else 0} exist: run the shape once before capturing")
+        bufs.append(torch.zeros(max(MIN_COUNTERS, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int, split_k: int | None = None, config: dict[str, int] | None = None) -> torch.Tensor:
-    """x [M, K] (rows contiguous or strided) -> [M, N] in x's dtype, through the Triton kernel."""
+    """x [M, K] (rows contiguous or strided) -> [M, N] in x's dtype, through the Triton kernel:
+    one launch, split-K or not (the partials are added in the kernel)."""
     m, k = x.shape
     n = qweight.shape[1]
     assert qweight.shape[0] * 8 == k and scales.shape == zeros.shape and scales.shape[1] == n, (x.shape, qweight.shape)
@@ -173,19 +253,23 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     cfg = dict(config or w4a16_config(m))
     if split_k is None:
         split_k = choose_split_k(m, n, k, cfg, _num_sms(x.device.index or 0) if x.is_cuda else 132)
-    out = (torch.empty(m, n, dtype=x.dtype, device=x.device) if split_k == 1
-           else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device))
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out if split_k == 1 else out.sum(0).to(x.dtype)
+        return out
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
-    o_strides = (0, *out.stride()) if split_k == 1 else out.stride()
-    args = (x, qweight, scales, zeros, out, m, n, k, *x.stride(), *qweight.stride(), *scales.stride(), *o_strides)
+    if split_k == 1:
+        ws = cnt = out  # not read: SPLIT_K 1 stores the output directly
+    else:
+        ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        cnt = _tile_counters(x.device, grid[0] * grid[1])
+    args = (x, qweight, scales, zeros, out, ws, cnt, m, n, k, *x.stride(), *qweight.stride(), *scales.stride(),
+            *out.stride())
     if cfg["BLOCK_M"] == 1:
         del cfg["BLOCK_M"]
         _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)
     else:
         _w4a16_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)
-    return out if split_k == 1 else out.sum(0).to(x.dtype)
+    return out
 
 
 def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

@@ -53,10 +53,29 @@ def check_w4a16(m: int, n: int, k: int, group: int, dtype, device, seed: int = 0
 
 
 def check_w4a16_dequant(n: int, k: int, group: int, dtype, device, seed: int = 0) -> float:
+    """Largest |kernel - reference| of the float32 dequantized weight: 0 (the kernel's 2^23 + q
+    nibbles give q - z exactly, as the reference's int -> float conversion does)."""
     from minivllm.kernels.w4a16_gemm import w4a16_dequantize
     _, qw, s, z, _ = w4_case(1, n, k, group, dtype, device, seed)
     ref = w4.dequantize(qw, s, z, group).t()
     return (w4a16_dequantize(qw, s, z, group, torch.float32) - ref).abs().max().item()
+
+
+def check_w4a16_split_fixup(m: int, n: int, k: int, group: int, dtype, device, split_k: int, config: dict,
+                            seed: int = 0) -> dict:
+    """w4a16_gemm with a forced split_k, called twice on the same inputs (the second call reuses
+    the tile counters the first left): {"err": relative error of the first call against the
+    reference, "same_bits": both calls gave identical bits, "counters_zero": every counter is 0
+    again afterwards (what makes the buffer reusable, CUDA graph replays included)}."""
+    from minivllm.kernels import w4a16_gemm as mod
+    x, qw, s, z, _ = w4_case(m, n, k, group, dtype, device, seed)
+    ref = w4.w4a16_reference(x, qw, s, z, group).float()
+    first = mod.w4a16_gemm(x, qw, s, z, group, split_k, config)
+    second = mod.w4a16_gemm(x, qw, s, z, group, split_k, config)
+    counters = mod._COUNTERS.get(x.device, [])
+    bits = (lambda t: t.view({2: torch.int16, 4: torch.int32}[t.element_size()]))  # NaN-proof equality
+    return {"err": errors(first, ref)[1], "same_bits": torch.equal(bits(first), bits(second)),
+            "counters_zero": all(not bool(c.any()) for c in counters)}
 
 
 # ---------------------------------------------------------------- FP8 KV cache (any device)
@@ -124,8 +143,38 @@ def test_w4a16_split_k(split_k: int, block_m: int) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("split_k", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2])
+def test_w4a16_gemv_split_fixup(split_k: int, m: int) -> None:
+    """The GEMV's in-kernel split-K sum: right, deterministic, and its counters left at 0."""
+    cfg = {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256}
+    res = check_w4a16_split_fixup(m, 4101, 4096, 128, torch.bfloat16, DEV, split_k, cfg, seed=split_k)
+    assert res["err"] < 2e-2 and res["same_bits"] and res["counters_zero"], res
+
+
+@gpu
+def test_w4a16_split_fixup_in_a_cuda_graph() -> None:
+    """Replays of a captured split-K GEMV (and a BLOCK_M 16 GEMM) give the eager call's bits:
+    the counters are back at 0 after every kernel, with no memset in the graph."""
+    from minivllm.kernels.w4a16_gemm import w4a16_gemm
+    for m, block_m, split in [(1, 1, 8), (5, 16, 4)]:
+        cfg = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 256}
+        x, qw, s, z, _ = w4_case(m, 6144, 4096, 128, torch.bfloat16, DEV, seed=m)
+        eager = w4a16_gemm(x, qw, s, z, 128, split, cfg)  # also the warm-up: compiles, sizes the counters
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = w4a16_gemm(x, qw, s, z, 128, split, cfg)
+        for _ in range(3):
+            y.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y.view(torch.int16), eager.view(torch.int16)), (m, cfg)
+
+
+@gpu
 def test_w4a16_dequant() -> None:
-    assert check_w4a16_dequant(1024, 2048, 128, torch.bfloat16, DEV) < 1e-6
+    assert check_w4a16_dequant(1024, 2048, 128, torch.bfloat16, DEV) == 0.0  # bit for bit
 
 
 @gpu

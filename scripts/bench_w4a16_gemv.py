@@ -1,0 +1,177 @@
+"""Batch-1 W4A16 GEMV micro-benchmark (issue 25: AWQ decode), Llama-3.1-8B's linear shapes, group
+128, bf16 x [1, K]: the Triton GEMV (kernels/w4a16_gemm.py, its batch-1 config) at each split-K
+of SPLITS and at choose_split_k's default, and torch.matmul on a dense bf16 weight of the same
+shape, for scale.
+
+Two timings per variant, both with CUDA events after a warm-up:
+    eager  median over RUNS single calls (launch cost partly included)
+    graph  median over RUNS replays of one CUDA graph of GRAPH_CALLS calls, divided by
+           GRAPH_CALLS: the kernel time as the engine's decode graphs see it
+Each call uses the next of several copies of the weights (together over 4x L2_BYTES, as 32
+layers are), so the weights stream from HBM as in a real decode step instead of sitting in the 50 MB L2.
+GB/s: the int4 bytes one call reads (K*N/2 + bf16 scales and zeros, 2 * 2 * K/G * N) over the
+graph time; the dense row also shows its own bf16 bytes.
+
+    python3 scripts/bench_w4a16_gemv.py [--out gemv.json] [--dry-run]
+
+--dry-run (no GPU needed) prints the shapes, their bytes, the default split-K (for an H100's
+132 SMs unless a GPU is present) and the weight copies, and times nothing. A full run takes
+about a minute, mostly Triton compiles; no network is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
+GROUP = 128
+SPLITS = (1, 2, 4, 8, 16)
+RUNS = 50
+GRAPH_CALLS = 32
+WARMUP = 5
+L2_BYTES = 50 << 20  # H100's L2; the weight copies of a shape add up to more than 4x this
+H100_SMS = 132
+
+
+def int4_bytes(k: int, n: int, group: int = GROUP) -> int:
+    """What one call reads of the quantized weight: packed nibbles + bf16 scales and zeros."""
+    return k * n // 2 + 2 * 2 * (k // group) * n
+
+
+def copies_for(nbytes: int) -> int:
+    """Weight copies cycled through so that together they exceed 4x the L2 (at most 64)."""
+    return max(1, min(64, math.ceil(4 * L2_BYTES / nbytes)))
+
+
+def plan(num_sms: int) -> list[dict]:
+    """Per shape: sizes, bytes, copies and the splits to time (the default one named): the
+    shape logic, device-free."""
+    from minivllm.kernels.w4a16_gemm import choose_split_k, w4a16_config
+    cfg = w4a16_config(1)
+    rows = []
+    for name, (k, n) in SHAPES.items():
+        rows.append({"shape": name, "K": k, "N": n, "config": cfg, "int4_bytes": int4_bytes(k, n),
+                     "dense_bytes": 2 * k * n, "copies": copies_for(int4_bytes(k, n)),
+                     "dense_copies": copies_for(2 * k * n), "default_split": choose_split_k(1, n, k, cfg, num_sms),
+                     "splits": list(SPLITS)})
+    return rows
+
+
+def weights(k: int, n: int, copies: int):
+    """`copies` random (qweight [K/8, N] int32, scales, zeros [K/G, N] bf16) in the engine's layout."""
+    out = []
+    for _ in range(copies):
+        words = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")  # any 8 nibbles
+        scales = (torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
+        zeros = torch.randint(0, 16, (k // GROUP, n), device="cuda").to(torch.bfloat16)
+        out.append((words, scales, zeros))
+    return out
+
+
+def time_eager(fn, copies: int) -> float:
+    """Median us of RUNS single calls (each between two events), cycling the weight copies."""
+    for i in range(WARMUP):
+        fn(i % copies)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(RUNS)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(RUNS)]
+    for i in range(RUNS):
+        starts[i].record()
+        fn(i % copies)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def time_graph(fn, copies: int) -> float:
+    """Median us per call over RUNS replays of one graph of GRAPH_CALLS calls (copies cycled)."""
+    fn(0)  # the eager warm-up already compiled and sized everything; one more call before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(GRAPH_CALLS):
+            fn(i % copies)
+    for _ in range(3):
+        graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(RUNS)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(RUNS)]
+    for i in range(RUNS):
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    del graph
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3 / GRAPH_CALLS
+
+
+def bench_shape(row: dict) -> list[dict]:
+    from minivllm.kernels.w4a16_gemm import w4a16_gemm
+    k, n = row["K"], row["N"]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ws = weights(k, n, row["copies"])
+    variants = [(f"gemv split {s}", s) for s in row["splits"]] + [(f"gemv default ({row['default_split']})", None)]
+    results = []
+    for label, split in variants:
+        def call(i: int, split=split) -> torch.Tensor:
+            qw, s, z = ws[i]
+            return w4a16_gemm(x, qw, s, z, GROUP, split_k=split)
+        eager, graph = time_eager(call, row["copies"]), time_graph(call, row["copies"])
+        results.append({"shape": row["shape"], "variant": label, "split_k": split or row["default_split"],
+                        "eager_us": eager, "graph_us": graph, "int4_GBps": row["int4_bytes"] / graph / 1e3})
+    del ws
+    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(row["dense_copies"])]
+    call = (lambda i: torch.matmul(x, dense[i].t()))
+    eager, graph = time_eager(call, row["dense_copies"]), time_graph(call, row["dense_copies"])
+    results.append({"shape": row["shape"], "variant": "dense bf16 matmul", "split_k": None, "eager_us": eager,
+                    "graph_us": graph, "int4_GBps": row["int4_bytes"] / graph / 1e3,
+                    "dense_GBps": row["dense_bytes"] / graph / 1e3})
+    del dense
+    torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="write the plan and the results as JSON")
+    ap.add_argument("--dry-run", action="store_true", help="print the shapes and splits; time nothing (no GPU needed)")
+    args = ap.parse_args()
+    on_gpu = torch.cuda.is_available()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else H100_SMS
+    rows = plan(num_sms)
+    print(f"device: {torch.cuda.get_device_name(0) if on_gpu else 'none'} ({num_sms} SMs); "
+          f"GEMV config {rows[0]['config']}; group {GROUP}; bf16 x [1, K]")
+    for r in rows:
+        print(f"  {r['shape']:8s} K {r['K']:6d} -> N {r['N']:6d}: int4 {r['int4_bytes'] / 1e6:7.2f} MB "
+              f"x {r['copies']:2d} copies, dense bf16 {r['dense_bytes'] / 1e6:7.2f} MB x {r['dense_copies']:2d}; "
+              f"default split {r['default_split']}; splits {r['splits']}")
+    report = {"device": torch.cuda.get_device_name(0) if on_gpu else None, "num_sms": num_sms, "group": GROUP,
+              "runs": RUNS, "graph_calls": GRAPH_CALLS, "plan": rows, "results": []}
+    if not args.dry_run:
+        if not on_gpu:
+            raise SystemExit("no CUDA device: use --dry-run to check the shape logic only")
+        torch.manual_seed(0)
+        print(f"\n{'shape':8s} {'variant':22s} {'eager us':>9s} {'graph us':>9s} {'int4 GB/s':>10s}")
+        for r in rows:
+            for res in bench_shape(r):
+                report["results"].append(res)
+                extra = f"  (bf16 weight: {res['dense_GBps']:.0f} GB/s)" if "dense_GBps" in res else ""
+                print(f"{res['shape']:8s} {res['variant']:22s} {res['eager_us']:9.1f} {res['graph_us']:9.1f} "
+                      f"{res['int4_GBps']:10.0f}{extra}", flush=True)
+        per_token = {}
+        for res in report["results"]:
+            per_token.setdefault(res["variant"].split(" (")[0], 0.0)
+            per_token[res["variant"].split(" (")[0]] += res["graph_us"] * 32  # 32 layers, one of each linear
+        report["per_token_linears_us"] = per_token
+        print("\nlinears of one batch-1 token (32 layers, graph times): "
+              + ", ".join(f"{v} {t / 1e3:.2f} ms" for v, t in per_token.items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
