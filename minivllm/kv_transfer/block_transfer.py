@@ -5,10 +5,13 @@ layer, then a draft model's, in one flat list), the same layout on both sides, s
 copy is the same row of every tensor.
 
 - CPU build: one indexed copy per tensor (dst[dst_ids] = src[src_ids]).
-- CUDA: runs of consecutive (src, dst) ids are coalesced into slice copies, queued without
-  waiting on the engine's own stream (host pools are pinned); that stream first waits for the
-  compute stream (a copy out must see the K/V of steps queued before it), and the compute
-  stream waits for the copies (`wait`) before the step's forward reads or overwrites them.
+- CUDA: runs of consecutive (src, dst) ids are coalesced; a few runs become slice copies (the
+  copy engines), many become one launch of kernels/block_copy.py (every block of every tensor,
+  through the pinned host pools' device addresses: one cudaMemcpyAsync per run and tensor
+  would be ~9,000 host calls for a 2,000-token Qwen3-8B prefix). Either is queued without
+  waiting on the engine's own stream; that stream first waits for the compute stream (a copy
+  out must see the K/V of steps queued before it), and the compute stream waits for the copies
+  (`wait`) before the step's forward reads or overwrites them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from __future__ import annotations
 import torch
 
 from minivllm.core.interfaces import BlockPairs, KVTransfers
+
+# at most this many slice copies (runs x tensors) a transfer; more: one block-copy kernel launch
+MAX_SLICE_COPIES = 64
 
 
 def coalesce(pairs: BlockPairs) -> list[tuple[int, int, int]]:
@@ -47,6 +53,7 @@ class BlockTransferEngine:
         self.event: torch.cuda.Event | None = None  # recorded after the last queued copies
         self.bytes_moved = 0
         self.block_bytes = sum(t[0].numel() * t.element_size() for t in device_pool)
+        self._tables: dict[int, object] = {}  # id(pool) -> kernels.block_copy.PoolTable (CUDA)
 
     def execute(self, transfers: KVTransfers) -> None:
         """Queue a step's copies: every copy to the host, then every copy to the device."""
@@ -79,9 +86,20 @@ class BlockTransferEngine:
                 d.index_copy_(0, dst_ids, s.index_select(0, src_ids))
             return
         runs = coalesce(pairs)
+        if len(runs) * len(src) > MAX_SLICE_COPIES:
+            from minivllm.kernels.block_copy import copy_blocks
+            copy_blocks(self._table(src), self._table(dst), pairs, self.device)
+            return
         for s, d in zip(src, dst):
             for a, b, n in runs:
                 d[b:b + n].copy_(s[a:a + n], non_blocking=True)
+
+    def _table(self, pool: list[torch.Tensor]):
+        table = self._tables.get(id(pool))
+        if table is None:
+            from minivllm.kernels.block_copy import PoolTable
+            table = self._tables[id(pool)] = PoolTable(pool, self.device)
+        return table
 
     def wait(self) -> None:
         """The compute stream waits for the copies queued so far (no host wait)."""
