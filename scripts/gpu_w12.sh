@@ -10,10 +10,12 @@ export PYTHONUNBUFFERED=1
 OUT_DIR="${OUT:-/tmp}"
 KV="${W12_KV_BYTES:-1342177280}"
 HOST_GIB="${W12_HOST_GIB:-8}"
+RUNS=" ${W12_RUNS:-recompute swap offload vllm vllm-offload} "  # a subset: e.g. W12_RUNS="recompute offload"
 if [ -d .vllm ]; then bash scripts/vllm_stage.sh || echo "gpu_w12: vLLM staging failed"; fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 run() {  # name, then the command's arguments
     local name="$1"; shift
+    case "$RUNS" in *" ${name#minivllm-} "*) ;; *) return 0 ;; esac
     echo "== W12 $name: $*"
     timeout 900 "$@" --workload W12 --kv-cache-memory-bytes "$KV" --output "$OUT_DIR/w12-$name.json" \
         || echo "gpu_w12: $name failed (rc $?)"

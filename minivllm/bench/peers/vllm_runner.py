@@ -199,6 +199,10 @@ def llm_kwargs(model_dir: str, max_model_len: int, gpu_memory_utilization: float
                  "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
                  "distributed_executor_backend") and v is not None:
             kw[k] = v
+    if kw.get("kv_offloading_size"):
+        # vLLM 0.20.0's OffloadingConnector refuses the hybrid KV cache manager (its engine does
+        # not start: "does not support HMA but HMA is enabled"; W12, 2026-11-26)
+        kw["disable_hybrid_kv_cache_manager"] = True
     return kw
 
 
