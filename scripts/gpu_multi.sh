@@ -116,8 +116,9 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --out "$dir/spec-profile-device-verify.json" ;;
     w12)  # W12 KV pressure: recompute, swap, offload and vLLM's offloading (scripts/gpu_w12.sh)
       OUT=$dir bash scripts/gpu_w12.sh ;;
-    w12-ours)  # W12, minivllm's recompute and offload runs alone (the offload tier's copies, issue 24)
-      OUT=$dir W12_RUNS="recompute offload" bash scripts/gpu_w12.sh ;;
+    w12-ours)  # W12, minivllm's offload then recompute runs alone (the offload tier's copies, issue 24)
+      OUT=$dir W12_RUNS=offload bash scripts/gpu_w12.sh; mv "$dir/w12.txt" "$dir/w12-offload.txt"
+      OUT=$dir W12_RUNS=recompute bash scripts/gpu_w12.sh ;;
     awq-gemv)  # issue 25: the W4A16 GEMV alone on Llama-3.1-8B's batch-1 shapes (scripts/bench_w4a16_gemv.py)
       python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv.json" ;;
     invariance)  # issue 22: 1,000 repeats of one prompt under random load, batch-invariant mode, bf16
