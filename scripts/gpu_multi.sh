@@ -119,6 +119,8 @@ run_step() {  # run_step STEP LANE_DIR PORT
     w12-ours)  # W12, minivllm's offload then recompute runs alone (the offload tier's copies, issue 24)
       OUT=$dir W12_RUNS=offload bash scripts/gpu_w12.sh; mv "$dir/w12.txt" "$dir/w12-offload.txt"
       OUT=$dir W12_RUNS=recompute bash scripts/gpu_w12.sh ;;
+    w12-vllm)  # W12: minivllm's offload tier beside vLLM without and with its CPU offloading (issue 24)
+      OUT=$dir W12_RUNS="offload vllm vllm-offload" bash scripts/gpu_w12.sh ;;
     awq-gemv)  # issue 25: the W4A16 GEMV alone on Llama-3.1-8B's batch-1 shapes (scripts/bench_w4a16_gemv.py)
       python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv.json" ;;
     invariance)  # issue 22: 1,000 repeats of one prompt under random load, batch-invariant mode, bf16

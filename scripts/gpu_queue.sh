@@ -16,11 +16,12 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (2026-11-26 night; about 25 minutes on one H100, so two
-# leases at a 50-67 % device-time count):
-#   'w8-ngram+ours:W11-fp8+vllm:W11-fp8+fp8-sweep@0'   (19: n-gram with the async back-off;
-#                                                        25: FP8 with fast accumulation)
-#   'w12+disagg-1gpu@0'                                  (24: the offload variant, vLLM's, W3 P/D)
+# What the single-GPU issues still need (after lease 7, 2026-11-26 late night; about 25 minutes
+# on one H100: a session's 30 minutes count 67-100 % of held time, so order by what closes):
+#   'gpu-tests+w8-ngram+w8-ngram-vllm@0'   with GPU_TESTS="tests/gpu/test_quant_kernels.py"
+#                                (19: batch-32 n-gram with the two-size warm-up, vLLM in the lease)
+#   'disagg-1gpu+w12-vllm@0'     (24: disaggregated W3 and vLLM's CPU offloading beside ours)
+#   'ours:W11-fp8+vllm:W11-fp8+ours:W11-awq+vllm:W11-awq+fp8-sweep@0'   (25)
 #   'profile-moe1+moe-sweep-decode+ours:W10-decode+profile-bi@0'   (21, 22: where the time goes)
 #   'w7-trace@0'                (18: is a constrained step's GPU part 27.8 ms, or does the GPU wait?)
 set -u
