@@ -11,23 +11,49 @@ split-K, no autotuning, no stream-K.
 
     y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), accumulated in fp32, stored in x's dtype
 
-Cost: a fixed 64 x 128 tile wastes most of the tile at decode sizes (M = 1-16) and is below
-cuBLAS's best at large M; the mode states its cost in docs/perf.md.
+The tile's width BLOCK_N is chosen per weight, from N alone (and the GPU's SM count), never
+from M: every call with this weight runs the same programs over K, so a row's bits still do not
+depend on the batch. A narrow weight gets narrow tiles so that a W1-sized batch (about 256 rows,
+4 row tiles of 64) still gives every SM a program: with one 64 x 128 tile, Qwen3-0.6B's o_proj
+and down_proj (N = 1,024) ran 32 programs on an H100's 132 SMs.
+
+Cost: the tile wastes most of its rows at decode sizes (M = 1-16) and is below cuBLAS's best at
+large M; the mode states its cost in docs/perf.md.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-# the fixed launch: changing any of these changes the bits (not the correctness). One process uses
-# one tile; MINIVLLM_INVARIANT_GEMM_TILE="BM,BN,BK,warps,stages" picks another (tuning runs only)
+# the fixed launch: changing any of these changes the bits (not the correctness). BLOCK_N is the
+# widest of BLOCK_N_CHOICES that still gives REFERENCE_ROW_TILES x cdiv(N, BLOCK_N) >= the SM
+# count (else the narrowest); MINIVLLM_INVARIANT_GEMM_TILE="BM,BN,BK,warps,stages" fixes one tile
+# for every weight instead (tuning runs only)
 TILE_ENV = "MINIVLLM_INVARIANT_GEMM_TILE"
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = (
     tuple(int(v) for v in os.environ[TILE_ENV].split(",")) if os.environ.get(TILE_ENV) else (64, 128, 64, 4, 3))
+BLOCK_N_CHOICES = (128, 64, 32)
+REFERENCE_ROW_TILES = 4  # a W1-sized decode batch: 256 rows in tiles of 64
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def block_n_for(n: int, num_sms: int) -> int:
+    """The tile width for a weight of n output features (a function of n and the GPU only)."""
+    if os.environ.get(TILE_ENV):
+        return BLOCK_N
+    for bn in BLOCK_N_CHOICES:
+        if REFERENCE_ROW_TILES * triton.cdiv(n, bn) >= num_sms:
+            return bn
+    return BLOCK_N_CHOICES[-1]
 
 
 @triton.jit
@@ -69,11 +95,12 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*lead, n)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    block_n = block_n_for(n, _num_sms(x.device.index or 0) if x.is_cuda else 132)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
     _invariant_matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, y, m, n, k,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return y.view(*lead, n)

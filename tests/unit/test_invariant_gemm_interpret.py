@@ -21,12 +21,27 @@ res = {}
 res["fp32 m1 n200 k96 bias"] = checks.check_matmul(1, 200, 96, f32, "cpu", seed=1, bias=True, bitwise=False)
 res["fp32 m70 n130 k130"] = checks.check_matmul(70, 130, 130, f32, "cpu", seed=2, bias=False, bitwise=False)
 res["fp16 m5 n128 k64"] = checks.check_matmul(5, 128, 64, f16, "cpu", seed=3, bias=False, bitwise=False)
+res["fp32 m9 n600 k64 (64-wide tiles)"] = checks.check_matmul(9, 600, 64, f32, "cpu", seed=4, bias=True, bitwise=False)
+res["fp32 m3 n4300 k64 (128-wide tiles)"] = checks.check_matmul(3, 4300, 64, f32, "cpu", seed=5, bias=False, bitwise=False)
 print("RESULT " + json.dumps(res))
 """
 
 
 def test_invariant_matmul_under_interpreter():
     res = run_under_interpreter(CHILD, CHECKS, timeout_s=600)
-    assert len(res) == 3
+    assert len(res) == 5
     bad = {name: problems for name, problems in res.items() if problems}
     assert not bad, bad
+
+
+def test_tile_width_depends_on_the_weight_only(monkeypatch):
+    """block_n_for: a function of N and the SM count (never of the rows), narrow weights get
+    narrow tiles so a 256-row batch fills the GPU; the tuning override fixes one tile."""
+    from minivllm.kernels import invariant_gemm as ig
+    monkeypatch.delenv(ig.TILE_ENV, raising=False)
+    assert [ig.block_n_for(n, 132) for n in (1024, 4096, 6144, 151936)] == [32, 64, 128, 128]
+    for n in (1024, 4096, 6144):  # each choice gives a 4-row-tile batch at least an SM's worth
+        bn = ig.block_n_for(n, 132)
+        assert ig.REFERENCE_ROW_TILES * -(-n // bn) >= 132 or bn == ig.BLOCK_N_CHOICES[-1]
+    monkeypatch.setenv(ig.TILE_ENV, "64,128,64,4,3")
+    assert ig.block_n_for(1024, 132) == ig.BLOCK_N
