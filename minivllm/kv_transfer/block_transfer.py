@@ -87,19 +87,25 @@ class BlockTransferEngine:
             return
         runs = coalesce(pairs)
         if len(runs) * len(src) > MAX_SLICE_COPIES:
-            from minivllm.kernels.block_copy import copy_blocks
-            copy_blocks(self._table(src), self._table(dst), pairs, self.device)
-            return
+            src_table, dst_table = self._table(src), self._table(dst)
+            if src_table is not None and dst_table is not None:
+                from minivllm.kernels.block_copy import copy_blocks
+                copy_blocks(src_table, dst_table, pairs, self.device)
+                return
         for s, d in zip(src, dst):
             for a, b, n in runs:
                 d[b:b + n].copy_(s[a:a + n], non_blocking=True)
 
     def _table(self, pool: list[torch.Tensor]):
-        table = self._tables.get(id(pool))
-        if table is None:
+        """The pool's kernels.block_copy.PoolTable, or None where the kernel cannot read it
+        (a layout of partial words or strides): its copies then stay slice copies."""
+        if id(pool) not in self._tables:
             from minivllm.kernels.block_copy import PoolTable
-            table = self._tables[id(pool)] = PoolTable(pool, self.device)
-        return table
+            try:
+                self._tables[id(pool)] = PoolTable(pool, self.device)
+            except ValueError:
+                self._tables[id(pool)] = None
+        return self._tables[id(pool)]
 
     def wait(self) -> None:
         """The compute stream waits for the copies queued so far (no host wait)."""
