@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -59,6 +60,15 @@ class _Tracked:
     future: asyncio.Future | None  # the add's acknowledgement, until it arrives
 
 
+def startup_exit_message(exitcode: int | None) -> str:
+    """Why the engine core is gone before it said it was ready, as far as its exit code tells."""
+    msg = f"the engine-core process exited during startup (exit code {exitcode})"
+    if exitcode == -signal.SIGKILL:
+        msg += (": killed (SIGKILL), most often by the kernel's out-of-memory killer; lower "
+                "kv_cache_memory_bytes, gpu_memory_utilization or what else runs on this machine")
+    return msg
+
+
 class MPAsyncEngine(EngineClient):
     """Drop-in for AsyncEngine (same public methods) over a spawned engine-core process."""
 
@@ -94,11 +104,15 @@ class MPAsyncEngine(EngineClient):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._out.poll(0.2):
             if not self._proc.is_alive():
-                raise RuntimeError(f"the engine-core process exited during startup (exit code {self._proc.exitcode})")
+                raise RuntimeError(startup_exit_message(self._proc.exitcode))
             if deadline is not None and time.monotonic() > deadline:
                 self._proc.kill()
                 raise RuntimeError(f"the engine-core process did not start within {timeout_s} s")
-        msg = self._out.recv()
+        try:
+            msg = self._out.recv()
+        except EOFError:  # its end closed without a word: the process died (poll saw the EOF)
+            self._proc.join(10)
+            raise RuntimeError(startup_exit_message(self._proc.exitcode)) from None
         if msg[0] == "failed":
             self._proc.join(10)
             raise msg[1]

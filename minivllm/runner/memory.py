@@ -31,6 +31,8 @@ def plan_num_blocks(runner, per_block: int) -> int:
         return cache.num_kv_blocks
     if cache.kv_cache_memory_bytes is not None or runner.device.type != "cuda":
         budget = cache.kv_cache_memory_bytes or CPU_DEFAULT_KV_BYTES
+        if runner.device.type == "cpu":
+            check_host_budget(budget)
         num = int(budget // per_block)
         logger.info("KV budget %s (explicit) -> %d blocks", format_bytes(budget), num)
     else:
@@ -39,6 +41,17 @@ def plan_num_blocks(runner, per_block: int) -> int:
         raise ValueError(f"the KV cache budget holds no block of {per_block} bytes: raise "
                          "gpu_memory_utilization or kv_cache_memory_bytes")
     return num
+
+
+def check_host_budget(budget: int) -> None:
+    """A CPU KV cache is host memory, allocated (and touched) at startup: one larger than the
+    memory available now would get the engine core killed by the kernel's out-of-memory killer
+    with no word (a ValueError here names the field instead)."""
+    import psutil
+    available = psutil.virtual_memory().available
+    if budget > available:
+        raise ValueError(f"kv_cache_memory_bytes ({format_bytes(budget)}) must fit in the host memory "
+                         f"available now ({format_bytes(available)}): lower it")
 
 
 def _profile_gpu_blocks(runner, per_block: int) -> int:

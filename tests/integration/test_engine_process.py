@@ -56,6 +56,21 @@ def test_startup_error_reaches_the_caller():
         MPAsyncEngine.from_kwargs(**{**KW, "kv_cache_memory_bytes": 1000})
 
 
+def test_a_cpu_kv_cache_larger_than_the_host_memory_is_a_clear_error():
+    """Not the out-of-memory killer's silent SIGKILL mid-allocation (a 16 GiB CPU cache beside
+    another instance did that to the disaggregated plumbing check): the field and the limit."""
+    import psutil
+    too_big = psutil.virtual_memory().total * 2
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes \(.*\) must fit in the host memory available"):
+        MPAsyncEngine.from_kwargs(**{**KW, "kv_cache_memory_bytes": too_big})
+
+
+def test_a_startup_death_without_a_word_names_the_likely_cause():
+    from minivllm.engine.mp_async_engine import startup_exit_message
+    assert "out-of-memory" in startup_exit_message(-9)
+    assert startup_exit_message(1) == "the engine-core process exited during startup (exit code 1)"
+
+
 async def _first_output(eng: MPAsyncEngine, rid: str):
     stream = await eng.add_request(rid, "Count to one thousand:", LONG)
     first = await asyncio.wait_for(stream.__anext__(), 120)
