@@ -32,11 +32,10 @@ D_UTIL=${D_UTIL:-0.88}
 # pd_shared: explicit KV budgets. Profiled ones failed on an H100 (2026-11-26): the decode instance
 # counted the prefill instance's 50 GiB (more than its 0.42 share: its allocator keeps what its
 # warm-up and graph capture took) as used and planned a negative KV cache
+# (the CPU plumbing check: host memory, where 16 GiB would not fit beside anything else)
+if [ "$DEVICE" = cpu ]; then P_KV=${P_KV:-$((256 << 20))}; D_KV=${D_KV:-$((256 << 20))}; fi
 P_KV=${P_KV:-$((8 << 30))}
 D_KV=${D_KV:-$((16 << 30))}
-if [ "${DEVICE:-cuda}" = cpu ]; then  # the plumbing check: host memory (16 GiB would not fit beside CI)
-  P_KV=$((256 << 20)); D_KV=$((256 << 20))
-fi
 BASE_PORT=${BASE_PORT:-8100}
 OUTDIR=${OUT:-/tmp/disagg}; mkdir -p "$OUTDIR"
 if [ -z "${MODES:-}" ]; then
