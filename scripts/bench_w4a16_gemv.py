@@ -13,6 +13,11 @@ GB/s: the int4 bytes one call reads (K*N/2 + bf16 scales and zeros, 2 * 2 * K/G 
 graph time; the dense row also shows its own bf16 bytes.
 
     python3 scripts/bench_w4a16_gemv.py [--out gemv.json] [--dry-run]
+    python3 scripts/bench_w4a16_gemv.py --tiles "64,256,4,3 128,256,4,3 128,512,8,3" --out tiles.json
+
+--tiles: a sweep instead (graph times only): each "BLOCK_N,BLOCK_K,num_warps,num_stages" GEMV
+tile at each split-K that leaves every program a K slice, per shape; prints the best per shape
+and the per-token sum of the bests (what W4A16_CONFIGS could give with a tile per shape).
 
 --dry-run (no GPU needed) prints the shapes, their bytes, the default split-K (for an H100's
 132 SMs unless a GPU is present) and the weight copies, and times nothing. A full run takes
@@ -134,11 +139,44 @@ def bench_shape(row: dict) -> list[dict]:
     return results
 
 
+def sweep_tiles(rows: list[dict], tiles: list[tuple[int, int, int, int]]) -> list[dict]:
+    """Graph time of every (tile, split) per shape: [{shape, tile, split_k, graph_us, int4_GBps}]."""
+    from minivllm.kernels.w4a16_gemm import w4a16_gemm
+    results = []
+    for row in rows:
+        k, n = row["K"], row["N"]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ws = weights(k, n, row["copies"])
+        for bn, bk, warps, stages in tiles:
+            cfg = {"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+            for split in (sp for sp in SPLITS if sp <= k // bk):
+                def call(i: int, split=split, cfg=cfg) -> torch.Tensor:
+                    qw, sc, z = ws[i]
+                    return w4a16_gemm(x, qw, sc, z, GROUP, split_k=split, config=cfg)
+                try:
+                    call(0)  # compile outside the timing (and the graph)
+                    us = time_graph(call, row["copies"])
+                except Exception as e:  # noqa: BLE001 - a tile the compiler refuses: skip it
+                    print(f"{row['shape']:8s} {bn},{bk},{warps},{stages} split {split}: failed ({type(e).__name__})")
+                    continue
+                results.append({"shape": row["shape"], "tile": [bn, bk, warps, stages], "split_k": split,
+                                "graph_us": us, "int4_GBps": row["int4_bytes"] / us / 1e3})
+                print(f"{row['shape']:8s} tile {bn},{bk},{warps},{stages} split {split:2d}: {us:8.1f} us "
+                      f"{row['int4_bytes'] / us / 1e3:7.0f} GB/s", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the plan and the results as JSON")
     ap.add_argument("--dry-run", action="store_true", help="print the shapes and splits; time nothing (no GPU needed)")
+    ap.add_argument("--tiles", default=None, help='sweep GEMV tiles: "BN,BK,warps,stages ..." (graph times only)')
     args = ap.parse_args()
+    tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split()] if args.tiles else None
+    if tiles and any(len(t) != 4 for t in tiles):
+        raise SystemExit('--tiles: each tile is "BLOCK_N,BLOCK_K,num_warps,num_stages"')
     on_gpu = torch.cuda.is_available()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else H100_SMS
     rows = plan(num_sms)
@@ -150,7 +188,20 @@ def main() -> None:
               f"default split {r['default_split']}; splits {r['splits']}")
     report = {"device": torch.cuda.get_device_name(0) if on_gpu else None, "num_sms": num_sms, "group": GROUP,
               "runs": RUNS, "graph_calls": GRAPH_CALLS, "plan": rows, "results": []}
-    if not args.dry_run:
+    if tiles and not args.dry_run:
+        if not on_gpu:
+            raise SystemExit("no CUDA device: use --dry-run to check the shape logic only")
+        torch.manual_seed(0)
+        report["tiles"] = sweep_tiles(rows, tiles)
+        best = {}
+        for res in report["tiles"]:
+            if res["shape"] not in best or res["graph_us"] < best[res["shape"]]["graph_us"]:
+                best[res["shape"]] = res
+        report["best"] = best
+        print("\nbest per shape: " + "; ".join(f"{s} {b['tile']} split {b['split_k']} {b['graph_us']:.1f} us"
+                                               for s, b in best.items())
+              + f"\nlinears of one batch-1 token with these: {sum(b['graph_us'] for b in best.values()) * 32 / 1e3:.2f} ms")
+    elif not args.dry_run:
         if not on_gpu:
             raise SystemExit("no CUDA device: use --dry-run to check the shape logic only")
         torch.manual_seed(0)
