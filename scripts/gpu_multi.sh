@@ -137,6 +137,11 @@ run_step() {  # run_step STEP LANE_DIR PORT
     profile-bi)  # issue 22: kernel times of W1-like decode at batch 256, invariant mode vs default
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --batch-invariant --out "$dir/profile-bi.json"
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --out "$dir/profile-default.json" ;;
+    profile-awq1)  # issue 25: kernel times of W11-awq's batch-1 decode (Llama-3.1-8B AWQ), eager and in graphs
+      python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --batch 1 --prompt-len 128 --max-tokens 64 \
+        --out "$dir/profile-awq1.json"
+      python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128 \
+        --max-tokens 64 --out "$dir/profile-awq1-graphs.json" ;;
     profile-moe1)  # issue 21: kernel times of batch-1 decode on Qwen3-30B-A3B shapes
       python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --batch 1 --prompt-len 128 --max-tokens 64 \
         --out "$dir/profile-moe1.json" ;;

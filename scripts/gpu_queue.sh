@@ -21,7 +21,7 @@
 #   'gpu-tests+w8-ngram+w8-ngram-vllm@0'   with GPU_TESTS="tests/gpu/test_quant_kernels.py"
 #                                (19: batch-32 n-gram with the two-size warm-up, vLLM in the lease)
 #   'disagg-1gpu+w12-vllm@0'     (24: disaggregated W3 and vLLM's CPU offloading beside ours)
-#   'ours:W11-fp8+vllm:W11-fp8+ours:W11-awq+vllm:W11-awq+fp8-sweep+awq-gemv-tiles@0'   (25)
+#   'ours:W11-fp8+vllm:W11-fp8+ours:W11-awq+vllm:W11-awq+fp8-sweep+awq-gemv-tiles+profile-awq1@0'  (25)
 #   'profile-moe1+moe-sweep-decode+ours:W10-decode+profile-bi@0'   (21, 22: where the time goes)
 #   'w7-trace@0'                (18: is a constrained step's GPU part 27.8 ms, or does the GPU wait?)
 set -u

@@ -4,6 +4,11 @@ batch-invariant W1): a dummy-weight model decodes a fixed batch under the torch 
 
     python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --batch-invariant --out bi.json
     python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --batch 1 --out moe1.json
+    python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --batch 1 --out awq1.json
+
+--awq: the model directory carries AutoAWQ's quantization_config (W11-awq, random packed int4
+weights). --graphs: decode through the CUDA graphs, as the engine runs by default (the profiler
+still sees each kernel of a replayed graph), for the share of each kernel in the real step.
 
 Prints the top kernels (total ms over the profiled steps, share of GPU time, calls) and writes
 them as JSON with the profiled decode steps' wall time."""
@@ -24,6 +29,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32, help="decode steps profiled (after a warm-up run)")
     ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--awq", action="store_true", help="AWQ int4 weights (W11-awq's model directory)")
+    ap.add_argument("--group-size", type=int, default=128, help="--awq: the quantization group (tiny models: 32)")
+    ap.add_argument("--graphs", action="store_true", help="CUDA graphs on (default: eager, every launch itemised)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -31,8 +39,9 @@ def main() -> None:
     from minivllm import LLM, SamplingParams
     from minivllm.bench import model_dirs
     from minivllm.engine.profiler import kernel_times
-    model_dir = model_dirs.write_model_dir(args.model_config)
-    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+    quant = model_dirs.awq_quantization_config(args.group_size) if args.awq else None
+    model_dir = model_dirs.write_model_dir(args.model_config, quantization_config=quant)
+    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=not args.graphs,
               batch_invariant=args.batch_invariant, max_model_len=args.prompt_len + args.max_tokens + 16,
               max_num_seqs=max(args.batch, 1))
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(args.prompt_len)]} for i in range(args.batch)]
