@@ -40,7 +40,6 @@ RUNS = 50
 GRAPH_CALLS = 32
 WARMUP = 5
 L2_BYTES = 50 << 20  # H100's L2; the weight copies of a shape add up to more than 4x this
-H100_SMS = 132
 
 
 def int4_bytes(k: int, n: int, group: int = GROUP) -> int:
@@ -178,7 +177,8 @@ def main() -> None:
     if tiles and any(len(t) != 4 for t in tiles):
         raise SystemExit('--tiles: each tile is "BLOCK_N,BLOCK_K,num_warps,num_stages"')
     on_gpu = torch.cuda.is_available()
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else H100_SMS
+    from minivllm.kernels.device import num_sms as num_sms_of
+    num_sms = num_sms_of("cuda:0")  # an H100's 132 without a GPU
     rows = plan(num_sms)
     print(f"device: {torch.cuda.get_device_name(0) if on_gpu else 'none'} ({num_sms} SMs); "
           f"GEMV config {rows[0]['config']}; group {GROUP}; bf16 x [1, K]")

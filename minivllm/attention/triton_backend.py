@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata
+from minivllm.kernels.device import num_sms as num_sms_of
 
 if TYPE_CHECKING:
     from minivllm.kernels.decode_attention import DecodeWorkspace
@@ -110,7 +111,7 @@ class TritonAttentionBackend:
         max_seq_len long), never on this step's lengths, so a graph captured for a padded
         batch size replays correctly whatever the sequences' lengths.
         """
-        num_sms = _num_sms(device)
+        num_sms = num_sms_of(device)
         most = self._choose_splits(1, num_kv_heads, max_seq_len, num_sms)
         ws = self._workspace_cls.allocate(max_num_seqs, num_heads, head_dim, most, device)
         self._reserved = (ws, max_seq_len, num_sms)
@@ -124,10 +125,3 @@ class TritonAttentionBackend:
             return None, None
         splits = self._choose_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
         return ws, min(splits, ws.num_splits)
-
-
-def _num_sms(device: torch.device | str) -> int:
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return 132
-    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count

@@ -29,7 +29,6 @@ replays. The reference is `paged_attention_reference` in minivllm/attention/refe
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.paged_checks import check_paged_shapes
 from minivllm.kernels.prefill_attention import mma
 from minivllm.kernels.store_kv import kv_scale_args
@@ -198,11 +198,6 @@ def _decode_merge_kernel(
              res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
     """How many chunks to cut each context into so that stage 1 fills the GPU.
 
@@ -276,7 +271,7 @@ def decode_attention(
 def _default_splits(query, num_seqs, num_kv_heads, max_seq_len, k_cache, block_tables) -> int:
     if max_seq_len is None:  # upper bound from the block table width (no device sync)
         max_seq_len = block_tables.shape[1] * k_cache.shape[1]
-    num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 132
+    num_sms = num_sms_of(query.device)
     return choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
 
 

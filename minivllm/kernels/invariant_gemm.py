@@ -23,12 +23,13 @@ large M; the mode states its cost in docs/perf.md.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from minivllm.kernels.device import num_sms as num_sms_of
 
 # the fixed launch: changing any of these changes the bits (not the correctness). BLOCK_N is the
 # widest of BLOCK_N_CHOICES that still gives REFERENCE_ROW_TILES x cdiv(N, BLOCK_N) >= the SM
@@ -39,11 +40,6 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = (
     tuple(int(v) for v in os.environ[TILE_ENV].split(",")) if os.environ.get(TILE_ENV) else (64, 128, 64, 4, 3))
 BLOCK_N_CHOICES = (128, 64, 32)
 REFERENCE_ROW_TILES = 4  # a W1-sized decode batch: 256 rows in tiles of 64
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def block_n_for(n: int, num_sms: int) -> int:
@@ -95,7 +91,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*lead, n)
-    block_n = block_n_for(n, _num_sms(x.device.index or 0) if x.is_cuda else 132)
+    block_n = block_n_for(n, num_sms_of(x.device))
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
     _invariant_matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, y, m, n, k,

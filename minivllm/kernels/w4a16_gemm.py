@@ -43,11 +43,11 @@ this table). The reference is quant/w4.py: w4a16_reference.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from minivllm.kernels.device import num_sms as num_sms_of
 
 # at this many rows and more: dequantize once, then a dense matmul (cuBLAS)
 DENSE_MIN_ROWS = 256
@@ -211,11 +211,6 @@ def w4a16_config(m: int) -> dict[str, int]:
     return next(cfg for bound, cfg in W4A16_CONFIGS if m <= bound)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_split_k(m: int, n: int, k: int, cfg: dict[str, int], num_sms: int) -> int:
     """Cut K until the grid has about PROGRAMS_PER_SM programs per SM (a power of two, at most
     MAX_SPLIT_K and the number of K slices)."""
@@ -255,7 +250,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     g = k if group_size == -1 else group_size
     cfg = dict(config or w4a16_config(m))
     if split_k is None:
-        split_k = choose_split_k(m, n, k, cfg, _num_sms(x.device.index or 0) if x.is_cuda else 132)
+        split_k = choose_split_k(m, n, k, cfg, num_sms_of(x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
