@@ -355,11 +355,8 @@ def resolve_host_kv(swap_space: float | None, preemption_mode: str | None, kv_of
           "needs enable_prefix_caching (the offload tier keeps the prefix cache's evicted blocks)")
     swap_bytes, offload_bytes = int(swap_space * (1 << 30)), int(offload * (1 << 30))
     if swap_bytes + offload_bytes:
-        import psutil
-        available = psutil.virtual_memory().available
-        check(swap_bytes + offload_bytes <= available, "swap_space + kv_offloading_size",
-              f"({(swap_bytes + offload_bytes) / (1 << 30):.2f} GiB) must fit in the host memory available "
-              f"now ({available / (1 << 30):.2f} GiB)")
+        from minivllm.runner.memory import check_fits_host_memory
+        check_fits_host_memory(swap_bytes + offload_bytes, "swap_space + kv_offloading_size")
     return swap_bytes, offload_bytes
 
 

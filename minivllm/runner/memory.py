@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from minivllm.config import check
 from minivllm.runner.kv_cache import CPU_DEFAULT_KV_BYTES, allocate_kv_cache, format_bytes
 from minivllm.runner.profile import blocks_for_dummy_step
 
@@ -32,7 +33,10 @@ def plan_num_blocks(runner, per_block: int) -> int:
     if cache.kv_cache_memory_bytes is not None or runner.device.type != "cuda":
         budget = cache.kv_cache_memory_bytes or CPU_DEFAULT_KV_BYTES
         if runner.device.type == "cpu":
-            check_host_budget(budget)
+            # a CPU KV cache is host memory, allocated (and touched) here: one larger than the
+            # memory available would get the engine core killed by the out-of-memory killer with
+            # no word, where this names the field
+            check_fits_host_memory(budget, "kv_cache_memory_bytes")
         num = int(budget // per_block)
         logger.info("KV budget %s (explicit) -> %d blocks", format_bytes(budget), num)
     else:
@@ -43,15 +47,13 @@ def plan_num_blocks(runner, per_block: int) -> int:
     return num
 
 
-def check_host_budget(budget: int) -> None:
-    """A CPU KV cache is host memory, allocated (and touched) at startup: one larger than the
-    memory available now would get the engine core killed by the kernel's out-of-memory killer
-    with no word (a ValueError here names the field instead)."""
+def check_fits_host_memory(nbytes: int, field_name: str) -> None:
+    """ValueError naming field_name unless nbytes of host memory are available now (host KV
+    pools are allocated at startup: the CPU's KV cache, swap space, the offload tier)."""
     import psutil
     available = psutil.virtual_memory().available
-    if budget > available:
-        raise ValueError(f"kv_cache_memory_bytes ({format_bytes(budget)}) must fit in the host memory "
-                         f"available now ({format_bytes(available)}): lower it")
+    check(nbytes <= available, field_name,
+          f"({format_bytes(nbytes)}) must fit in the host memory available now ({format_bytes(available)})")
 
 
 def _profile_gpu_blocks(runner, per_block: int) -> int:

@@ -196,3 +196,14 @@ def test_host_block_pool():
     assert pool.allocate(2) is None and pool.num_free == 1
     pool.free(a)
     assert pool.num_free == 3 and sorted(pool.allocate(3)) == [0, 1, 2]
+
+
+def test_host_pools_larger_than_the_available_memory_fail_at_startup():
+    import psutil
+    import pytest
+
+    from minivllm.engine.config_builder import resolve_host_kv
+    gib = psutil.virtual_memory().total * 2 / (1 << 30)
+    with pytest.raises(ValueError, match=r"swap_space \+ kv_offloading_size \(.* GiB\) must fit in the host memory"):
+        resolve_host_kv(gib, "swap", None, True)
+    assert resolve_host_kv(1.0, "swap", 0.5, True) == (1 << 30, 1 << 29)
