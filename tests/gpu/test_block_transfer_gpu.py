@@ -48,25 +48,23 @@ def check_block_copy(device: str, seed: int) -> dict:
             return [t.pin_memory() for t in ts]
         return [t.to(device) for t in ts]
 
+    def copies_exactly(src, dst, src_ids, dst_ids) -> bool:
+        """copy_blocks src -> dst; dst equals its old content with the copied blocks replaced."""
+        want = [t.clone() for t in dst]
+        for w, s in zip(want, src):
+            w[dst_ids] = s[src_ids].to(w.device)
+        copy_blocks(PoolTable(src, torch.device(device)), PoolTable(dst, torch.device(device)),
+                    list(zip(src_ids, dst_ids)), torch.device(device))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return all(torch.equal(d, w) for d, w in zip(dst, want))
+
     dev, host = pool(24, "device"), pool(12, "host")
-    dt, ht = PoolTable(dev, torch.device(device)), PoolTable(host, torch.device(device))
     out_src = torch.randperm(24, generator=g)[:9].tolist()
     out_dst = torch.randperm(12, generator=g)[:9].tolist()
-    want_host = [t.clone() for t in host]
-    for w, d in zip(want_host, dev):
-        w[out_dst] = d[out_src].to(w.device)
-    copy_blocks(dt, ht, list(zip(out_src, out_dst)), torch.device(device))
-    if device == "cuda":
-        torch.cuda.synchronize()
-    ok = all(torch.equal(h, w) for h, w in zip(host, want_host))
     in_src, in_dst = [0, 5, 6, 11], [23, 2, 3, 10]
-    want_dev = [t.clone() for t in dev]
-    for w, h in zip(want_dev, host):
-        w[in_dst] = h[in_src].to(w.device)
-    copy_blocks(ht, dt, list(zip(in_src, in_dst)), torch.device(device))
-    if device == "cuda":
-        torch.cuda.synchronize()
-    ok = ok and all(torch.equal(d, w) for d, w in zip(dev, want_dev))
+    ok = copies_exactly(dev, host, out_src, out_dst)
+    ok = copies_exactly(host, dev, in_src, in_dst) and ok
     return {"ok": bool(ok), "copied": len(out_src) + len(in_src)}
 
 
