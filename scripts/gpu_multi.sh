@@ -120,7 +120,7 @@ run_step() {  # run_step STEP LANE_DIR PORT
       OUT=$dir W12_RUNS=offload bash scripts/gpu_w12.sh; mv "$dir/w12.txt" "$dir/w12-offload.txt"
       OUT=$dir W12_RUNS=recompute bash scripts/gpu_w12.sh ;;
     w12-vllm)  # W12: minivllm's offload tier beside vLLM without and with its CPU offloading (issue 24)
-      OUT=$dir W12_RUNS="offload vllm vllm-offload" bash scripts/gpu_w12.sh ;;
+      OUT=$dir W12_RUNS="${W12_VLLM_RUNS:-offload vllm vllm-offload}" bash scripts/gpu_w12.sh ;;
     awq-gemv-tiles)  # issue 25: a tile sweep of the W4A16 GEMV on the same shapes (a few minutes)
       python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv-tiles.json" \
         --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 32,512,4,4 256,256,8,3 64,128,4,4" ;;
