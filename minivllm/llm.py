@@ -33,6 +33,12 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.llm_engine = LLMEngine.from_kwargs(model=model, **kwargs)
 
+    def __del__(self) -> None:
+        # the engine froze the startup heap (engine/gc_heap.py): unfreeze it, so that `del llm;
+        # gc.collect()` frees the engine's cycles and its GPU memory, as it does in vLLM
+        from minivllm.engine.gc_heap import unfreeze_heap
+        unfreeze_heap()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

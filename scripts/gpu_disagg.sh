@@ -30,8 +30,10 @@ VOCAB_SIZE=${VOCAB_SIZE:-10000}  # prompt token ids are drawn below this (W3: 10
 P_UTIL=${P_UTIL:-0.42}
 D_UTIL=${D_UTIL:-0.88}
 # pd_shared: explicit KV budgets. Profiled ones failed on an H100 (2026-11-26): the decode instance
-# counted the prefill instance's 50 GiB (more than its 0.42 share: its allocator keeps what its
-# warm-up and graph capture took) as used and planned a negative KV cache
+# counted the prefill instance's 50 GiB (more than its 0.42 share) as used and planned a negative
+# KV cache. The cause, found in lease 8 (2026-11-27, where even explicit budgets ran out of
+# memory): the LM head's warm-up cached every row count's logits until the GPU was full (fixed
+# in ModelRunner.warm_up_kernels)
 # (the CPU plumbing check: host memory, where 16 GiB would not fit beside anything else)
 if [ "$DEVICE" = cpu ]; then P_KV=${P_KV:-$((256 << 20))}; D_KV=${D_KV:-$((256 << 20))}; fi
 P_KV=${P_KV:-$((8 << 30))}
@@ -82,6 +84,13 @@ stop_all() {
   for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null; done
   PIDS=()
+  # the next mode's servers plan memory from what is free: wait until no process holds the GPU
+  if [ "$DEVICE" != cpu ] && command -v nvidia-smi >/dev/null; then
+    local t0=$SECONDS
+    while [ -n "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && [ $((SECONDS - t0)) -lt 60 ]; do
+      sleep 1
+    done
+  fi
 }
 trap stop_all EXIT
 

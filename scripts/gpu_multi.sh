@@ -23,6 +23,7 @@
 #   diagnose-invariance scripts/diagnose_invariance.py (chunked vs one-step prefill, module by module)
 #   moe-sweep-decode    scripts/sweep_fused_moe.py at M = 1-16; later steps of the lease use the file
 #   profile-bi / profile-moe1  scripts/kernel_profile.py: kernel times (issues 22 / 21)
+#   spec-profile-32     scripts/spec_profile.py --batch 32: W8 batch 32, none vs n-gram (issue 19)
 #   fp8-sweep           scripts/fp8_gemm_sweep.py: FP8 GEMM variants on Qwen3-8B's shapes (issue 25)
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
 #   gpu-tests           the single-GPU test files that last failed or never ran (one GPU)
@@ -114,6 +115,9 @@ run_step() {  # run_step STEP LANE_DIR PORT
       python3 scripts/spec_profile.py --model /tmp/smollm2-bf16 --methods none,ngram --out "$dir/spec-profile.json"
       MINIVLLM_SPEC_HOST_VERIFY=0 python3 scripts/spec_profile.py --model /tmp/smollm2-bf16 --methods ngram \
         --out "$dir/spec-profile-device-verify.json" ;;
+    spec-profile-32)  # issue 19: W8 at batch 32, no speculation vs n-gram (no draft scheduled): host phases, GPU time
+      [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
+      python3 scripts/spec_profile.py --model /tmp/smollm2-bf16 --batch 32 --top 20 --out "$dir/spec-profile-32.json" ;;
     w12)  # W12 KV pressure: recompute, swap, offload and vLLM's offloading (scripts/gpu_w12.sh)
       OUT=$dir bash scripts/gpu_w12.sh ;;
     w12-ours)  # W12, minivllm's offload then recompute runs alone (the offload tier's copies, issue 24)

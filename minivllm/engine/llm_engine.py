@@ -18,7 +18,7 @@ from minivllm.core.scheduler import Scheduler, SchedulerLimits
 from minivllm.core.swap_space import SwapSpace
 from minivllm.engine.config_builder import build_engine_config
 from minivllm.engine.errors import EngineDeadError
-from minivllm.engine.gc_heap import freeze_startup_heap
+from minivllm.engine.gc_heap import freeze_startup_heap, unfreeze_heap
 from minivllm.sample.batch import validate_for_vocab
 from minivllm.engine.input_processor import (
     PromptInput,
@@ -590,6 +590,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+        unfreeze_heap()  # the engine's cyclic garbage (runner <-> graph runner) can now be freed
 
 
 def make_engine(config: EngineConfig):

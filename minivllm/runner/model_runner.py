@@ -340,9 +340,15 @@ class ModelRunner:
             self.model(inputs.input_ids, inputs.positions, inputs.meta)
         rows = torch.zeros(self.config.scheduler.max_num_seqs, self.arch.hidden_size, dtype=self.dtype,
                            device=self.device)
-        for m in range(1, rows.shape[0] + 1):
+        # largest first, then empty_cache: each smaller logits tensor reuses the first one's
+        # cached block. Smallest first, every step needed a bigger block than any cached one and
+        # the allocator kept them all until the device was full (lease 8: a prefill instance
+        # with an 8 GiB KV cache held 48 GiB, and the decode instance sharing its GPU found no
+        # room; several models on one GPU would meet the same)
+        for m in range(rows.shape[0], 0, -1):
             self.model.compute_logits(rows[:m])
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         self.timings["kernel_warmup_s"] = time.perf_counter() - t
         logger.info("warmed up the prefill kernels and the LM head in %.1f s", self.timings["kernel_warmup_s"])
 

@@ -26,3 +26,37 @@ def test_engine_startup_freezes_the_heap():
     # Python freezes a few hundred objects at its own startup)
     assert after - before > 5000
     assert blocks_tracked == 0  # gc.get_objects() no longer lists them: frozen
+
+
+def test_a_dropped_engine_is_freed_despite_the_frozen_heap():
+    """The frozen heap must not keep a dropped engine alive: its runner sits in reference cycles
+    (the CUDA-graph runner refers back to it; here one made by hand, as the CPU build has no
+    graphs), and frozen cycles are never collected. Both ways of dropping an engine: shutdown,
+    and deleting the LLM that holds it."""
+    code = textwrap.dedent("""
+        import gc, json, weakref
+        from minivllm import LLM
+        from minivllm.bench.model_dirs import write_model_dir
+        from minivllm.engine.llm_engine import LLMEngine
+        d = write_model_dir("tiny-llama")
+        kw = dict(model=d, load_format="dummy", skip_tokenizer_init=True, device="cpu", dtype="float32",
+                  num_kv_blocks=64, max_model_len=256)
+        alive = []
+        eng = LLMEngine.from_kwargs(**kw)
+        eng.executor.runner.cycle = eng.executor.runner
+        runner = weakref.ref(eng.executor.runner)
+        eng.shutdown()
+        del eng
+        gc.collect()
+        alive.append(runner() is not None)
+        llm = LLM(**kw)
+        llm.llm_engine.executor.runner.cycle = llm.llm_engine.executor.runner
+        runner = weakref.ref(llm.llm_engine.executor.runner)
+        del llm
+        gc.collect()
+        alive.append(runner() is not None)
+        print(json.dumps(alive))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert __import__("json").loads(out.stdout.strip().splitlines()[-1]) == [False, False]
