@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from minivllm.engine.gc_heap import unfreeze_heap
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.input_processor import PromptInput
 from minivllm.lora.request import LoRARequest
@@ -35,9 +36,10 @@ class LLM:
 
     def __del__(self) -> None:
         # the engine froze the startup heap (engine/gc_heap.py): unfreeze it, so that `del llm;
-        # gc.collect()` frees the engine's cycles and its GPU memory, as it does in vLLM
-        from minivllm.engine.gc_heap import unfreeze_heap
-        unfreeze_heap()
+        # gc.collect()` frees the engine's cycles and its GPU memory, as it does in vLLM. (At
+        # interpreter exit the module's globals may already be gone: nothing to free then.)
+        if unfreeze_heap is not None:
+            unfreeze_heap()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

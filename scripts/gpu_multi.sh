@@ -24,6 +24,8 @@
 #   moe-sweep-decode    scripts/sweep_fused_moe.py at M = 1-16; later steps of the lease use the file
 #   profile-bi / profile-moe1  scripts/kernel_profile.py: kernel times (issues 22 / 21)
 #   spec-profile-32     scripts/spec_profile.py --batch 32: W8 batch 32, none vs n-gram (issue 19)
+#   w8-32first          bench spec none,ngram with batch 32 timed before batch 1 (issue 19)
+#   w7-timeline         w7-trace plus gzipped Chrome traces of both traced runs (issue 18)
 #   fp8-sweep           scripts/fp8_gemm_sweep.py: FP8 GEMM variants on Qwen3-8B's shapes (issue 25)
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
 #   gpu-tests           the single-GPU test files that last failed or never ran (one GPU)
@@ -91,6 +93,12 @@ run_step() {  # run_step STEP LANE_DIR PORT
       OUT=$dir bash scripts/gpu_w7.sh ;;
     w7-trace)  # W7, minivllm alone, then 256 requests' kernel times constrained vs unconstrained (issue 18)
       OUT=$dir bash scripts/gpu_w7.sh --engine minivllm --trace-requests 256 ;;
+    w7-timeline)  # issue 18: w7-trace with the Chrome traces of the traced runs (16 tokens a request), gzipped
+      OUT=$dir bash scripts/gpu_w7.sh --engine minivllm --trace-requests 256 --trace-max-tokens 16 --trace-dir "$dir" ;;
+    w8-32first)  # issue 19: W8 none and n-gram with batch 32 measured before batch 1 (does the batch-1 phase slow it?)
+      [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
+      python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram --batch32-first \
+        --output "$dir/w8-32first-minivllm.json" ;;
     w8)  # W8 speculative decoding on the default model's real weights, minivllm then vLLM
       [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
       [ -f /tmp/smollm2-draft/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-draft --dtype bfloat16 --num-layers 8 >/dev/null

@@ -156,9 +156,10 @@ def throughput(engine, n: int, max_tokens: int) -> dict:
             "step_phase_ms_constrained": phases_c, "step_phase_ms_unconstrained": phases_u}
 
 
-def kernel_time(engine, prompts, params, top: int = 8) -> dict:
+def kernel_time(engine, prompts, params, top: int = 8, trace_path: str | None = None) -> dict:
     """The generate call under the torch profiler: engine steps, GPU kernel ms per step, wall ms
-    per step, and the kernels that took most of it."""
+    per step, and the kernels that took most of it; with trace_path also the whole timeline as
+    a gzipped Chrome trace (where the GPU waits between kernels, and for which host call)."""
     import torch
 
     from minivllm.engine.profiler import kernel_times
@@ -170,19 +171,28 @@ def kernel_time(engine, prompts, params, top: int = 8) -> dict:
         wall, _ = _timed(engine, prompts, params)
     steps = max(engine.take_phases()["steps"], 1)
     kernels = kernel_times(prof)
+    if trace_path:
+        import gzip
+        import shutil
+        prof.export_chrome_trace(trace_path)
+        with open(trace_path, "rb") as src, gzip.open(trace_path + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace_path)
     return {"steps": steps, "gpu_kernel_ms_per_step": round(sum(k["ms"] for k in kernels) / steps, 3),
             "wall_ms_per_step": round(1e3 * wall / steps, 3), "top_kernels": kernels[:top]}
 
 
-def trace(engine, n: int, max_tokens: int) -> dict:
+def trace(engine, n: int, max_tokens: int, trace_dir: str | None = None) -> dict:
     prompts, params, _ = w7.w7_requests()
     prompts, params = prompts[:n], params[:n]
     for p in params:
         p["max_tokens"] = min(p["max_tokens"], max_tokens)
-    constrained = kernel_time(engine, prompts, params)
+    path = (lambda name: os.path.join(trace_dir, f"w7-trace-{name}.json")) if trace_dir else (lambda name: None)
+    constrained = kernel_time(engine, prompts, params, trace_path=path("constrained"))
     outs = engine.generate(prompts, params)  # the twins need the token counts (not traced)
     twins = w7.unconstrained_twins(params, [len(o.outputs[0].token_ids) for o in outs])
-    return {"trace_constrained": constrained, "trace_unconstrained": kernel_time(engine, prompts, twins)}
+    return {"trace_constrained": constrained,
+            "trace_unconstrained": kernel_time(engine, prompts, twins, trace_path=path("unconstrained"))}
 
 
 def run_engine(kind: str, args) -> dict:
@@ -199,7 +209,7 @@ def run_engine(kind: str, args) -> dict:
     res.update(ttft_probe(engine, prompt))
     res.update(throughput(engine, args.num_requests, args.max_tokens))
     if kind == "minivllm" and args.trace_requests:
-        res.update(trace(engine, args.trace_requests, args.trace_max_tokens))
+        res.update(trace(engine, args.trace_requests, args.trace_max_tokens, args.trace_dir))
     if kind == "minivllm":  # which bitmask fill the engine measured cheaper (mean s per row)
         backend = engine.llm.llm_engine.structured._backend
         choice = getattr(backend, "_fill_choice", None)
@@ -216,6 +226,7 @@ def run_both(args) -> int:
         cmd = [sys.executable, __file__, "--engine", kind, "--num-requests", str(args.num_requests),
                "--max-tokens", str(args.max_tokens), "--model-config", args.model_config,
                "--trace-requests", str(args.trace_requests), "--trace-max-tokens", str(args.trace_max_tokens)]
+        cmd += ["--trace-dir", args.trace_dir] if args.trace_dir else []
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
@@ -260,6 +271,7 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=int, default=270, help="per engine, with --engine both")
     ap.add_argument("--trace-requests", type=int, default=0, help="minivllm: kernel times of this many requests (0: none)")
     ap.add_argument("--trace-max-tokens", type=int, default=48)
+    ap.add_argument("--trace-dir", default=None, help="with --trace-requests: write gzipped Chrome traces here")
     args = ap.parse_args()
     if args.engine == "both":
         return run_both(args)

@@ -117,9 +117,11 @@ def measure_method(args, spec: dict | None, prompts: list[list[int]]) -> dict:
     llm.generate([{"prompt_token_ids": p} for p in prompts[:32]], warm, use_tqdm=False)
     one = [[p] for p in prompts[:args.batch1_prompts]]
     many = [prompts[i:i + 32] for i in range(0, len(prompts), 32)]
-    return {"batch1": _median_of(args.repeats, lambda: _timed(llm, args.engine, one, params)),
-            "batch32": _median_of(args.repeats, lambda: _timed(llm, args.engine, many, params)),
-            "config": spec}
+    order = ("batch32", "batch1") if args.batch32_first else ("batch1", "batch32")
+    batches = {"batch1": one, "batch32": many}
+    results = {name: _median_of(args.repeats, lambda b=batches[name]: _timed(llm, args.engine, b, params))
+               for name in order}
+    return {"batch1": results["batch1"], "batch32": results["batch32"], "config": spec}
 
 
 def _median_of(repeats: int, run) -> dict:
@@ -155,6 +157,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch1-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per batch size; the median is reported")
+    p.add_argument("--batch32-first", action="store_true",
+                   help="time batch 32 before batch 1 (a diagnostic: whether the batch-1 runs change batch 32's)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)

@@ -41,4 +41,5 @@ def freeze_startup_heap() -> None:
 def unfreeze_heap() -> None:
     """Undo freeze_startup_heap (process-wide): a dropped engine's cycles become collectable.
     A later engine's startup freezes again."""
-    gc.unfreeze()
+    if gc is not None:  # (None late in interpreter shutdown)
+        gc.unfreeze()
