@@ -136,8 +136,17 @@ class LLMEngine:
         # async scheduling: the next step is scheduled and launched while this one runs
         self.async_scheduling = config.async_scheduling
         self._inflight = None  # (SchedulerOutput, launched step) still running on the device
+        # a constrained step's next step, scheduled (and its forward queued) before the constrained
+        # step's sampling, see _pipeline_next: (SchedulerOutput, queued forward or None, its
+        # schedule record) for the next step() to take up
+        self._next = None
+        self.num_pipelined_steps = 0  # forwards queued that way (tests, profiling)
         # pipeline parallelism: up to one whole batch per stage in flight, oldest first
         self._max_batches = config.parallel.pipeline_parallel_size
+        # (MINIVLLM_GRAMMAR_PIPELINE=0: off, to compare)
+        self._can_pipeline = (self.async_scheduling and self._max_batches == 1 and config.speculative is None
+                              and self.kv_connector is None and hasattr(self.executor, "prepare_forward")
+                              and os.environ.get("MINIVLLM_GRAMMAR_PIPELINE", "1") != "0")
         self._batches: deque = deque()
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -283,7 +292,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self.output_processor.states) or bool(self._aborted_outputs) or self._inflight is not None
-                or bool(self._batches) or self.scheduler.has_kv_transfers())
+                or self._next is not None or bool(self._batches) or self.scheduler.has_kv_transfers())
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
@@ -305,11 +314,16 @@ class LLMEngine:
             outputs += self._complete(self._inflight)[0]
             self._inflight = None
         outputs += self._fail_broken_grammars()
-        sched = self._schedule()
-        if self._inflight is not None and self._needs_sync(sched):
+        forward = None
+        if self._next is not None:  # scheduled by the constrained step before (_pipeline_next)
+            sched, forward, self.last_step = self._next
+            self._next = None
+        else:
+            sched = self._schedule()
+        if forward is None and self._inflight is not None and self._needs_sync(sched):
             outputs += self._take_inflight(sched)[0]
         with self.profiler.phase("minivllm.launch"):
-            launched = self._launch(sched, outputs)
+            launched = self._launch(sched, outputs, forward)
         if self._inflight is not None:
             outputs += self._take_inflight(launched[0] if launched is not None else None)[0]
         self._inflight = launched
@@ -394,18 +408,24 @@ class LLMEngine:
         rows = [s for s in sched.scheduled if s.samples]
         return spec.speculates(len(rows), any(s.num_draft_tokens for s in rows))
 
-    def _launch(self, sched, outputs: list[RequestOutput]):
+    def _launch(self, sched, outputs: list[RequestOutput], forward=None):
         """Launches the step: (sched, launched step), or None if there is nothing to run. A step
         with constrained rows launches its forward, takes in the step in flight (the grammars
-        need its tokens), fills the bitmask while the forward runs, then launches the sampling."""
-        if sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids and not sched.kv_transfers:
+        need its tokens), fills the bitmask while the forward runs, then launches the sampling.
+        forward: the step's forward, queued already by the step before (_pipeline_next)."""
+        if forward is None and sched.is_empty and not sched.finished_req_ids and not sched.preempted_req_ids \
+                and not sched.kv_transfers:
             return None
         t = time.perf_counter()
+        nxt = None
         try:
             handles = self._grammar_handles(sched)
             if not handles:
-                return sched, self.executor.launch(sched)
-            forward = self.executor.launch_forward(sched)
+                if forward is None:
+                    return sched, self.executor.launch(sched)
+                return sched, self.executor.launch_sampling(forward, None)
+            if forward is None:
+                forward = self.executor.launch_forward(sched)
             if self._inflight is None:
                 bitmask = self.structured.bitmask(handles)
             else:
@@ -417,15 +437,61 @@ class LLMEngine:
                     # a failure fails this step alone, the step before's outputs already taken
                     bitmask = self.structured.bitmask(handles)
                 t = time.perf_counter()
-            return sched, self.executor.launch_sampling(forward, bitmask)
+                nxt = self._schedule_next()
+            launched = sched, self.executor.launch_sampling(forward, bitmask)
         except ExecutorDeadError as e:
             self._aborted_outputs += self._die(e)
             return None
         except Exception as e:
             self._aborted_outputs += self._fail_scheduled(sched, e)
+            if nxt is not None:  # scheduled behind the failed step: it may read what that never wrote
+                self._aborted_outputs += self._fail_scheduled(nxt[0])
             return None
         finally:
             self._add_time("launch", t)
+        if nxt is not None:
+            self._pipeline_next(*nxt)
+        return launched
+
+    def _schedule_next(self):
+        """With a constrained step's sampling still to queue, the step after it is scheduled now:
+        (its SchedulerOutput, its inputs built on the host, its schedule record), or None.
+
+        Why (issue 18, W7 trace on an H100, lease 10): a constrained step queues its forward,
+        takes in the step before and fills the bitmask while the forward runs, then queues its
+        sampling. The next step was scheduled and built only after that, while the device had
+        just the sampling (~2 ms of W7's 17 ms step) to run: the device waited for the host
+        between the steps, and W7 ran 26 ms a step against 18 ms unconstrained with the same
+        kernel time. Scheduling and building the next step here, before this step's sampling is
+        queued, lets its forward follow the sampling at once (_pipeline_next). The scheduler
+        sees what it sees with async scheduling: the step before taken in, this one in flight.
+        Steps that must run synchronously (penalties) or move KV are only scheduled here."""
+        if not self._can_pipeline or self.scheduler.beam_groups or self.dead_error is not None:
+            return None
+        record, t = self.last_step, time.perf_counter()
+        nxt = self._schedule()
+        record, self.last_step = self.last_step, record
+        inputs = None
+        if not (nxt.is_empty or nxt.kv_transfers or self._needs_sync(nxt)):
+            inputs = self.executor.prepare_forward(nxt)
+        self._add_time("pipeline", t)
+        return nxt, inputs, record
+
+    def _pipeline_next(self, nxt, inputs, record) -> None:
+        """Queues the forward of the step _schedule_next built (right behind this step's
+        sampling, whose tokens it reads on the device) and leaves it for the next step()."""
+        if inputs is None:
+            self._next = (nxt, None, record)
+            return
+        t = time.perf_counter()
+        try:
+            self._next = (nxt, self.executor.launch_forward(nxt, inputs), record)
+            self.num_pipelined_steps += 1
+        except ExecutorDeadError as e:
+            self._aborted_outputs += self._die(e)
+        except Exception as e:
+            self._aborted_outputs += self._fail_scheduled(nxt, e)
+        self._add_time("pipeline", t)
 
     def _grammar_handles(self, sched) -> list:
         """The grammars of the step's sampling rows, in row order."""
@@ -525,6 +591,7 @@ class LLMEngine:
             logger.error("the engine is dead, failing every request: %s", error)
             self.dead_error = error
         self._inflight = None
+        self._next = None
         self._batches.clear()
         children = [c for rid in list(self.output_processor.states) for c in self.output_processor.child_ids(rid)]
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)

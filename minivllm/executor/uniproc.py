@@ -25,9 +25,14 @@ class UniProcExecutor:
         """Queue a step without waiting (async scheduling); pass the result to finish()."""
         return self.runner.launch(sched)
 
-    def launch_forward(self, sched: SchedulerOutput):
-        """Queue a step's forward only; launch_sampling() then samples it (with a grammar bitmask)."""
-        return self.runner.launch_forward(sched)
+    def launch_forward(self, sched: SchedulerOutput, inputs=None):
+        """Queue a step's forward only; launch_sampling() then samples it (with a grammar bitmask).
+        inputs: prepare_forward's, built earlier on the host."""
+        return self.runner.launch_forward(sched, inputs)
+
+    def prepare_forward(self, sched: SchedulerOutput):
+        """A step's inputs built on the host ahead of its launch (in-process runners only)."""
+        return self.runner.prepare_forward(sched)
 
     def launch_sampling(self, forward, grammar=None):
         return self.runner.launch_sampling(forward, grammar)

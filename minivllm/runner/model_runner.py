@@ -392,10 +392,29 @@ class ModelRunner:
         and return without waiting for it."""
         return self.launch_sampling(self.launch_forward(sched))
 
+    def prepare_forward(self, sched: SchedulerOutput) -> StepInputs | None:
+        """The step's inputs, built on the host before the runner's request state takes the step
+        in: so a constrained step can build the next step's inputs before its own sampling is
+        queued (LLMEngine._pipeline_next). The block tables are the current ones plus the step's
+        new blocks, as _update_states will make them (a new request starts from none)."""
+        if sched.is_empty:
+            return None
+        fresh = {n.req_id for n in sched.new_requests}
+        block_ids = {}
+        for s in sched.scheduled:
+            table = [] if s.req_id in fresh else list(self.requests[s.req_id].block_ids)
+            table.extend(s.new_block_ids)
+            if s.cow is not None:
+                table[s.cow[0]] = s.cow[2]
+            block_ids[s.req_id] = table
+        return build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
+                                 pin=self.device.type == "cuda")
+
     @torch.inference_mode()
-    def launch_forward(self, sched: SchedulerOutput) -> ForwardStep:
+    def launch_forward(self, sched: SchedulerOutput, inputs: StepInputs | None = None) -> ForwardStep:
         """Queue the step's forward only: the host can work out the step's grammar bitmask (it
-        needs the previous step's tokens) while the device runs it."""
+        needs the previous step's tokens) while the device runs it. inputs: prepare_forward's,
+        if built already."""
         self._update_states(sched)
         if sched.kv_transfers:  # block copies between the KV cache and host memory, before the forward
             self.kv_transfer.execute(sched.kv_transfers)
@@ -404,9 +423,10 @@ class ModelRunner:
             if getattr(self.model, "needs_idle_steps", False):  # replicas in lock-step: join the all_to_alls
                 self.model.idle_step()
             return ForwardStep(None, [])
-        block_ids = {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled}
-        inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
-                                   pin=self.device.type == "cuda")
+        if inputs is None:
+            block_ids = {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled}
+            inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
+                                       pin=self.device.type == "cuda")
         self._fill_placeholders(inputs)
         if self.lora is not None:
             self.lora.prepare_step([len(s.token_ids) for s in sched.scheduled],

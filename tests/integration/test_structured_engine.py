@@ -230,6 +230,30 @@ def test_async_scheduling_gives_the_same_outputs(llm, tiny_kv_llm, monkeypatch):
     assert on_fill_thread >= len(threads) // 2, threads  # all but the steps with nothing in flight
 
 
+def test_next_step_is_queued_before_the_constrained_sampling(llm, tiny_kv_llm):
+    """With async scheduling, a constrained step schedules and queues the step after it before
+    its own sampling (LLMEngine._schedule_next / _pipeline_next: the device then never waits for
+    the host between the two). A batch that mixes constrained, unconstrained and stop-string
+    requests under a KV cache small enough to preempt gives the synchronous engine's tokens,
+    and the pipelined path really ran."""
+    schemas = load_schemas()
+    names = ["person", "shape", "order"]
+    longer = " " + "Be detailed. " * 24  # 16 blocks of 16 tokens hold about one and a half of these
+    prompts = [_chat(llm, schemas[n][0] + longer) for n in names]
+    prompts += [_chat(llm, "Count from one to twenty in words." + longer)] * 2
+    params = [_json(schemas[n][1], 7 + i, 64) for i, n in enumerate(names)]
+    params += [SamplingParams(temperature=0.8, seed=3, max_tokens=40),
+               SamplingParams(temperature=0.0, max_tokens=40, stop=["ten"])]
+    engine = tiny_kv_llm.llm_engine
+    before, preempted = engine.num_pipelined_steps, engine.scheduler.num_preemptions
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in tiny_kv_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert engine.num_pipelined_steps > before
+    assert engine.scheduler.num_preemptions > preempted, "the test needs preemptions"
+    assert not engine.has_unfinished_requests()
+
+
 def test_preemption_mid_constraint_still_valid(tiny_kv_llm):
     schemas = load_schemas()
     names = ["order", "person", "shape", "event"]
