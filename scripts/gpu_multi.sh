@@ -25,6 +25,8 @@
 #   profile-bi / profile-moe1  scripts/kernel_profile.py: kernel times (issues 22 / 21)
 #   spec-profile-32     scripts/spec_profile.py --batch 32: W8 batch 32, none vs n-gram (issue 19)
 #   w8-32first          bench spec none,ngram with batch 32 timed before batch 1 (issue 19)
+#   w8-diag             bench spec none,ngram with the prefix cache reset between the batch sizes,
+#                       then with no step history (which engine state slows batch 32 after batch 1)
 #   w7-timeline         w7-trace plus gzipped Chrome traces of both traced runs (issue 18)
 #   fp8-sweep           scripts/fp8_gemm_sweep.py: FP8 GEMM variants on Qwen3-8B's shapes (issue 25)
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
@@ -99,6 +101,12 @@ run_step() {  # run_step STEP LANE_DIR PORT
       [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
       python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram --batch32-first \
         --output "$dir/w8-32first-minivllm.json" ;;
+    w8-diag)  # issue 19: batch 32 after batch 1 ran slower for both engines (lease 8 vs 10): which engine state?
+      [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
+      python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram --reset-prefix-cache \
+        --output "$dir/w8-reset-minivllm.json"
+      MINIVLLM_STEP_HISTORY=0 python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram \
+        --output "$dir/w8-nohistory-minivllm.json" ;;
     w8)  # W8 speculative decoding on the default model's real weights, minivllm then vLLM
       [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
       [ -f /tmp/smollm2-draft/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-draft --dtype bfloat16 --num-layers 8 >/dev/null

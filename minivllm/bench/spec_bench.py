@@ -119,8 +119,11 @@ def measure_method(args, spec: dict | None, prompts: list[list[int]]) -> dict:
     many = [prompts[i:i + 32] for i in range(0, len(prompts), 32)]
     order = ("batch32", "batch1") if args.batch32_first else ("batch1", "batch32")
     batches = {"batch1": one, "batch32": many}
-    results = {name: _median_of(args.repeats, lambda b=batches[name]: _timed(llm, args.engine, b, params))
-               for name in order}
+    results = {}
+    for name in order:
+        results[name] = _median_of(args.repeats, lambda b=batches[name]: _timed(llm, args.engine, b, params))
+        if args.reset_prefix_cache:  # a diagnostic: the second batch size starts from an empty cache
+            llm.reset_prefix_cache()
     return {"batch1": results["batch1"], "batch32": results["batch32"], "config": spec}
 
 
@@ -157,6 +160,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch1-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per batch size; the median is reported")
+    p.add_argument("--reset-prefix-cache", action="store_true",
+                   help="empty the prefix cache between the two batch sizes (a diagnostic)")
     p.add_argument("--batch32-first", action="store_true",
                    help="time batch 32 before batch 1 (a diagnostic: whether the batch-1 runs change batch 32's)")
     p.add_argument("--max-model-len", type=int, default=2048)
