@@ -16,14 +16,15 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 7, 2026-11-26 late night; about 25 minutes
-# on one H100: a session's 30 minutes count 67-100 % of held time, so order by what closes):
-#   'gpu-tests+w8-ngram+w8-ngram-vllm@0'   with GPU_TESTS="tests/gpu/test_quant_kernels.py"
-#                                (19: batch-32 n-gram with the two-size warm-up, vLLM in the lease)
-#   'disagg-1gpu+w12-vllm@0'     (24: disaggregated W3 and vLLM's CPU offloading beside ours)
-#   'ours:W11-fp8+vllm:W11-fp8+ours:W11-awq+vllm:W11-awq+fp8-sweep+awq-gemv-tiles+profile-awq1@0'  (25)
-#   'profile-moe1+moe-sweep-decode+ours:W10-decode+profile-bi@0'   (21, 22: where the time goes)
-#   'w7-trace@0'                (18: is a constrained step's GPU part 27.8 ms, or does the GPU wait?)
+# What the single-GPU issues still need (after lease 10, 2026-11-27; a session's 30 minutes count
+# 50-100 % of held time, so order by what closes). W7 and W8 need no vLLM for minivllm alone:
+# carry .vllm/x and .vllm/deps (two calls, `bash scripts/vllm_stage.sh`) for xgrammar instead.
+#   'w7-timeline+w8-diag@0'      (18: the pipelined constrained step, predicted overhead 45 % -> 5-10 %;
+#                                 19: which engine state slows batch 32 after batch 1)
+#   'w7+w8-ngram+w8-ngram-vllm@0'  with vLLM staged (18 and 19 against vLLM in the same lease)
+#   'moe-sweep-decode+profile-moe1+ours:W10-decode@0'  (21, after the batch-1 MoE path is built)
+#   'profile-bi+ours:W1-bi+vllm:W1-bi@0'  (22, after the invariant attention path is faster)
+#   'ours:W11-fp8+vllm:W11-fp8+fp8-sweep+ours:W11-awq+vllm:W11-awq+profile-awq1@0'  (25)
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue

@@ -8,5 +8,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 if [ -d .vllm ]; then bash scripts/vllm_stage.sh || echo "gpu_w7: vLLM staging failed"; fi
 bash scripts/xgrammar_stage.sh || echo "gpu_w7: xgrammar staging failed (minivllm's constrained runs will fail)"
+# (--engine minivllm runs in this process's environment: the staged site must be on its path;
+# lease 10's first w7-timeline failed without it)
+export PYTHONPATH=${XGR_SITE:-/tmp/xgr-site}${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 python3 scripts/gpu_w7.py "$@" 2>&1 | tee "${OUT:-/tmp}/w7.txt"
