@@ -162,9 +162,11 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --out "$dir/profile-awq1.json"
       python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128 \
         --max-tokens 64 --out "$dir/profile-awq1-graphs.json" ;;
-    profile-moe1)  # issue 21: kernel times of batch-1 decode on Qwen3-30B-A3B shapes
+    profile-moe1)  # issue 21: kernel times of batch-1 decode on Qwen3-30B-A3B shapes, one-token GEMV path on and off
       python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --batch 1 --prompt-len 128 --max-tokens 64 \
-        --out "$dir/profile-moe1.json" ;;
+        --out "$dir/profile-moe1.json"
+      MINIVLLM_MOE_DECODE_GEMV=0 python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --batch 1 \
+        --prompt-len 128 --max-tokens 64 --out "$dir/profile-moe1-grouped.json" ;;
     fp8-sweep)  # issue 25: torch._scaled_mm's FP8 variants vs bf16 on Qwen3-8B's linear shapes
       python3 scripts/fp8_gemm_sweep.py --out "$dir/fp8-sweep.json" ;;
     soak)

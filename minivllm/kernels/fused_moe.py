@@ -18,7 +18,10 @@ GPU path (Triton), for one layer:
    (fp32), stored by entry: [T * k, H].
 4. the k rows of each token summed: [T, k, H] -> [T, H].
 Each selected expert's weights are read once per step whatever the token count (a decode step
-of one token reads 8 of 128 experts of Qwen3-30B-A3B, once each). Every shape depends on T
+of one token reads 8 of 128 experts of Qwen3-30B-A3B, once each). One token (batch-1 decode)
+skips 1, 3 and 4: its k experts are distinct, so two GEMV kernels do the up projection (program
+per entry and column tile) and the down projection with the weighted k-sum folded in
+(`_fused_moe_one_token`). Every shape depends on T
 only (the grid is sized for the worst routing; blocks past the padded count exit at once), so
 a step can be captured in a CUDA graph.
 
@@ -29,6 +32,7 @@ Tile sizes come from kernels/fused_moe_config.py (the sweep's JSON per GPU, or a
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +45,13 @@ if triton is not None:
     import triton.language as tl
 else:
     tl = None
+
+# one token (batch-1 decode): two GEMV kernels instead of align + grouped GEMMs + k-sum
+# (_fused_moe_one_token); MINIVLLM_MOE_DECODE_GEMV=0 keeps the grouped path, to compare
+DECODE_GEMV = os.environ.get("MINIVLLM_MOE_DECODE_GEMV", "1") != "0"
+# their tiles (not swept yet: scripts/sweep_fused_moe.py times the grouped path only)
+DECODE_GEMV_TILES = {"up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4},
+                     "down": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
 
 
 # ------------------------------------------------------------------ the reference (CPU path)
@@ -158,6 +169,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if t == 0:
         return x.new_empty(0, hidden)
     x = x.contiguous()
+    if t == 1 and DECODE_GEMV:
+        return _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid)
     block_m = config["BLOCK_M"]
     sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m, stats, token_valid)
     num_blocks = block_expert.shape[0]
@@ -169,6 +182,32 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     _grouped_gemm(hmid, w2, out, weights, sorted_ids, block_expert, num_padded, num_blocks, t * k, hidden, inter,
                   a_row_div=1, silu_mul=False, mul_weight=True, block_m=block_m, tile=config["down"])
     return out.view(t, k, hidden).sum(dim=1) if k > 1 else out
+
+
+def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid) -> torch.Tensor:
+    """One token (batch-1 decode): two GEMV launches instead of align, two grouped GEMMs and the
+    k-sum. Its k entries are k distinct experts, so no sorting is needed: program (j, n) of the
+    up kernel reads expert ids[j]'s gate and up rows of column tile n (and counts the token for
+    that expert); program n of the down kernel sums the k experts' weighted outputs for its
+    columns in fp32 and stores [1, H] once. Issue 21: on Qwen3-30B-A3B's batch-1 decode the align
+    and the k-sum were 0.53 of 4.41 ms of kernels a token (lease 9)."""
+    k = topk_ids.shape[1]
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    ids = topk_ids.reshape(-1)
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    hmid = x.new_empty(k, inter)
+    out = x.new_empty(1, hidden)
+    up, down = DECODE_GEMV_TILES["up"], DECODE_GEMV_TILES["down"]
+    has_stats = stats is not None
+    _moe_decode_up_kernel[(k, triton.cdiv(inter, up["BLOCK_N"]))](
+        x, w13, ids, hmid, stats if has_stats else ids, token_valid if token_valid is not None else ids,
+        inter, hidden, w13.stride(0), w13.stride(1), w13.stride(2), HAS_STATS=has_stats,
+        HAS_VALID=token_valid is not None, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], num_warps=up["num_warps"])
+    _moe_decode_down_kernel[(triton.cdiv(hidden, down["BLOCK_N"]),)](
+        hmid, w2, ids, weights, out, hidden, inter, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=k,
+        BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], num_warps=down["num_warps"])
+    return out
 
 
 def _grouped_gemm(a, w, out, weights, sorted_ids, block_expert, num_padded, num_blocks: int, num_entries: int,
@@ -186,6 +225,66 @@ def _grouped_gemm(a, w, out, weights, sorted_ids, block_expert, num_padded, num_
 
 
 # ------------------------------------------------------------------ kernels
+
+
+@_jit
+def _moe_decode_up_kernel(x_ptr, w_ptr, ids_ptr, hmid_ptr, stats_ptr, valid_ptr, I, H, stride_we, stride_wn, stride_wk,
+                          HAS_STATS: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """Program (j, n): hmid[j, n..] = silu(w13[e, n..] @ x) * (w13[e, I + n..] @ x), e = ids[j],
+    as a GEMV in fp32 (one token: no tensor-core tile to fill). e < 0 (an expert of another
+    rank): nothing (the down kernel skips the entry)."""
+    j = tl.program_id(0)
+    n = tl.program_id(1)
+    e = tl.load(ids_ptr + j).to(tl.int64)
+    if e >= 0:
+        if HAS_STATS and n == 0:  # the token counted once for its expert (a padding token not)
+            one = 1
+            if HAS_VALID:
+                one = tl.load(valid_ptr).to(tl.int64)
+            tl.atomic_add(stats_ptr + e, one)
+        cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < I
+        ks = tl.arange(0, BLOCK_K)
+        base = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < H
+            xv = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            m = col_ok[:, None] & k_ok[None, :]
+            wg = tl.load(base + kk[None, :] * stride_wk, mask=m, other=0.0).to(tl.float32)
+            wu = tl.load(base + I * stride_wn + kk[None, :] * stride_wk, mask=m, other=0.0).to(tl.float32)
+            acc_g += tl.sum(wg * xv[None, :], axis=1)
+            acc_u += tl.sum(wu * xv[None, :], axis=1)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(hmid_ptr + j * I + cols, h.to(hmid_ptr.dtype.element_ty), mask=col_ok)
+
+
+@_jit
+def _moe_decode_down_kernel(hmid_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, H, I, stride_we, stride_wn, stride_wk,
+                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program n: out[0, n..] = sum_j weights[j] * (w2[ids[j], n..] @ hmid[j]), in fp32, stored
+    once in out's dtype (entries with ids[j] < 0 add nothing)."""
+    n = tl.program_id(0)
+    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOP_K):
+        e = tl.load(ids_ptr + j).to(tl.int64)
+        if e >= 0:
+            base = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn
+            part = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                kk = k0 + ks
+                k_ok = kk < I
+                hv = tl.load(hmid_ptr + j * I + kk, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(base + kk[None, :] * stride_wk, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                part += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
+            acc += tl.load(weights_ptr + j) * part
+    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @_jit

@@ -55,6 +55,24 @@ def check_fused_moe(case, config: dict | None = None) -> float:
     return rel_err(out, ref)
 
 
+def check_one_token(e: int, k: int, hidden: int, inter: int, dtype: torch.dtype, device: str, seed: int,
+                    valid: bool = True, elsewhere: int = 0) -> tuple[float, bool]:
+    """The one-token path (two GEMV kernels): (relative error against the reference, whether the
+    expert counters got the token). `elsewhere` of its k experts are another rank's (id -1, as
+    expert parallelism without all_to_all passes them); an invalid (padding) token is not counted."""
+    x, w13, w2, weights, ids = make_case(1, e, k, hidden, inter, dtype, device, seed)
+    ids = ids.clone()
+    ids[0, :elsewhere] = -1
+    stats = torch.zeros(e, dtype=torch.int64, device=device)
+    valid_t = torch.tensor([valid], device=device)
+    out = fused_moe_triton(x, w13, w2, weights, ids, stats=stats, token_valid=valid_t, local_only=elsewhere > 0)
+    ref = fused_moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    want = torch.zeros(e, dtype=torch.int64, device=device)
+    if valid:
+        want[ids[ids >= 0].long()] = 1
+    return rel_err(out, ref), torch.equal(stats, want)
+
+
 def check_align(t: int, e: int, k: int, block_m: int, device: str, seed: int) -> bool:
     """The kernels' layout equals the reference's (rows past num_padded are never read), and
     the valid-token counters equal a bincount."""
@@ -107,6 +125,16 @@ def test_fused_moe_tiles(tile):
     for case in [(1, 128, 8, 2048, 768), (200, 128, 8, 2048, 768), (77, 8, 2, 1000, 300)]:
         err = check_fused_moe(make_case(*case, torch.bfloat16, "cuda", seed=3), config)
         assert err < TOL[torch.bfloat16], (case, err)
+
+
+@pytest.mark.parametrize("shape", [(128, 8, 2048, 768), (8, 2, 4096, 14336), (60, 4, 2048, 1408), (4, 4, 100, 40)],
+                         ids=lambda s: "e{}_k{}_h{}_i{}".format(*s))
+def test_one_token_path_bf16(shape):
+    """Batch-1 decode's two GEMV kernels: bf16 against the fp32 reference, the expert counters,
+    a padding token, and entries of another rank's experts."""
+    for seed, (valid, elsewhere) in enumerate([(True, 0), (False, 0), (True, shape[1] // 2)]):
+        err, counted = check_one_token(*shape, torch.bfloat16, "cuda", seed=seed, valid=valid, elsewhere=elsewhere)
+        assert err < TOL[torch.bfloat16] and counted, (shape, valid, elsewhere, err, counted)
 
 
 def test_fused_moe_fp32_and_fp16():
