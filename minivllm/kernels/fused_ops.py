@@ -116,6 +116,20 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return apply_rotary_torch(positions, q, k, cos_sin)
 
 
+def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                   k_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head q/k RMSNorm, then rotary: rms_norm(q), rms_norm(k), then apply_rotary,
+    with their roundings (the normed values in q's dtype, as the norm stores them). On the GPU
+    one launch that rotates q and k IN PLACE (issue 21: the two norm launches a layer were 96 of
+    a batch-1 Qwen3-30B-A3B token's ~900 kernels); elsewhere the three ops. Use the return values."""
+    if (_on_triton(positions, q, k, q_weight, k_weight, cos_sin) and q.stride(-1) == 1 and k.stride(-1) == 1
+            and q.dtype == k.dtype == q_weight.dtype == k_weight.dtype and q_weight.is_contiguous()
+            and k_weight.is_contiguous() and cos_sin.stride(-1) == 1 and cos_sin.dtype == torch.float32
+            and q.shape[-1] % 2 == 0 and q.shape[-1] <= MAX_NORM_BLOCK):
+        return qk_norm_rotary_triton(positions, q, k, q_weight, k_weight, eps, cos_sin)
+    return apply_rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos_sin)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2I] (gate first) -> silu(gate) * up: [T, I], a new tensor."""
     if _on_triton(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
@@ -201,6 +215,48 @@ def _rotary_kernel(
     else:
         _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, cos, sin, d, d_mask,
                       HALF, ROWS)
+
+
+@_jit
+def _qk_norm_rotary_kernel(
+    pos_ptr,  # [T] int32/int64
+    q_ptr,  # [T, Hq, D], last dim contiguous
+    k_ptr,  # [T, Hk, D]
+    qw_ptr,  # [D] q norm weight
+    kw_ptr,  # [D] k norm weight
+    cs_ptr,  # [max_pos, D] fp32: cos | sin
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    num_q_heads, num_k_heads, q_blocks, eps,  # programs 0..q_blocks-1 along axis 1 do q, the rest k
+    HALF: tl.constexpr,  # D / 2
+    HALF_PAD: tl.constexpr,  # next_pow2(HALF)
+    ROWS: tl.constexpr,  # heads per program
+):
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    if blk < q_blocks:
+        base, stride_h, num_heads, w_ptr = q_ptr + t * stride_qt, stride_qh, num_q_heads, qw_ptr
+    else:
+        base, stride_h, num_heads, w_ptr = k_ptr + t * stride_kt, stride_kh, num_k_heads, kw_ptr
+        blk -= q_blocks
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)[None, :]
+    d_mask = d < HALF
+    h = blk * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    mask = (h < num_heads) & d_mask
+    p1 = base + h * stride_h + d  # first half of each head; the second half is HALF further
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)  # [ROWS]
+    # the norm as _rms_norm_kernel: cast back before the weight, the product in q's dtype
+    w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
+    n1 = ((f1 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+    n2 = ((f2 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)
+    tl.store(p1, (n1 * cos - n2 * sin).to(x1.dtype), mask=mask)
+    tl.store(p1 + HALF, (n2 * cos + n1 * sin).to(x1.dtype), mask=mask)
 
 
 @_jit
@@ -322,3 +378,27 @@ def silu_and_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) 
         I=inter, BLOCK=block, num_warps=max(1, min(8, block // 512)),
     )
     return out
+
+
+def qk_norm_rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                          k_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel path of `qk_norm_rotary`: normalizes and rotates q and k in place, returns them."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert k.shape == (num_tokens, num_k_heads, head_dim) and head_dim % 2 == 0, (q.shape, k.shape)
+    assert q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,), (q_weight.shape, k_weight.shape)
+    assert cos_sin.shape[1] == head_dim and positions.shape[0] >= num_tokens, (cos_sin.shape, positions.shape)
+    if num_tokens == 0:
+        return q, k
+    half = head_dim // 2
+    half_pad = triton.next_power_of_2(half)
+    rows = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, 2048 // half_pad))
+    q_blocks = triton.cdiv(num_q_heads, rows)
+    grid = (num_tokens, q_blocks + triton.cdiv(num_k_heads, rows))
+    _qk_norm_rotary_kernel[grid](
+        positions, q, k, q_weight, k_weight, cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+        num_q_heads, num_k_heads, q_blocks, eps,
+        HALF=half, HALF_PAD=half_pad, ROWS=rows, num_warps=_norm_warps(rows * half_pad),
+    )
+    return q, k

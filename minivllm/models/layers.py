@@ -10,7 +10,7 @@ from torch import nn
 from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.distributed.communication import TensorParallelGroup
-from minivllm.kernels.fused_ops import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
+from minivllm.kernels.fused_ops import apply_rotary, fused_add_rms_norm, qk_norm_rotary, rms_norm, silu_and_mul
 from minivllm.quant.config import QuantConfig
 from minivllm.quant.layer import make_linear
 
@@ -124,9 +124,11 @@ class Attention(nn.Module):
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)
             v = v.view(t, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(positions, q, k)
+            if self.q_norm is not None:  # (one launch on the GPU; the three ops elsewhere)
+                q, k = qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                      self.rotary.cos_sin)
+            else:
+                q, k = self.rotary(positions, q, k)
         if self.calibrate_kv:
             calibrate_kv_scales(self, k, v)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)

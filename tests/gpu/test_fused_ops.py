@@ -146,6 +146,24 @@ def check_rotary(tokens: int, num_q: int, num_k: int, head_dim: int, dtype: torc
     return fails
 
 
+def check_qk_norm_rotary(tokens: int, num_q: int, num_k: int, head_dim: int, dtype: torch.dtype, device: str,
+                         seed: int = 0, max_pos: int = 8192) -> list[str]:
+    """Qwen3's q/k RMSNorm then rotary in one kernel, against the torch ops one after the other
+    (the norm's output rounded to the dtype before the rotation, as the unfused path stores it)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv, q, k = _qkv(tokens, num_q, num_k, head_dim, dtype, device, gen)
+    qw, kw = _rand((head_dim,), dtype, device, gen), _rand((head_dim,), dtype, device, gen)
+    cos_sin = _rand((max_pos, head_dim), torch.float32, device, gen)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
+    ref_q, ref_k = F.apply_rotary_torch(positions, F.rms_norm_torch(q, qw, EPS), F.rms_norm_torch(k, kw, EPS), cos_sin)
+    got_q, got_k = F.qk_norm_rotary_triton(positions, q, k, qw, kw, EPS, cos_sin)
+    if got_q.data_ptr() != q.data_ptr() or got_k.data_ptr() != k.data_ptr():
+        return ["qk_norm_rotary did not return its (in-place) inputs"]
+    fails = compare("qk_norm_rotary q", got_q, ref_q) + compare("qk_norm_rotary k", got_k, ref_k)
+    fails += _still_nan("qk_norm_rotary v / spare columns", qkv[:, q.shape[1] * head_dim + k.shape[1] * head_dim:])
+    return fails
+
+
 def check_silu_and_mul(tokens: int, inter: int, dtype: torch.dtype, device: str, seed: int = 0) -> list[str]:
     gen = torch.Generator().manual_seed(seed)
     gate_up = _rand((tokens, 2 * inter), dtype, device, gen, scale=3.0)
@@ -220,6 +238,14 @@ def test_head_rms_norm(tokens: int, num_heads: int, head_dim: int, dtype: torch.
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_rotary(tokens: int, num_q: int, num_k: int, head_dim: int, dtype: torch.dtype) -> None:
     assert not check_rotary(tokens, num_q, num_k, head_dim, dtype, "cuda", seed=tokens + num_q)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_q,num_k,head_dim", [(16, 8, 128), (32, 4, 128), (32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_qk_norm_rotary(tokens: int, num_q: int, num_k: int, head_dim: int, dtype: torch.dtype) -> None:
+    assert not check_qk_norm_rotary(tokens, num_q, num_k, head_dim, dtype, "cuda", seed=tokens + num_k)
 
 
 @cuda
