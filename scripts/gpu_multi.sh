@@ -153,6 +153,7 @@ run_step() {  # run_step STEP LANE_DIR PORT
       python3 scripts/diagnose_invariance.py > "$dir/diagnose-invariance.txt" 2>&1; tail -30 "$dir/diagnose-invariance.txt" ;;
     moe-sweep-decode)  # issue 21: tile sweep of the fused MoE at decode sizes (Qwen3-30B-A3B), kept for later steps
       python3 scripts/sweep_fused_moe.py --tokens 1,2,4,8,16 --budget-s 300
+      python3 scripts/sweep_fused_moe.py --decode-gemv   # the one-token GEMV path's tiles (M = 1's "gemv")
       cp minivllm/kernels/configs/fused_moe/*.json "$dir"/ ;;
     profile-bi)  # issue 22: kernel times of W1-like decode at batch 256, invariant mode vs default
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --batch-invariant --out "$dir/profile-bi.json"

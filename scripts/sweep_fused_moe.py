@@ -14,7 +14,9 @@ The file is written after every M, and token counts already in it are skipped (-
 them), so a sweep longer than one device command continues where the last one stopped
 (--budget-s). Default output: minivllm/kernels/configs/fused_moe/<GPU name>.json; commit it.
 Candidate kernels compile once each (about 250, a few minutes on the first call; Triton caches
-them on disk for later calls on the same machine).
+them on disk for later calls on the same machine). --decode-gemv sweeps the one-token path's two
+GEMV kernels instead (M = 1 runs them, not the grouped GEMMs) and keeps the best as the M = 1
+entry's "gemv" tiles.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from minivllm.bench.model_dirs import load_config
 from minivllm.kernels import fused_moe as fm
-from minivllm.kernels.fused_moe_config import config_file, shape_key
+from minivllm.kernels.fused_moe_config import config_file, default_config, shape_key
 from minivllm.kernels.moe_align import moe_align
 
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -113,6 +115,34 @@ def sweep_one(bench, case, block_m: int) -> dict:
                    "down": round(best["down"][0] * 1e3, 2), "total": round(total * 1e3, 2)}}
 
 
+GEMV_CANDIDATES = {
+    "up": [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8)],
+    "down": [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (8, 16, 32) for k in (256, 512, 1024)
+             for w in (4, 8)],
+}
+
+
+def sweep_decode_gemv(bench, case, grouped_config: dict) -> dict:
+    """M = 1: the one-token GEMV path's tiles, each part's candidates timed with the other part
+    at its default, then the pair together against the grouped path (align + GEMMs + sum)."""
+    x, w13, w2, topk_w, topk_ids = case
+
+    def one_token(tiles):
+        return lambda: fm._fused_moe_one_token(x, w13, w2, topk_w, topk_ids, None, None, tiles)
+    best = {}
+    for part, candidates in GEMV_CANDIDATES.items():
+        timed = [(bench(one_token(dict(fm.DECODE_GEMV_TILES, **{part: t}))), t) for t in candidates]
+        best[part] = min(timed, key=lambda p: p[0])[1]
+    fm.DECODE_GEMV = False
+    try:
+        grouped_ms = bench(lambda: fm.fused_moe_triton(x, w13, w2, topk_w, topk_ids, config=grouped_config))
+    finally:
+        fm.DECODE_GEMV = True
+    return {"gemv": best, "us": {"gemv": round(bench(one_token(best)) * 1e3, 2),
+                                 "gemv_default": round(bench(one_token(fm.DECODE_GEMV_TILES)) * 1e3, 2),
+                                 "grouped": round(grouped_ms * 1e3, 2)}}
+
+
 def check(case, config: dict) -> float:
     x, w13, w2, topk_w, topk_ids = case
     out = fm.fused_moe_triton(x, w13, w2, topk_w, topk_ids, config=config).float()
@@ -128,6 +158,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=540)
     p.add_argument("--rep-ms", type=int, default=20, help="do_bench's timing window per candidate")
     p.add_argument("--redo", action="store_true", help="re-sweep token counts already in the file")
+    p.add_argument("--decode-gemv", action="store_true",
+                   help="sweep the one-token GEMV path's tiles instead (kept as the M = 1 entry's \"gemv\")")
     args = p.parse_args()
     import triton.testing
     t0 = time.perf_counter()
@@ -142,6 +174,18 @@ def main() -> None:
     weights = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g).div_(hidden ** 0.5).bfloat16(),
                torch.randn(experts, hidden, inter, device="cuda", generator=g).div_(inter ** 0.5).bfloat16())
     print(f"{device}: {key}, top_k {top_k} -> {out_path}", flush=True)
+    if args.decode_gemv:
+        case = make_case(1, experts, inter, hidden, top_k, weights, seed=1)
+        entry = entries.setdefault("1", default_config(1, experts, top_k))
+        found = sweep_decode_gemv(bench, case, entry)
+        entry["gemv"] = found["gemv"]
+        err = check(case, entry)
+        assert err < 2e-2, f"M=1: the chosen GEMV tiles are off the reference ({err:.3g}): {found}"
+        print(json.dumps({"M": 1, **found, "rel_err": round(err, 5)}), flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        return
     for m in (int(t) for t in args.tokens.split(",")):
         if str(m) in entries and not args.redo:
             continue

@@ -49,9 +49,12 @@ else:
 # one token (batch-1 decode): two GEMV kernels instead of align + grouped GEMMs + k-sum
 # (_fused_moe_one_token); MINIVLLM_MOE_DECODE_GEMV=0 keeps the grouped path, to compare
 DECODE_GEMV = os.environ.get("MINIVLLM_MOE_DECODE_GEMV", "1") != "0"
-# their tiles (not swept yet: scripts/sweep_fused_moe.py times the grouped path only)
+# their default tiles (`scripts/sweep_fused_moe.py --decode-gemv` keeps measured ones as the
+# "gemv" entry of the M = 1 config). With one token every program's loads are its only memory
+# parallelism (no tensor-core loop for Triton to pipeline): the down kernel's wide K tile keeps
+# ~32 KB in flight per program across its H / 16 programs
 DECODE_GEMV_TILES = {"up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4},
-                     "down": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
+                     "down": {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 8}}
 
 
 # ------------------------------------------------------------------ the reference (CPU path)
@@ -170,7 +173,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         return x.new_empty(0, hidden)
     x = x.contiguous()
     if t == 1 and DECODE_GEMV:
-        return _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid)
+        return _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
+                                    config.get("gemv", DECODE_GEMV_TILES))
     block_m = config["BLOCK_M"]
     sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m, stats, token_valid)
     num_blocks = block_expert.shape[0]
@@ -184,7 +188,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     return out.view(t, k, hidden).sum(dim=1) if k > 1 else out
 
 
-def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid) -> torch.Tensor:
+def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
+                         tiles: dict = None) -> torch.Tensor:
     """One token (batch-1 decode): two GEMV launches instead of align, two grouped GEMMs and the
     k-sum. Its k entries are k distinct experts, so no sorting is needed: program (j, n) of the
     up kernel reads expert ids[j]'s gate and up rows of column tile n (and counts the token for
@@ -198,7 +203,8 @@ def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid)
     weights = topk_weights.reshape(-1).to(torch.float32)
     hmid = x.new_empty(k, inter)
     out = x.new_empty(1, hidden)
-    up, down = DECODE_GEMV_TILES["up"], DECODE_GEMV_TILES["down"]
+    tiles = tiles or DECODE_GEMV_TILES  # (the sweep's, kept as the "gemv" entry of its M = 1 config)
+    up, down = tiles["up"], tiles["down"]
     has_stats = stats is not None
     _moe_decode_up_kernel[(k, triton.cdiv(inter, up["BLOCK_N"]))](
         x, w13, ids, hmid, stats if has_stats else ids, token_valid if token_valid is not None else ids,
