@@ -436,8 +436,8 @@ class LLMEngine:
                     # none filled (the step in flight failed, or the fill raised): fill here, where
                     # a failure fails this step alone, the step before's outputs already taken
                     bitmask = self.structured.bitmask(handles)
+                nxt = self._schedule_next()  # (timed as "pipeline", not "launch")
                 t = time.perf_counter()
-                nxt = self._schedule_next()
             launched = sched, self.executor.launch_sampling(forward, bitmask)
         except ExecutorDeadError as e:
             self._aborted_outputs += self._die(e)
