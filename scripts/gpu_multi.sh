@@ -173,9 +173,13 @@ run_step() {  # run_step STEP LANE_DIR PORT
     soak)
       python3 -m minivllm bench soak --device cuda --requests ${SOAK_REQUESTS:-10000} --output "$dir/soak.json" ;;
     gpu-tests)
+      # (the step's rc is pytest's: non-zero if any file failed; leases 8 and 9 read rc=0 over failures)
+      local failed=0
       for f in ${GPU_TESTS:-tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_kv_tiers_gpu.py tests/gpu/test_parallel_gpu.py}; do
         timeout 300 python3 -m pytest -q -x "$f" -p no:cacheprovider 2>&1 | tail -15
-      done ;;
+        [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+      done
+      return $failed ;;
     *) echo "gpu_multi: unknown step $step"; return 2 ;;
   esac
 }
@@ -188,7 +192,8 @@ run_lane() {  # run_lane INDEX STEPS GPUS
   IFS='+' read -r -a list <<< "$steps"
   for step in "${list[@]}"; do
     run_step "$step" "$dir" "$port" >> "$dir/lane.log" 2>&1
-    echo "[$(date +%T)] lane $i: $step rc=$?" | tee -a "$dir/lane.log"
+    local rc=$?  # (before the $(date) below, which would reset $?: every step read rc=0 until 2026-11-27)
+    echo "[$(date +%T)] lane $i: $step rc=$rc" | tee -a "$dir/lane.log"
     port=$((port + 5))
   done
 }
