@@ -19,8 +19,12 @@
 # What the single-GPU issues still need (after lease 10, 2026-11-27; a session's 30 minutes count
 # 50-100 % of held time, so order by what closes). W7 and W8 need no vLLM for minivllm alone:
 # carry .vllm/x and .vllm/deps (two calls, `bash scripts/vllm_stage.sh`) for xgrammar instead.
-#   'w7-timeline+w8-diag@0'      (18: the pipelined constrained step, predicted overhead 45 % -> 5-10 %;
-#                                 19: which engine state slows batch 32 after batch 1)
+#   'gpu-tests+w7-timeline+w8-diag+profile-moe1@0'  with GPU_TESTS="tests/gpu/test_fused_ops.py
+#       tests/gpu/test_fused_moe.py tests/gpu/test_structured_gpu.py tests/gpu/test_gpu_correctness.py"
+#                                (first the kernels and paths built on 2026-11-27 that never ran on a GPU:
+#                                 the fused q/k norm + rotary, the one-token MoE GEMVs, the pipelined
+#                                 constrained step; then 18: overhead predicted 45 % -> 5-10 %;
+#                                 19: which engine state slows batch 32 after batch 1; 21: the MoE profile)
 #   'w7+w8-ngram+w8-ngram-vllm@0'  with vLLM staged (18 and 19 against vLLM in the same lease)
 #   'moe-sweep-decode+profile-moe1+ours:W10-decode@0'  (21, after the batch-1 MoE path is built)
 #   'profile-bi+ours:W1-bi+vllm:W1-bi@0'  (22, after the invariant attention path is faster)
