@@ -70,3 +70,28 @@ def test_logprobs_respect_the_mask_on_gpu(llm):
     finite = [t for t, lp in o.logprobs[0].items() if lp.logprob > float("-inf")]
     assert o.text in ("yes", "no") and finite
     assert all("yes".startswith(tok.decode([t])) or "no".startswith(tok.decode([t])) for t in finite)
+
+
+def test_pipelined_constrained_steps_equal_the_unpipelined_ones(llm, monkeypatch):
+    """The constrained step that queues the next step's forward behind its sampling
+    (LLMEngine._pipeline_next, on by default with async scheduling) gives the same tokens as an
+    engine with it off (MINIVLLM_GRAMMAR_PIPELINE=0), seeded sampling, constrained and free rows
+    mixed, CUDA graphs on."""
+    from minivllm import LLM, SamplingParams, StructuredOutputsParams
+    from minivllm.bench import w7
+    schemas = w7.load_schemas()
+    prompts = w7.w7_requests()[0][:24]
+    params = [SamplingParams(temperature=0.6, seed=i, max_tokens=96,
+                             structured_outputs=StructuredOutputsParams(json=schemas[i % 8][2]) if i % 3 else None)
+              for i in range(len(prompts))]
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    before = llm.llm_engine.num_pipelined_steps
+    got = [o.outputs[0].token_ids for o in llm.generate(reqs, params, use_tqdm=False)]
+    assert llm.llm_engine.num_pipelined_steps > before
+    monkeypatch.setenv("MINIVLLM_GRAMMAR_PIPELINE", "0")
+    plain = LLM(model=llm.llm_engine.config.model.model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
+                seed=0, kv_cache_memory_bytes=2 << 30)  # (beside the module's engine: an explicit budget)
+    want = [o.outputs[0].token_ids for o in plain.generate(reqs, params, use_tqdm=False)]
+    assert plain.llm_engine.num_pipelined_steps == 0
+    plain.llm_engine.shutdown()
+    assert got == want
