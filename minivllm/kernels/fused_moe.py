@@ -244,11 +244,12 @@ def _moe_decode_up_kernel(x_ptr, w_ptr, ids_ptr, hmid_ptr, stats_ptr, valid_ptr,
     n = tl.program_id(1)
     e = tl.load(ids_ptr + j).to(tl.int64)
     if e >= 0:
-        if HAS_STATS and n == 0:  # the token counted once for its expert (a padding token not)
-            one = 1
-            if HAS_VALID:
-                one = tl.load(valid_ptr).to(tl.int64)
-            tl.atomic_add(stats_ptr + e, one)
+        if HAS_STATS:
+            if n == 0:  # the token counted once for its expert (a padding token not)
+                if HAS_VALID:
+                    tl.atomic_add(stats_ptr + e, tl.load(valid_ptr).to(tl.int64))
+                else:
+                    tl.atomic_add(stats_ptr + e, tl.full([], 1, tl.int64))
         cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < I
         ks = tl.arange(0, BLOCK_K)
