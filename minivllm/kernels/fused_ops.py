@@ -218,6 +218,26 @@ def _rotary_kernel(
 
 
 @_jit
+def _norm_rotate_heads(base_ptr, stride_h, num_heads, blk, w_ptr, cos, sin, d, d_mask, eps,
+                       HALF: tl.constexpr, ROWS: tl.constexpr):
+    # one token's heads [blk * ROWS, (blk + 1) * ROWS) of q or k: RMSNorm, then rotated, in place
+    h = blk * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    mask = (h < num_heads) & d_mask
+    p1 = base_ptr + h * stride_h + d  # first half of each head; the second half is HALF further
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)  # [ROWS]
+    # the norm as _rms_norm_kernel: cast back before the weight, the product in the input dtype
+    w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
+    n1 = ((f1 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+    n2 = ((f2 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    tl.store(p1, (n1 * cos - n2 * sin).to(base_ptr.dtype.element_ty), mask=mask)
+    tl.store(p1 + HALF, (n2 * cos + n1 * sin).to(base_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
 def _qk_norm_rotary_kernel(
     pos_ptr,  # [T] int32/int64
     q_ptr,  # [T, Hq, D], last dim contiguous
@@ -233,30 +253,19 @@ def _qk_norm_rotary_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    if blk < q_blocks:
-        base, stride_h, num_heads, w_ptr = q_ptr + t * stride_qt, stride_qh, num_q_heads, qw_ptr
-    else:
-        base, stride_h, num_heads, w_ptr = k_ptr + t * stride_kt, stride_kh, num_k_heads, kw_ptr
-        blk -= q_blocks
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF_PAD)[None, :]
     d_mask = d < HALF
-    h = blk * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
-    mask = (h < num_heads) & d_mask
-    p1 = base + h * stride_h + d  # first half of each head; the second half is HALF further
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)  # [ROWS]
-    # the norm as _rms_norm_kernel: cast back before the weight, the product in q's dtype
-    w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
-    n1 = ((f1 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
-    n2 = ((f2 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
     cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)
-    tl.store(p1, (n1 * cos - n2 * sin).to(x1.dtype), mask=mask)
-    tl.store(p1 + HALF, (n2 * cos + n1 * sin).to(x1.dtype), mask=mask)
+    # (one call per branch, as _rotary_kernel: an argument equal to 1 is a constexpr in one branch
+    # and a tensor in the other, which one merged variable could not hold)
+    if blk < q_blocks:
+        _norm_rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, qw_ptr, cos, sin, d, d_mask, eps,
+                           HALF, ROWS)
+    else:
+        _norm_rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, kw_ptr, cos, sin, d,
+                           d_mask, eps, HALF, ROWS)
 
 
 @_jit
