@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -41,7 +42,9 @@ from minivllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-SPEC_LOG_INTERVAL_S = 10.0  # how often the acceptance of speculative decoding is logged
+SPEC_LOG_INTERVAL_S = 10.0
+# Python's GIL switch interval while a grammar fill runs beside the output processing (see _take_in)
+FILL_SWITCH_INTERVAL_S = 0.0002  # how often the acceptance of speculative decoding is logged
 KV_IDLE_WAIT_S = 0.005  # an engine waiting only for KV transfers polls its connector this often
 
 
@@ -533,17 +536,29 @@ class LLMEngine:
             updates = self.scheduler.update(sched, result)
             self._count_tokens(updates)
         t = self._add_time("update", t)
-        fill = self.structured.fill_async(fill_handles) if fill_handles else None
-        with self.profiler.phase("minivllm.outputs"):
-            new_outputs, stopped = self.output_processor.process(updates)
-        t = self._add_time("outputs", t)
-        bitmask = None
-        if fill is not None:
-            try:
-                bitmask = fill.result()
-            except Exception:  # noqa: BLE001 - the caller fills again on its own thread, where a
-                pass  # failure fails only the constrained step, after these outputs are out
-            t = self._add_time("fill_wait", t)  # what the fill took beyond the output processing
+        fill, switch = None, None
+        if fill_handles:
+            # the fill thread needs the GIL to start and to finish (xgrammar's fill itself releases
+            # it) while this thread detokenizes, a pure-Python loop that keeps the GIL for the
+            # whole 5 ms switch interval: each handoff cost up to 5 ms of the step. A short
+            # interval while both run hands it over within FILL_SWITCH_INTERVAL_S
+            switch = sys.getswitchinterval()
+            sys.setswitchinterval(FILL_SWITCH_INTERVAL_S)
+            fill = self.structured.fill_async(fill_handles)
+        try:
+            with self.profiler.phase("minivllm.outputs"):
+                new_outputs, stopped = self.output_processor.process(updates)
+            t = self._add_time("outputs", t)
+            bitmask = None
+            if fill is not None:
+                try:
+                    bitmask = fill.result()
+                except Exception:  # noqa: BLE001 - the caller fills again on its own thread, where a
+                    pass  # failure fails only the constrained step, after these outputs are out
+                t = self._add_time("fill_wait", t)  # what the fill took beyond the output processing
+        finally:
+            if switch is not None:
+                sys.setswitchinterval(switch)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._add_time("outputs", t)

@@ -254,6 +254,29 @@ def test_next_step_is_queued_before_the_constrained_sampling(llm, tiny_kv_llm):
     assert not engine.has_unfinished_requests()
 
 
+def test_fill_runs_with_a_short_gil_switch_interval(tiny_kv_llm, monkeypatch):
+    """While a step's bitmask fill runs on the fill thread beside the detokenization, the engine
+    shortens Python's GIL switch interval (each handoff between the two threads otherwise waits
+    for the 5 ms default: scripts/bench_fill_overlap.py), and restores it afterwards."""
+    import sys
+
+    from minivllm.engine.llm_engine import FILL_SWITCH_INTERVAL_S
+    manager = tiny_kv_llm.llm_engine.structured
+    seen = []
+    fill_async = manager.fill_async
+
+    def recording(handles):
+        seen.append(sys.getswitchinterval())
+        return fill_async(handles)
+    monkeypatch.setattr(manager, "fill_async", recording)
+    before = sys.getswitchinterval()
+    schema = load_schemas()["shape"][1]
+    tiny_kv_llm.generate([_chat(tiny_kv_llm, "A shape as JSON.")] * 2, [_json(schema, s, 24) for s in SEEDS],
+                         use_tqdm=False)
+    assert seen and all(v == pytest.approx(FILL_SWITCH_INTERVAL_S) for v in seen)
+    assert sys.getswitchinterval() == before
+
+
 def test_preemption_mid_constraint_still_valid(tiny_kv_llm):
     schemas = load_schemas()
     names = ["order", "person", "shape", "event"]
