@@ -311,3 +311,37 @@ def test_speculative_engine_constrained_requests_take_no_drafts():
         assert re.fullmatch(regex, o.outputs[0].text), o.outputs[0].text
     free = llm.generate([text], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert len(free[0].outputs[0].token_ids) == 24 and stats.num_draft_tokens > 0
+
+
+def test_random_aborts_during_pipelined_constrained_steps(tiny_kv_llm):
+    """Aborts at random steps while constrained steps schedule and queue the step after them
+    (async scheduling, a 16-block cache that preempts): every request ends with a terminal
+    output (aborted ones included), and every KV block is free again afterwards."""
+    import random
+    engine = tiny_kv_llm.llm_engine
+    schemas = load_schemas()
+    names = sorted(schemas)
+    rng = random.Random(7)
+    before = engine.num_pipelined_steps
+    ids = []
+    for i in range(8):
+        name = names[i % len(names)]
+        params = _json(schemas[name][1], i, 24) if i % 4 else SamplingParams(temperature=0.8, seed=i, max_tokens=24)
+        rid = f"abort-{i}"
+        engine.add_request(rid, _chat(tiny_kv_llm, schemas[name][0]), params)
+        ids.append(rid)
+    ended, steps = set(), 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                ended.add(out.request_id)
+        steps += 1
+        if steps % 3 == 0:
+            live = [r for r in ids if r not in ended]
+            if live and rng.random() < 0.5:
+                engine.abort_request(rng.choice(live))
+        assert steps < 2000, "the engine did not drain"
+    assert ended == set(ids)
+    assert engine.num_pipelined_steps > before
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.scheduler.requests
