@@ -42,9 +42,9 @@ from minivllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-SPEC_LOG_INTERVAL_S = 10.0
+SPEC_LOG_INTERVAL_S = 10.0  # how often the acceptance of speculative decoding is logged
 # Python's GIL switch interval while a grammar fill runs beside the output processing (see _take_in)
-FILL_SWITCH_INTERVAL_S = 0.0002  # how often the acceptance of speculative decoding is logged
+FILL_SWITCH_INTERVAL_S = 0.0002
 KV_IDLE_WAIT_S = 0.005  # an engine waiting only for KV transfers polls its connector this often
 
 
