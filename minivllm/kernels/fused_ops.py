@@ -126,7 +126,7 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_
             and q.dtype == k.dtype == q_weight.dtype == k_weight.dtype and q_weight.is_contiguous()
             and k_weight.is_contiguous() and cos_sin.stride(-1) == 1 and cos_sin.dtype == torch.float32
             and q.shape[-1] % 2 == 0 and q.shape[-1] <= MAX_NORM_BLOCK):
-        return qk_norm_rotary_triton(positions, q, k, q_weight, k_weight, eps, cos_sin)
+        return apply_rotary_triton(positions, q, k, cos_sin, q_weight, k_weight, eps)
     return apply_rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos_sin)
 
 
@@ -177,14 +177,23 @@ def _rms_norm_kernel(
 
 
 @_jit
-def _rotate_heads(base_ptr, stride_h, num_heads, blk, cos, sin, d, d_mask,
-                  HALF: tl.constexpr, ROWS: tl.constexpr):
-    # one token's heads [blk * ROWS, (blk + 1) * ROWS) of q or k, rotated in place
+def _rotate_heads(base_ptr, stride_h, num_heads, blk, w_ptr, eps, cos, sin, d, d_mask,
+                  HALF: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr):
+    # one token's heads [blk * ROWS, (blk + 1) * ROWS) of q or k, rotated in place; with NORM
+    # each head is RMSNorm-ed first (weight w_ptr), rounded as _rms_norm_kernel stores it
     h = blk * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     mask = (h < num_heads) & d_mask
     p1 = base_ptr + h * stride_h + d  # first half; the second half is HALF further
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        dt = base_ptr.dtype.element_ty
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)  # [ROWS]
+        # cast back before the weight, the product in the input dtype (HF's order, as the norm kernel)
+        w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
+        x1 = ((x1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
     tl.store(p1, o1.to(base_ptr.dtype.element_ty), mask=mask)
@@ -197,59 +206,14 @@ def _rotary_kernel(
     q_ptr,  # [T, Hq, D], last dim contiguous
     k_ptr,  # [T, Hk, D]
     cs_ptr,  # [max_pos, D] fp32: cos | sin
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-    num_q_heads, num_k_heads, q_blocks,  # programs 0..q_blocks-1 along axis 1 do q, the rest k
-    HALF: tl.constexpr,  # D / 2
-    HALF_PAD: tl.constexpr,  # next_pow2(HALF)
-    ROWS: tl.constexpr,  # heads per program
-):
-    t = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, HALF_PAD)[None, :]
-    d_mask = d < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)
-    if blk < q_blocks:
-        _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, cos, sin, d, d_mask, HALF, ROWS)
-    else:
-        _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, cos, sin, d, d_mask,
-                      HALF, ROWS)
-
-
-@_jit
-def _norm_rotate_heads(base_ptr, stride_h, num_heads, blk, w_ptr, cos, sin, d, d_mask, eps,
-                       HALF: tl.constexpr, ROWS: tl.constexpr):
-    # one token's heads [blk * ROWS, (blk + 1) * ROWS) of q or k: RMSNorm, then rotated, in place
-    h = blk * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
-    mask = (h < num_heads) & d_mask
-    p1 = base_ptr + h * stride_h + d  # first half of each head; the second half is HALF further
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)  # [ROWS]
-    # the norm as _rms_norm_kernel: cast back before the weight, the product in the input dtype
-    w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
-    n1 = ((f1 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
-    n2 = ((f2 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
-    tl.store(p1, (n1 * cos - n2 * sin).to(base_ptr.dtype.element_ty), mask=mask)
-    tl.store(p1 + HALF, (n2 * cos + n1 * sin).to(base_ptr.dtype.element_ty), mask=mask)
-
-
-@_jit
-def _qk_norm_rotary_kernel(
-    pos_ptr,  # [T] int32/int64
-    q_ptr,  # [T, Hq, D], last dim contiguous
-    k_ptr,  # [T, Hk, D]
-    qw_ptr,  # [D] q norm weight
-    kw_ptr,  # [D] k norm weight
-    cs_ptr,  # [max_pos, D] fp32: cos | sin
+    qw_ptr,  # [D] q norm weight (read only if NORM)
+    kw_ptr,  # [D] k norm weight (read only if NORM)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
     num_q_heads, num_k_heads, q_blocks, eps,  # programs 0..q_blocks-1 along axis 1 do q, the rest k
     HALF: tl.constexpr,  # D / 2
     HALF_PAD: tl.constexpr,  # next_pow2(HALF)
     ROWS: tl.constexpr,  # heads per program
+    NORM: tl.constexpr,  # Qwen3: each head RMSNorm-ed (weights qw / kw) before the rotation
 ):
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -258,14 +222,12 @@ def _qk_norm_rotary_kernel(
     d_mask = d < HALF
     cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)
-    # (one call per branch, as _rotary_kernel: an argument equal to 1 is a constexpr in one branch
-    # and a tensor in the other, which one merged variable could not hold)
     if blk < q_blocks:
-        _norm_rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, qw_ptr, cos, sin, d, d_mask, eps,
-                           HALF, ROWS)
+        _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, qw_ptr, eps, cos, sin, d, d_mask,
+                      HALF, ROWS, NORM)
     else:
-        _norm_rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, kw_ptr, cos, sin, d,
-                           d_mask, eps, HALF, ROWS)
+        _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, kw_ptr, eps, cos, sin, d,
+                      d_mask, HALF, ROWS, NORM)
 
 
 @_jit
@@ -346,14 +308,19 @@ def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: t
     return out, residual_out
 
 
-def apply_rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                        cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel path of `apply_rotary`: rotates q and k in place and returns them."""
+def apply_rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+                        q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                        eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel path of `apply_rotary`: rotates q and k in place and returns them; with q_weight and
+    k_weight (`qk_norm_rotary`'s path) each head is RMSNorm-ed first, in the same launch."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
+    norm = q_weight is not None
     assert k.shape == (num_tokens, num_k_heads, head_dim) and head_dim % 2 == 0, (q.shape, k.shape)
     assert cos_sin.shape[1] == head_dim and positions.shape[0] >= num_tokens, (cos_sin.shape, positions.shape)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1
+    if norm:
+        assert q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,), (q_weight.shape, k_weight.shape)
     if num_tokens == 0:
         return q, k
     half = head_dim // 2
@@ -362,10 +329,10 @@ def apply_rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     q_blocks = triton.cdiv(num_q_heads, rows)
     grid = (num_tokens, q_blocks + triton.cdiv(num_k_heads, rows))
     _rotary_kernel[grid](
-        positions, q, k, cos_sin,
+        positions, q, k, cos_sin, q_weight if norm else q, k_weight if norm else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
-        num_q_heads, num_k_heads, q_blocks,
-        HALF=half, HALF_PAD=half_pad, ROWS=rows, num_warps=_norm_warps(rows * half_pad),
+        num_q_heads, num_k_heads, q_blocks, eps,
+        HALF=half, HALF_PAD=half_pad, ROWS=rows, NORM=norm, num_warps=_norm_warps(rows * half_pad),
     )
     return q, k
 
@@ -388,26 +355,3 @@ def silu_and_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) 
     )
     return out
 
-
-def qk_norm_rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                          k_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel path of `qk_norm_rotary`: normalizes and rotates q and k in place, returns them."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    assert k.shape == (num_tokens, num_k_heads, head_dim) and head_dim % 2 == 0, (q.shape, k.shape)
-    assert q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,), (q_weight.shape, k_weight.shape)
-    assert cos_sin.shape[1] == head_dim and positions.shape[0] >= num_tokens, (cos_sin.shape, positions.shape)
-    if num_tokens == 0:
-        return q, k
-    half = head_dim // 2
-    half_pad = triton.next_power_of_2(half)
-    rows = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, 2048 // half_pad))
-    q_blocks = triton.cdiv(num_q_heads, rows)
-    grid = (num_tokens, q_blocks + triton.cdiv(num_k_heads, rows))
-    _qk_norm_rotary_kernel[grid](
-        positions, q, k, q_weight, k_weight, cos_sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
-        num_q_heads, num_k_heads, q_blocks, eps,
-        HALF=half, HALF_PAD=half_pad, ROWS=rows, num_warps=_norm_warps(rows * half_pad),
-    )
-    return q, k

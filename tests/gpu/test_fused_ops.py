@@ -156,7 +156,7 @@ def check_qk_norm_rotary(tokens: int, num_q: int, num_k: int, head_dim: int, dty
     cos_sin = _rand((max_pos, head_dim), torch.float32, device, gen)
     positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
     ref_q, ref_k = F.apply_rotary_torch(positions, F.rms_norm_torch(q, qw, EPS), F.rms_norm_torch(k, kw, EPS), cos_sin)
-    got_q, got_k = F.qk_norm_rotary_triton(positions, q, k, qw, kw, EPS, cos_sin)
+    got_q, got_k = F.apply_rotary_triton(positions, q, k, cos_sin, qw, kw, EPS)
     if got_q.data_ptr() != q.data_ptr() or got_k.data_ptr() != k.data_ptr():
         return ["qk_norm_rotary did not return its (in-place) inputs"]
     fails = compare("qk_norm_rotary q", got_q, ref_q) + compare("qk_norm_rotary k", got_k, ref_k)
