@@ -364,12 +364,9 @@ class ModelRunner:
                                                       new.pooling, new.beam_temperature)
         copies = []
         for s in sched.scheduled:
-            table = self.requests[s.req_id].block_ids
-            table.extend(s.new_block_ids)
-            if s.cow is not None:  # a shared, partly filled block: this request writes into a copy
-                index, src, dst = s.cow
-                table[index] = dst
-                copies.append((src, dst))
+            pair = _take_step_blocks(self.requests[s.req_id].block_ids, s)
+            if pair is not None:
+                copies.append(pair)
         if copies:
             self._copy_blocks(copies)
 
@@ -403,10 +400,11 @@ class ModelRunner:
         block_ids = {}
         for s in sched.scheduled:
             table = [] if s.req_id in fresh else list(self.requests[s.req_id].block_ids)
-            table.extend(s.new_block_ids)
-            if s.cow is not None:
-                table[s.cow[0]] = s.cow[2]
+            _take_step_blocks(table, s)
             block_ids[s.req_id] = table
+        return self._step_inputs(sched, block_ids)
+
+    def _step_inputs(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepInputs:
         return build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
                                  pin=self.device.type == "cuda")
 
@@ -424,9 +422,7 @@ class ModelRunner:
                 self.model.idle_step()
             return ForwardStep(None, [])
         if inputs is None:
-            block_ids = {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled}
-            inputs = build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
-                                       pin=self.device.type == "cuda")
+            inputs = self._step_inputs(sched, {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled})
         self._fill_placeholders(inputs)
         if self.lora is not None:
             self.lora.prepare_step([len(s.token_ids) for s in sched.scheduled],
@@ -638,6 +634,17 @@ class ModelRunner:
             return None
         zeros = torch.zeros(num_tokens, self.arch.hidden_size, dtype=self.dtype, device=self.device)
         return IntermediateTensors(zeros, zeros.clone())
+
+
+def _take_step_blocks(table: list[int], s) -> tuple[int, int] | None:
+    """A request's block table takes its step's new blocks, and a shared, partly filled block is
+    replaced by this request's copy of it (copy-on-write): (src, dst) of that copy, or None."""
+    table.extend(s.new_block_ids)
+    if s.cow is None:
+        return None
+    index, src, dst = s.cow
+    table[index] = dst
+    return src, dst
 
 
 def _token_logprobs(states: list[SamplingRequestState], host: HostSamplerOutput) -> list[list[TokenLogprobs] | None] | None:
