@@ -188,8 +188,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     return out.view(t, k, hidden).sum(dim=1) if k > 1 else out
 
 
-def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
-                         tiles: dict = None) -> torch.Tensor:
+def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid, tiles: dict) -> torch.Tensor:
     """One token (batch-1 decode): two GEMV launches instead of align, two grouped GEMMs and the
     k-sum. Its k entries are k distinct experts, so no sorting is needed: program (j, n) of the
     up kernel reads expert ids[j]'s gate and up rows of column tile n (and counts the token for
@@ -203,8 +202,7 @@ def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
     weights = topk_weights.reshape(-1).to(torch.float32)
     hmid = x.new_empty(k, inter)
     out = x.new_empty(1, hidden)
-    tiles = tiles or DECODE_GEMV_TILES  # (the sweep's, kept as the "gemv" entry of its M = 1 config)
-    up, down = tiles["up"], tiles["down"]
+    up, down = tiles["up"], tiles["down"]  # (the sweep's "gemv" entry of the M = 1 config, or the defaults)
     has_stats = stats is not None
     _moe_decode_up_kernel[(k, triton.cdiv(inter, up["BLOCK_N"]))](
         x, w13, ids, hmid, stats if has_stats else ids, token_valid if token_valid is not None else ids,
