@@ -345,3 +345,52 @@ def test_random_aborts_during_pipelined_constrained_steps(tiny_kv_llm):
     assert engine.num_pipelined_steps > before
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.scheduler.requests
+
+
+@pytest.fixture(scope="module")
+def small_budget_llm():
+    """Async scheduling with a 16-token step budget (every prompt is longer: chunked), a 24-block
+    KV cache (preemption) and the prefix cache: the sharp configuration for the pipelined step."""
+    return LLM(dtype="float32", device="cpu", num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=16,
+               async_scheduling=True)
+
+
+PIPELINE_EDGES = {  # rows of one batch: "c" constrained, "f" free; "c=" repeats the prompt before (a prefix hit)
+    "no constrained row": "fff",
+    "one constrained row": "c",
+    "all rows constrained": "ccc",
+    "free rows first": "ffcc",
+    "prefix hit": "cc=",
+}
+
+
+@pytest.mark.parametrize("edge", list(PIPELINE_EDGES))
+def test_pipelined_step_edges_equal_the_synchronous_engine(llm, small_budget_llm, edge):
+    """Each edge of the pipelined constrained step (LLMEngine._schedule_next): no constrained row
+    (the step is never taken), one, all, free rows before constrained ones, a prefix hit; under
+    a step budget shorter than every prompt and a cache that preempts. Seeded tokens equal the
+    synchronous engine's."""
+    schemas = load_schemas()
+    names = sorted(schemas)
+    prompts, params = [], []
+    for i, kind in enumerate(PIPELINE_EDGES[edge].replace("=", "")):
+        name = names[i % len(names)]
+        text = schemas[name][0] if kind == "c" else f"Write a short poem about the number {i}."
+        prompts.append(_chat(llm, text + " Be brief."))
+        params.append(_json(schemas[name][1], 11 + i, 20) if kind == "c"
+                      else SamplingParams(temperature=0.8, seed=11 + i, max_tokens=20))
+    if "=" in PIPELINE_EDGES[edge]:
+        prompts[-1] = prompts[-2]
+        params[-1] = _json(schemas[names[0]][1], 99, 20)
+    engine = small_budget_llm.llm_engine
+    before, hits = engine.num_pipelined_steps, engine.get_stats().prefix_cache_hits
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in small_budget_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    if "=" in PIPELINE_EDGES[edge]:
+        assert engine.get_stats().prefix_cache_hits > hits, "the repeated prompt should hit the prefix cache"
+    if "c" in PIPELINE_EDGES[edge]:
+        assert engine.num_pipelined_steps > before
+    else:
+        assert engine.num_pipelined_steps == before
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
