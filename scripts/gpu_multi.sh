@@ -22,6 +22,7 @@
 #   invariance          bench invariance on the GPU: 1,000 repeats under random load (issue 22)
 #   diagnose-invariance scripts/diagnose_invariance.py (chunked vs one-step prefill, module by module)
 #   moe-sweep-decode    scripts/sweep_fused_moe.py at M = 1-16; later steps of the lease use the file
+#   dense-gemv          scripts/bench_dense_gemv.py --write: the batch-1 GEMV vs cuBLAS; later steps use the table
 #   profile-bi / profile-moe1  scripts/kernel_profile.py: kernel times (issues 22 / 21)
 #   spec-profile-32     scripts/spec_profile.py --batch 32: W8 batch 32, none vs n-gram (issue 19)
 #   w8-32first          bench spec none,ngram with batch 32 timed before batch 1 (issue 19)
@@ -155,6 +156,9 @@ run_step() {  # run_step STEP LANE_DIR PORT
       python3 scripts/sweep_fused_moe.py --tokens 1,2,4,8,16 --budget-s 300
       python3 scripts/sweep_fused_moe.py --decode-gemv   # the one-token GEMV path's tiles (M = 1's "gemv")
       cp minivllm/kernels/configs/fused_moe/*.json "$dir"/ ;;
+    dense-gemv)  # issue 21: the batch-1 dense GEMV's tile sweep against cuBLAS; the table is kept for later steps
+      python3 scripts/bench_dense_gemv.py --write --out "$dir/dense-gemv.json"
+      for f in minivllm/kernels/configs/dense_gemv/*.json; do cp "$f" "$dir/dense-gemv-table-$(basename "$f")"; done ;;
     profile-bi)  # issue 22: kernel times of W1-like decode at batch 256, invariant mode vs default
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --batch-invariant --out "$dir/profile-bi.json"
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --out "$dir/profile-default.json" ;;

@@ -96,6 +96,12 @@ def _jobs() -> list[Job]:
     j += _pair("W10", w10, w10 + _VLLM_MOE, 220, 330, _TINY_MOE)
     lat10 = ["latency", "--workload", "W10-decode"]
     j += _pair("W10-decode", lat10, lat10 + _VLLM_MOE, 180, 330, ["--model-config", "tiny-qwen3-moe", "--max-output", "8"])
+    # issue 21: batch-1 decode with the dense GEMV off (cuBLAS for every linear): the A/B in one lease
+    nogemv = {"MINIVLLM_DENSE_GEMV": "0"}
+    j += [Job("ours:W10-decode-nogemv", "ours", OURS + lat10, 180, 540,
+              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env=nogemv),
+          Job("ours:W2-nogemv", "ours", OURS + ["latency", "--model-config", "llama-3.1-8b"], 120, 540,
+              _LAT_TINY + _CPU, env=nogemv)]
     # W11: Llama-3.1-8B shapes, AWQ int4 dummy packed weights (group 128), batch-1 decode; W1-8B's request
     # set with FP8 weights (quantized while loading) and an FP8 KV cache. Each engine picks its own
     # kernels (vLLM: AWQ Marlin, CUTLASS FP8)

@@ -144,6 +144,8 @@ class ModelRunner:
             self._setup_lora()
             if self.config.batch_invariant:
                 self._make_batch_invariant(self.model)
+            elif self.device.type == "cuda":
+                self._use_dense_gemv(self.model)
         self.expert_counts = ExpertCountsReader(self.model, self.device)
         if self.config.speculative is not None:
             from minivllm.spec_decode import make_speculator
@@ -164,6 +166,15 @@ class ModelRunner:
         logger.info("LoRA: %d slots of rank %d on %d linear layers (%s)", self.config.lora.max_loras,
                     self.config.lora.max_lora_rank, len(set(self.lora.layers.values())),
                     "Triton gather kernels" if self.lora.state.use_triton else "torch reference")
+    def _use_dense_gemv(self, model: CausalLM) -> None:
+        """Steps of one or two rows (batch-1 decode): the decoder linears that the kept sweep
+        found faster as minivllm's Triton GEMV than as cuBLAS take it (kernels/dense_gemv.py;
+        MINIVLLM_DENSE_GEMV=1 forces every one, 0 none). Not in batch-invariant mode."""
+        from minivllm.kernels.dense_gemv import gemv_mode, make_linears_gemv
+        count = make_linears_gemv(model.layers)
+        if count:
+            logger.info("dense GEMV (%s): %d decoder linears take the Triton GEMV at <= 2 rows", gemv_mode(), count)
+
     def _make_batch_invariant(self, model: CausalLM) -> None:
         """Batch-invariant mode (models/batch_invariant.py): on the GPU the fixed-tile matmul for
         every linear and the fixed-tile prefill kernel for every attention row; on the CPU
@@ -324,7 +335,8 @@ class ModelRunner:
 
         - The Triton prefill kernel has one JIT variant per tile size, picked from the step's
           longest query (~1 s of compile each). Two sequences of q tokens for q = 2 .. 128 reach
-          every tile size. The dummy tokens go to the first KV blocks, all free at startup.
+          every tile size (q = 1, two one-token rows, also compiles the dense GEMV's variants).
+          The dummy tokens go to the first KV blocks, all free at startup.
         - The LM head runs eagerly on the rows that sample, 1 .. max_num_seqs of them, and
           cuBLAS picks its kernel by the row count. With CUDA's lazy module loading (the
           default) a kernel's first use loads its module, and that waits for the device to go
@@ -335,7 +347,7 @@ class ModelRunner:
             return
         from minivllm.runner.profile import dummy_step_inputs
         t = time.perf_counter()
-        for q in (2, 4, 8, 16, 32, 64, 128):
+        for q in (1, 2, 4, 8, 16, 32, 64, 128):  # (q 1: two one-token rows, the dense GEMV's variants)
             inputs = dummy_step_inputs(2 * q, 2, self.block_size, self.device)
             self.model(inputs.input_ids, inputs.positions, inputs.meta)
         rows = torch.zeros(self.config.scheduler.max_num_seqs, self.arch.hidden_size, dtype=self.dtype,

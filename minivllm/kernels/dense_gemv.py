@@ -1,0 +1,184 @@
+"""Triton GEMV for the dense linears of a batch-1 decode step: y = x @ W.T (+ b), x [M, K] with
+M <= GEMV_MAX_ROWS, W [N, K] (nn.Linear's layout: rows contiguous along K), in bf16/fp16/fp32.
+
+Why (issue 21): with one token a step, a linear is bound by reading its weight once. cuBLAS
+reads the attention and router weights of Qwen3-30B-A3B's layers (16-21 MB each) at ~1.55 TB/s
+in a batch-1 step (lease 9's profile) and Llama-3.1-8B's o_proj at 2.1 TB/s (lease 7): its M = 1
+kernels leave part of the GPU idle on these narrow shapes. Here each program streams a
+[BLOCK_N, K / SPLIT_K] slice of W with 16-byte loads along K and keeps an fp32
+[BLOCK_N, BLOCK_K] accumulator in registers, reduced once at the end (no tensor cores: a
+1-row product would use 1/16 of an MMA tile). Rows beyond the first re-read the weight tile
+from L2 (one program row per activation row).
+
+Split-K: as the W4A16 GEMV (kernels/w4a16_gemm.py `_store_tile`): partial tiles go to an fp32
+workspace and the last program of a tile, by an atomic counter, adds them in the fixed order
+0..SPLIT_K-1 and stores the result: one launch, valid in CUDA graphs. The bias is added by the
+program with pid_k 0, so exactly once.
+
+The tile per (N, K) comes from `kernels/configs/dense_gemv/<GPU>.json` (scripts/
+bench_dense_gemv.py --sweep writes it, with cuBLAS's time beside each shape); `use_gemv` says
+whether a layer takes the GEMV: only shapes the sweep measured faster than cuBLAS, unless
+MINIVLLM_DENSE_GEMV=1 forces it for every shape (0: never). The reference is F.linear.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from minivllm.kernels.device import num_sms as num_sms_of
+from minivllm.kernels.w4a16_gemm import _store_tile, _tile_counters
+
+GEMV_MAX_ROWS = 2  # batch-1 decode (and 2-row graphs); more rows: cuBLAS reads the weight once for all
+DEFAULT_TILE = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+PROGRAMS_PER_SM = 4  # split K until about this many programs per SM (as the W4A16 GEMV)
+MAX_SPLIT_K = 16
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "dense_gemv")
+
+
+@triton.jit
+def _dense_gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Program (n, m, k): out[m, n-tile] (its K slice k with SPLIT_K > 1). x and W are read
+    with unit stride along K."""
+    pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    rn_safe = tl.where(n_ok, rn, 0)  # rows past N read row 0 (never stored): unmasked loads along N
+    w_rows = w_ptr + rn_safe.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    t_end = tl.minimum((pid_k + 1) * per_split, k_tiles)
+    for t in range(pid_k * per_split, t_end):
+        kk = t * BLOCK_K + rk
+        if EVEN_K:
+            w = tl.load(w_rows + kk[None, :])
+            xv = tl.load(x_ptr + m * stride_xm + kk)
+        else:
+            k_ok = kk < K
+            w = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+            xv = tl.load(x_ptr + m * stride_xm + kk, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    out = tl.sum(acc, 1)  # [BLOCK_N]
+    if HAS_BIAS:
+        if pid_k == 0:
+            out += tl.load(b_ptr + rn_safe).to(tl.float32)
+    _store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn, m * N + rn, M * N, n_ok, pid_k,
+                m * tl.num_programs(0) + pid_n, SPLIT_K)
+
+
+def choose_split_k(n: int, k: int, tile: dict, num_sms: int) -> int:
+    """Cut K until about PROGRAMS_PER_SM programs per SM (a power of two, at most MAX_SPLIT_K and
+    the number of K tiles)."""
+    tiles = triton.cdiv(n, tile["BLOCK_N"])
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, tiles)
+    split = min(triton.next_power_of_2(max(1, want)), MAX_SPLIT_K, triton.cdiv(k, tile["BLOCK_K"]))
+    return 1 << (max(1, split).bit_length() - 1)
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               tile: dict | None = None, split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] (rows may be strided, K contiguous) @ weight[N, K].T + bias -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, weight.shape)
+    tile = dict(tile or DEFAULT_TILE)
+    if split_k is None:
+        split_k = tile.pop("SPLIT_K", None) or choose_split_k(n, k, tile, num_sms_of(x.device))
+    tile.pop("SPLIT_K", None)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(n, tile["BLOCK_N"]), m, split_k)
+    if split_k == 1:
+        ws = cnt = out  # not read: SPLIT_K 1 stores the output directly
+    else:
+        ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        cnt = _tile_counters(x.device, grid[0] * grid[1])
+    _dense_gemv_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, ws, cnt, m, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % tile["BLOCK_K"] == 0, SPLIT_K=split_k, **tile)
+    return out
+
+
+# ---------------------------------------------------------------- which layers take it
+
+
+def shape_key(n: int, k: int, dtype: torch.dtype) -> str:
+    return f"N={n},K={k},dtype={str(dtype).removeprefix('torch.')}"
+
+
+def config_file(device_name: str) -> str:
+    return os.path.join(CONFIG_DIR, re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name.strip()) + ".json")
+
+
+@functools.lru_cache(maxsize=8)
+def load_configs(device_name: str) -> dict:
+    """The sweep's table for this GPU: shape_key -> {"tile": {...}, "gemv_us", "cublas_us"}."""
+    path = config_file(device_name)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def gemv_mode() -> str:
+    """MINIVLLM_DENSE_GEMV: "1" every shape, "0" none, else "auto" (the sweep's winners)."""
+    value = os.environ.get("MINIVLLM_DENSE_GEMV", "auto").strip().lower()
+    return {"1": "on", "on": "on", "0": "off", "off": "off"}.get(value, "auto")
+
+
+def pick_tile(n: int, k: int, dtype: torch.dtype, device_name: str, mode: str) -> dict | None:
+    """The tile a layer of this shape uses for <= GEMV_MAX_ROWS rows, or None for cuBLAS."""
+    if mode == "off":
+        return None
+    entry = load_configs(device_name).get(shape_key(n, k, dtype))
+    if entry is not None and (mode == "on" or entry["gemv_us"] < entry["cublas_us"]):
+        return dict(entry["tile"])
+    return dict(DEFAULT_TILE) if mode == "on" else None
+
+
+class GemvLinear(torch.nn.Module):
+    """nn.Linear whose steps of at most GEMV_MAX_ROWS rows run the Triton GEMV (the same weight
+    Parameter: tied weights stay tied; more rows: F.linear)."""
+
+    def __init__(self, linear: torch.nn.Linear, tile: dict) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.tile = tile
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.stride(1) == 1:
+            return dense_gemv(x, self.weight, self.bias, self.tile)
+        return F.linear(x, self.weight, self.bias)
+
+
+def make_linears_gemv(layers: torch.nn.Module) -> int:
+    """Replace the CUDA nn.Linear modules under `layers` (the decoder layers: not the LM head,
+    which cuBLAS reads at ~2.8 TB/s) that the sweep says are faster as a GEMV; returns how many."""
+    mode = gemv_mode()
+    targets = [(parent, name, child) for parent in layers.modules() for name, child in parent.named_children()
+               if type(child) is torch.nn.Linear and child.weight.device.type == "cuda"]
+    done = 0
+    for parent, name, child in targets:
+        device_name = torch.cuda.get_device_name(child.weight.device)
+        tile = pick_tile(child.out_features, child.in_features, child.weight.dtype, device_name, mode)
+        if tile is not None:
+            setattr(parent, name, GemvLinear(child, tile))
+            done += 1
+    return done
