@@ -23,7 +23,7 @@
 #   diagnose-invariance scripts/diagnose_invariance.py (chunked vs one-step prefill, module by module)
 #   moe-sweep-decode    scripts/sweep_fused_moe.py at M = 1-16; later steps of the lease use the file
 #   dense-gemv          scripts/bench_dense_gemv.py --write: the batch-1 GEMV vs cuBLAS; later steps use the table
-#   profile-bi / profile-moe1  scripts/kernel_profile.py: kernel times (issues 22 / 21)
+#   profile-bi / profile-moe1 / profile-fp8  scripts/kernel_profile.py: kernel times (issues 22 / 21 / 25)
 #   spec-profile-32     scripts/spec_profile.py --batch 32: W8 batch 32, none vs n-gram (issue 19)
 #   w8-32first          bench spec none,ngram with batch 32 timed before batch 1 (issue 19)
 #   w8-diag             bench spec none,ngram with the prefix cache reset between the batch sizes,
@@ -162,6 +162,11 @@ run_step() {  # run_step STEP LANE_DIR PORT
     profile-bi)  # issue 22: kernel times of W1-like decode at batch 256, invariant mode vs default
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --batch-invariant --out "$dir/profile-bi.json"
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --out "$dir/profile-default.json" ;;
+    profile-fp8)  # issue 25: kernel times of W11-fp8-like decode (Qwen3-8B, FP8 weights + KV) at batch 256, fp8 vs bf16
+      python3 scripts/kernel_profile.py --model-config qwen3-8b --fp8 --graphs --batch 256 --max-tokens 16 \
+        --out "$dir/profile-fp8.json"
+      python3 scripts/kernel_profile.py --model-config qwen3-8b --graphs --batch 256 --max-tokens 16 \
+        --out "$dir/profile-bf16-8b.json" ;;
     profile-awq1)  # issue 25: kernel times of W11-awq's batch-1 decode (Llama-3.1-8B AWQ), eager and in graphs
       python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --batch 1 --prompt-len 128 --max-tokens 64 \
         --out "$dir/profile-awq1.json"

@@ -5,6 +5,7 @@ batch-invariant W1): a dummy-weight model decodes a fixed batch under the torch 
     python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --batch-invariant --out bi.json
     python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --batch 1 --out moe1.json
     python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --batch 1 --out awq1.json
+    python3 scripts/kernel_profile.py --model-config qwen3-8b --fp8 --graphs --batch 256 --out fp8.json
 
 --awq: the model directory carries AutoAWQ's quantization_config (W11-awq, random packed int4
 weights). --graphs: decode through the CUDA graphs, as the engine runs by default (the profiler
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--awq", action="store_true", help="AWQ int4 weights (W11-awq's model directory)")
     ap.add_argument("--group-size", type=int, default=128, help="--awq: the quantization group (tiny models: 32)")
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights quantized at load and an FP8 KV cache (W11-fp8)")
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs on (default: eager, every launch itemised)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
@@ -43,7 +45,8 @@ def main() -> None:
     model_dir = model_dirs.write_model_dir(args.model_config, quantization_config=quant)
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=not args.graphs,
               batch_invariant=args.batch_invariant, max_model_len=args.prompt_len + args.max_tokens + 16,
-              max_num_seqs=max(args.batch, 1))
+              max_num_seqs=max(args.batch, 1),
+              **({"quantization": "fp8", "kv_cache_dtype": "fp8"} if args.fp8 else {}))
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(args.prompt_len)]} for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every kernel
