@@ -159,6 +159,9 @@ run_step() {  # run_step STEP LANE_DIR PORT
     dense-gemv)  # issue 21: the batch-1 dense GEMV's tile sweep against cuBLAS; the table is kept for later steps
       python3 scripts/bench_dense_gemv.py --write --out "$dir/dense-gemv.json"
       for f in minivllm/kernels/configs/dense_gemv/*.json; do cp "$f" "$dir/dense-gemv-table-$(basename "$f")"; done ;;
+    moe-gemv-sweep)  # issue 21: only the one-token MoE GEMV tiles (M = 1's "gemv" entry), kept for later steps
+      python3 scripts/sweep_fused_moe.py --decode-gemv
+      cp minivllm/kernels/configs/fused_moe/*.json "$dir"/ ;;
     profile-bi)  # issue 22: kernel times of W1-like decode at batch 256, invariant mode vs default
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --batch-invariant --out "$dir/profile-bi.json"
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --out "$dir/profile-default.json" ;;
