@@ -116,9 +116,9 @@ def sweep_one(bench, case, block_m: int) -> dict:
 
 
 GEMV_CANDIDATES = {
-    "up": [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8)],
-    "down": [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (8, 16, 32) for k in (256, 512, 1024)
-             for w in (4, 8)],
+    "up": [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (4, 8, 16) for k in (128, 256, 512) for w in (2, 4, 8)],
+    "down": [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (8, 16, 32) for k in (128, 256, 512)
+             for w in (2, 4, 8)],
 }
 
 

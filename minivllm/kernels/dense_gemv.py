@@ -10,7 +10,7 @@ kernels leave part of the GPU idle on these narrow shapes. Here each program str
 1-row product would use 1/16 of an MMA tile). Rows beyond the first re-read the weight tile
 from L2 (one program row per activation row).
 
-Split-K: as the W4A16 GEMV (kernels/w4a16_gemm.py `_store_tile`): partial tiles go to an fp32
+Split-K: kernels/split_k.py's fix-up (as the W4A16 GEMV): partial tiles go to an fp32
 workspace and the last program of a tile, by an atomic counter, adds them in the fixed order
 0..SPLIT_K-1 and stores the result: one launch, valid in CUDA graphs. The bias is added by the
 program with pid_k 0, so exactly once.
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
-from minivllm.kernels.w4a16_gemm import _store_tile, _tile_counters
+from minivllm.kernels.split_k import store_tile, tile_counters
 
 GEMV_MAX_ROWS = 2  # batch-1 decode (and 2-row graphs); more rows: cuBLAS reads the weight once for all
 DEFAULT_TILE = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
@@ -77,7 +77,7 @@ def _dense_gemv_kernel(
     if HAS_BIAS:
         if pid_k == 0:
             out += tl.load(b_ptr + rn_safe).to(tl.float32)
-    _store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn, m * N + rn, M * N, n_ok, pid_k,
+    store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn, m * N + rn, M * N, n_ok, pid_k,
                 m * tl.num_programs(0) + pid_n, SPLIT_K)
 
 
@@ -108,7 +108,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         ws = cnt = out  # not read: SPLIT_K 1 stores the output directly
     else:
         ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        cnt = _tile_counters(x.device, grid[0] * grid[1])
+        cnt = tile_counters(x.device, grid[0] * grid[1])
     _dense_gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, out, ws, cnt, m, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % tile["BLOCK_K"] == 0, SPLIT_K=split_k, **tile)

@@ -43,6 +43,8 @@ from minivllm.kernels.moe_align import moe_align
 
 if triton is not None:
     import triton.language as tl
+
+    from minivllm.kernels.split_k import store_tile, tile_counters
 else:
     tl = None
 
@@ -51,10 +53,12 @@ else:
 DECODE_GEMV = os.environ.get("MINIVLLM_MOE_DECODE_GEMV", "1") != "0"
 # their default tiles (`scripts/sweep_fused_moe.py --decode-gemv` keeps measured ones as the
 # "gemv" entry of the M = 1 config). With one token every program's loads are its only memory
-# parallelism (no tensor-core loop for Triton to pipeline): the down kernel's wide K tile keeps
-# ~32 KB in flight per program across its H / 16 programs
-DECODE_GEMV_TILES = {"up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4},
-                     "down": {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 8}}
+# parallelism (no tensor-core loop for Triton to pipeline), so the grids are wide: Qwen3-30B-A3B
+# (I 768, H 2048, k 8) gets 8 x 96 up programs and 128 x 8 down programs. Lease 11's first
+# version (up 8 x 48, down 128 programs looping over the 8 experts, a reduction per K step)
+# read the experts at ~1.5 TB/s: 2.42 ms a token against 2.06 for the grouped path
+DECODE_GEMV_TILES = {"up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4},
+                     "down": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
 
 
 # ------------------------------------------------------------------ the reference (CPU path)
@@ -192,8 +196,9 @@ def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
     """One token (batch-1 decode): two GEMV launches instead of align, two grouped GEMMs and the
     k-sum. Its k entries are k distinct experts, so no sorting is needed: program (j, n) of the
     up kernel reads expert ids[j]'s gate and up rows of column tile n (and counts the token for
-    that expert); program n of the down kernel sums the k experts' weighted outputs for its
-    columns in fp32 and stores [1, H] once. Issue 21: on Qwen3-30B-A3B's batch-1 decode the align
+    that expert); program (n, j) of the down kernel computes expert ids[j]'s weighted output for
+    column tile n in fp32, and the tile's last program sums the k of them in a fixed order and
+    stores [1, H] once. Issue 21: on Qwen3-30B-A3B's batch-1 decode the align
     and the k-sum were 0.53 of 4.41 ms of kernels a token (lease 9)."""
     k = topk_ids.shape[1]
     num_experts, two_inter, hidden = w13.shape
@@ -208,8 +213,11 @@ def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
         x, w13, ids, hmid, stats if has_stats else ids, token_valid if token_valid is not None else ids,
         inter, hidden, w13.stride(0), w13.stride(1), w13.stride(2), HAS_STATS=has_stats,
         HAS_VALID=token_valid is not None, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], num_warps=up["num_warps"])
-    _moe_decode_down_kernel[(triton.cdiv(hidden, down["BLOCK_N"]),)](
-        hmid, w2, ids, weights, out, hidden, inter, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=k,
+    tiles_n = triton.cdiv(hidden, down["BLOCK_N"])
+    ws = torch.empty(k, hidden, dtype=torch.float32, device=x.device) if k > 1 else out  # (k 1: not read)
+    cnt = tile_counters(x.device, tiles_n) if k > 1 else out
+    _moe_decode_down_kernel[(tiles_n, k)](
+        hmid, w2, ids, weights, out, ws, cnt, hidden, inter, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=k,
         BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], num_warps=down["num_warps"])
     return out
 
@@ -236,8 +244,10 @@ def _moe_decode_up_kernel(x_ptr, w_ptr, ids_ptr, hmid_ptr, stats_ptr, valid_ptr,
                           HAS_STATS: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr):
     """Program (j, n): hmid[j, n..] = silu(w13[e, n..] @ x) * (w13[e, I + n..] @ x), e = ids[j],
-    as a GEMV in fp32 (one token: no tensor-core tile to fill). e < 0 (an expert of another
-    rank): nothing (the down kernel skips the entry)."""
+    as a GEMV in fp32 (one token: no tensor-core tile to fill). The products accumulate in
+    [BLOCK_N, BLOCK_K] registers, reduced once after the K loop (a reduction per K step costs
+    cross-thread shuffles that the loads then wait for). e < 0 (an expert of another rank):
+    nothing (the down kernel skips the entry)."""
     j = tl.program_id(0)
     n = tl.program_id(1)
     e = tl.load(ids_ptr + j).to(tl.int64)
@@ -251,45 +261,50 @@ def _moe_decode_up_kernel(x_ptr, w_ptr, ids_ptr, hmid_ptr, stats_ptr, valid_ptr,
         cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < I
         ks = tl.arange(0, BLOCK_K)
-        base = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn
-        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        base = w_ptr + e * stride_we + tl.where(col_ok, cols, 0)[:, None].to(tl.int64) * stride_wn
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < H
-            xv = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            m = col_ok[:, None] & k_ok[None, :]
-            wg = tl.load(base + kk[None, :] * stride_wk, mask=m, other=0.0).to(tl.float32)
-            wu = tl.load(base + I * stride_wn + kk[None, :] * stride_wk, mask=m, other=0.0).to(tl.float32)
-            acc_g += tl.sum(wg * xv[None, :], axis=1)
-            acc_u += tl.sum(wu * xv[None, :], axis=1)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            xv = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            wg = tl.load(base + kk[None, :] * stride_wk, mask=k_ok[None, :], other=0.0)
+            wu = tl.load(base + I * stride_wn + kk[None, :] * stride_wk, mask=k_ok[None, :], other=0.0)
+            acc_g += wg.to(tl.float32) * xv
+            acc_u += wu.to(tl.float32) * xv
+        g = tl.sum(acc_g, axis=1)
+        h = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1)
         tl.store(hmid_ptr + j * I + cols, h.to(hmid_ptr.dtype.element_ty), mask=col_ok)
 
 
 @_jit
-def _moe_decode_down_kernel(hmid_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, H, I, stride_we, stride_wn, stride_wk,
-                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program n: out[0, n..] = sum_j weights[j] * (w2[ids[j], n..] @ hmid[j]), in fp32, stored
-    once in out's dtype (entries with ids[j] < 0 add nothing)."""
+def _moe_decode_down_kernel(hmid_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, ws_ptr, cnt_ptr, H, I, stride_we,
+                            stride_wn, stride_wk, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """Program (n, j): weights[j] * (w2[ids[j], n..] @ hmid[j]) in fp32, one program per column
+    tile and entry so that the GPU has TOP_K times more programs streaming weights than a
+    program per column tile looping over the entries (lease 11: 64 such programs, one per SM at
+    most, read at 1.4 TB/s). The TOP_K partials of a tile are summed in the fixed order
+    j = 0 .. TOP_K - 1 by its last program (kernels/split_k.py) and stored once in out's dtype.
+    Entries with ids[j] < 0 add a zero partial."""
     n = tl.program_id(0)
+    j = tl.program_id(1)
     cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOP_K):
-        e = tl.load(ids_ptr + j).to(tl.int64)
-        if e >= 0:
-            base = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn
-            part = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                kk = k0 + ks
-                k_ok = kk < I
-                hv = tl.load(hmid_ptr + j * I + kk, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(base + kk[None, :] * stride_wk, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                part += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
-            acc += tl.load(weights_ptr + j) * part
-    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    part = tl.zeros([BLOCK_N], dtype=tl.float32)
+    e = tl.load(ids_ptr + j).to(tl.int64)
+    if e >= 0:
+        ks = tl.arange(0, BLOCK_K)
+        base = w_ptr + e * stride_we + tl.where(col_ok, cols, 0)[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < I
+            hv = tl.load(hmid_ptr + j * I + kk, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(base + kk[None, :] * stride_wk, mask=k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * hv[None, :]
+        part = tl.sum(acc, axis=1) * tl.load(weights_ptr + j)
+    store_tile(part, out_ptr, ws_ptr, cnt_ptr, cols, cols, H, col_ok, j, n, TOP_K)
 
 
 @_jit

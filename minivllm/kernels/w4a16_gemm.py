@@ -18,18 +18,8 @@ that enough programs stream the weights. Prefill steps of DENSE_MIN_ROWS rows or
 the weight once into the activation dtype (`_dequant_kernel`) and run cuBLAS: then the weight is
 read once for thousands of rows.
 
-Split-K fix-up, in the kernel (`_store_tile`, both GEMM kernels): with SPLIT_K > 1 every program
-stores its float32 partial tile to a workspace [SPLIT_K, M, N] (torch.empty per call: free inside
-a CUDA graph's pool) and adds 1 to its output tile's int32 counter (tl.atomic_add, acq_rel). The
-program that reads back SPLIT_K - 1 is the last of its tile: it adds the SPLIT_K partials in the
-fixed order 0..SPLIT_K-1 (deterministic bits whatever order the programs finished in), writes the
-tile in x's dtype and sets the counter back to 0. So a split-K product is one launch (no torch
-sum + cast after it) and needs no host work or memset per call: the counters (`_tile_counters`,
-one zeroed buffer per device, cached) are 0 again when each kernel ends, which keeps them valid
-across CUDA graph replays. The buffer only grows outside graph capture; the engine's capture
-(runner/cuda_graph.py) runs every shape eagerly first, so it is already large enough there.
-Kernels on two streams of one device at once would share the counters: the engine runs its
-forward on one stream.
+Split-K: every program's partial goes through kernels/split_k.py's fix-up (`store_tile`): the
+tile's last program adds the partials in a fixed order and stores the result, in the same launch.
 
 Nibble dequant without int -> float conversion (I2F runs at a fraction of the FMA rate on Hopper,
 and there is one per weight): q | 0x4B000000 read as float32 is 2^23 + q exactly (0x4B000000 is
@@ -48,6 +38,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
+from minivllm.kernels.split_k import store_tile, tile_counters
 
 # at this many rows and more: dequantize once, then a dense matmul (cuBLAS)
 DENSE_MIN_ROWS = 256
@@ -76,32 +67,6 @@ def _nibble(w, j: tl.constexpr):
     """Nibble j of each int32 word as the float32 2^23 + q, exactly, without an I2F: the
     nibble OR-ed into the mantissa of 2^23 and the bits read as a float."""
     return (((w >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _store_tile(acc, out_ptr, ws_ptr, cnt_ptr, o_off, ws_off, stride_ws, mask, pid_k, tile,
-                SPLIT_K: tl.constexpr):
-    """The program's float32 tile `acc` -> the output. SPLIT_K 1: stored in out's dtype. Else the
-    split-K fix-up: the partial goes to ws[pid_k] and the last program of the tile (by its
-    counter cnt[tile]) adds ws[0..SPLIT_K-1] in that order, stores the sum, resets the counter."""
-    if SPLIT_K == 1:
-        tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(ws_ptr + pid_k * stride_ws + ws_off, acc, mask=mask)
-        # Visibility of the partials to the last program: the partial is stored by all of the
-        # program's threads, but Triton issues a scalar atomic from one thread, with no barrier
-        # before it. The CTA barrier orders every thread's store before that atomic, whose
-        # release (acq_rel, the default sem; gpu scope) publishes them with the increment; the
-        # last program's acquire on the same counter makes all SPLIT_K partials visible to its
-        # loads below (its threads get the atomic's result after a barrier; .cg reads from L2).
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + tile, 1)  # programs of this tile finished before this one
-        if done == SPLIT_K - 1:
-            total = tl.load(ws_ptr + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
-            for i in tl.static_range(1, SPLIT_K):  # fixed order: the same bits on every run
-                total += tl.load(ws_ptr + i * stride_ws + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(cnt_ptr + tile, 0)  # every program of the tile has counted: reusable (graph replays too)
 
 
 @triton.jit
@@ -144,7 +109,7 @@ def _w4a16_kernel(
             xj = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :] * stride_xk,
                          mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK/8]
             acc += tl.dot(xj, wj.to(xj.dtype))
-    _store_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm[:, None] * stride_om + rn[None, :] * stride_on,
+    store_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm[:, None] * stride_om + rn[None, :] * stride_on,
                 rm[:, None] * N + rn[None, :], M * N, m_ok[:, None] & n_ok[None, :], pid_k,
                 pid_m * tl.num_programs(0) + pid_n, SPLIT_K)
 
@@ -182,7 +147,7 @@ def _w4a16_gemv_kernel(
             xj = tl.load(x_ptr + m * stride_xm + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)  # [BK/8]
             acc += xj[:, None] * ((_nibble(w, j) - zb) * s)
     out = tl.sum(acc, 0)  # [BLOCK_N]
-    _store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn * stride_on, m * N + rn, M * N, n_ok, pid_k,
+    store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn * stride_on, m * N + rn, M * N, n_ok, pid_k,
                 m * tl.num_programs(0) + pid_n, SPLIT_K)
 
 
@@ -220,26 +185,6 @@ def choose_split_k(m: int, n: int, k: int, cfg: dict[str, int], num_sms: int) ->
     return 1 << (max(1, split).bit_length() - 1)  # round down to a power of two
 
 
-# device -> int32 tile counters, the last (largest) in use; grown buffers stay alive because a
-# captured CUDA graph may still point at an older one
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-MIN_COUNTERS = 4096  # the first buffer's size (16 KiB): Llama-3.1-8B's largest split grid needs ~900
-
-
-def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least n int32 counters on `device`, all 0 between kernels (each split-K kernel leaves
-    them so). Allocated once per device and grown (to a power of two) only outside CUDA graph
-    capture: a zeroing captured into a graph would run on every replay, and the engine's capture
-    warms up every shape eagerly first, so the buffer is already big enough there."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"w4a16 split-K needs {n} tile counters during CUDA graph capture, "
-                               f"{bufs[-1].numel() if bufs else 0} exist: run the shape once before capturing")
-        bufs.append(torch.zeros(max(MIN_COUNTERS, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int, split_k: int | None = None, config: dict[str, int] | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous or strided) -> [M, N] in x's dtype, through the Triton kernel:
@@ -259,7 +204,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         ws = cnt = out  # not read: SPLIT_K 1 stores the output directly
     else:
         ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        cnt = _tile_counters(x.device, grid[0] * grid[1])
+        cnt = tile_counters(x.device, grid[0] * grid[1])
     args = (x, qweight, scales, zeros, out, ws, cnt, m, n, k, *x.stride(), *qweight.stride(), *scales.stride(),
             *out.stride())
     if cfg["BLOCK_M"] == 1:

@@ -72,7 +72,8 @@ def check_w4a16_split_fixup(m: int, n: int, k: int, group: int, dtype, device, s
     ref = w4.w4a16_reference(x, qw, s, z, group).float()
     first = mod.w4a16_gemm(x, qw, s, z, group, split_k, config)
     second = mod.w4a16_gemm(x, qw, s, z, group, split_k, config)
-    counters = mod._COUNTERS.get(x.device, [])
+    from minivllm.kernels.split_k import COUNTERS
+    counters = COUNTERS.get(x.device, [])
     bits = (lambda t: t.view({2: torch.int16, 4: torch.int32}[t.element_size()]))  # NaN-proof equality
     return {"err": errors(first, ref)[1], "same_bits": torch.equal(bits(first), bits(second)),
             "counters_zero": all(not bool(c.any()) for c in counters)}

@@ -43,7 +43,7 @@ for dt, dname in ((f32, "fp32"), (f16, "fp16")):
         res[f"fused_moe {dname} {name}"] = [err, err < checks.TOL[dt]]
 for dt, dname in ((f32, "fp32"), (f16, "fp16")):  # one token: the two GEMV kernels
     for e, k, h, i, valid, elsewhere in [(16, 4, 64, 48, True, 0), (8, 2, 72, 36, False, 0), (8, 3, 40, 24, True, 2),
-                                         (4, 4, 300, 20, True, 0)]:
+                                         (4, 4, 300, 20, True, 0), (8, 1, 64, 32, True, 0)]:  # (k 1: no fix-up)
         err, counted = checks.check_one_token(e, k, h, i, dt, "cpu", seed=e + k, valid=valid, elsewhere=elsewhere)
         res[f"one_token {dname} e{e} k{k} h{h} i{i} valid={valid} elsewhere={elsewhere}"] = [
             err, err < checks.TOL[dt] and counted]
