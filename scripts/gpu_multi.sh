@@ -157,7 +157,7 @@ run_step() {  # run_step STEP LANE_DIR PORT
       python3 scripts/sweep_fused_moe.py --decode-gemv   # the one-token GEMV path's tiles (M = 1's "gemv")
       cp minivllm/kernels/configs/fused_moe/*.json "$dir"/ ;;
     dense-gemv)  # issue 21: the batch-1 dense GEMV's tile sweep against cuBLAS; the table is kept for later steps
-      python3 scripts/bench_dense_gemv.py --write --out "$dir/dense-gemv.json"
+      python3 scripts/bench_dense_gemv.py --write --models ${GEMV_MODELS:-qwen3-30b-a3b,llama-3.1-8b} --out "$dir/dense-gemv.json"
       for f in minivllm/kernels/configs/dense_gemv/*.json; do cp "$f" "$dir/dense-gemv-table-$(basename "$f")"; done ;;
     moe-gemv-sweep)  # issue 21: only the one-token MoE GEMV tiles (M = 1's "gemv" entry), kept for later steps
       python3 scripts/sweep_fused_moe.py --decode-gemv
