@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -58,24 +59,30 @@ class MinivllmEngine:
         step = engine.step
         self._phases: dict[str, float] = {}
         self._steps = 0
+        self._records: list[dict] = []  # every step's phases, its rows and wall time (steady-state medians)
 
         def counted_step():
+            t = time.perf_counter()
             out = step()
             self._steps += 1
             for k, v in engine.last_step.items():
                 if isinstance(v, float):
                     self._phases[k] = self._phases.get(k, 0.0) + v
+            self._records.append(dict(engine.last_step, wall=time.perf_counter() - t))
             return out
         engine.step = counted_step
 
     def take_phases(self) -> dict:
         """Mean ms per step of each phase since the last call, and the step count (None for
-        vLLM, whose engine has no such record)."""
+        vLLM, whose engine has no such record); "steady" holds the median of each phase and of
+        the step's wall time over the full decode steps alone (one token per sequence, at least
+        3/4 of the run's largest batch): the means mix in the prefill steps and the tail."""
         if not hasattr(self, "_phases"):
             return None
         out = {k: round(1e3 * v / max(self._steps, 1), 3) for k, v in self._phases.items()}
         out["steps"] = self._steps
-        self._phases, self._steps = {}, 0
+        out["steady"] = steady_phases(self._records)
+        self._phases, self._steps, self._records = {}, 0, []
         return out
 
     @staticmethod
@@ -93,6 +100,20 @@ class MinivllmEngine:
     def generate(self, prompts: list[list[int]], params: list[dict]) -> list:
         sps = [self.params(p) for p in params]
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+
+
+def steady_phases(records: list[dict]) -> dict:
+    """Median ms of each phase (and of the step's wall time) over the decode steps that carry
+    one token per sequence and at least 3/4 of the largest such batch; their count."""
+    decode = [r for r in records if r.get("seqs") and r.get("tokens") == r.get("seqs")]
+    if not decode:
+        return {"steps": 0}
+    top = max(r["seqs"] for r in decode)
+    full = [r for r in decode if r["seqs"] >= 0.75 * top]
+    keys = sorted({k for r in full for k, v in r.items() if isinstance(v, float)})
+    out = {k: round(1e3 * statistics.median(r.get(k, 0.0) for r in full), 3) for k in keys}
+    out.update(steps=len(full), seqs_median=statistics.median(r["seqs"] for r in full))
+    return out
 
 
 class VllmEngine(MinivllmEngine):
