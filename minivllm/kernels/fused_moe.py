@@ -56,7 +56,7 @@ DECODE_GEMV = os.environ.get("MINIVLLM_MOE_DECODE_GEMV", "1") != "0"
 # parallelism (no tensor-core loop for Triton to pipeline), so the grids are wide: Qwen3-30B-A3B
 # (I 768, H 2048, k 8) gets 8 x 96 up programs and 128 x 8 down programs. Lease 11's first
 # version (up 8 x 48, down 128 programs looping over the 8 experts, a reduction per K step)
-# read the experts at ~1.5 TB/s: 2.42 ms a token against 2.06 for the grouped path
+# read the experts at ~1.5 TB/s: 2.42 ms a token against 2.05 for the grouped path (lease 12, rebuilt: 1.66)
 DECODE_GEMV_TILES = {"up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4},
                      "down": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
 
