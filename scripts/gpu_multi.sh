@@ -187,6 +187,8 @@ run_step() {  # run_step STEP LANE_DIR PORT
     gpu-tests)
       # (the step's rc is pytest's: non-zero if any file failed; leases 8 and 9 read rc=0 over failures)
       local failed=0
+      # xgrammar for the structured-output tests (lease 11: test_structured_gpu.py skipped without it)
+      bash scripts/xgrammar_stage.sh >/dev/null 2>&1 && export PYTHONPATH=${XGR_SITE:-/tmp/xgr-site}:${PYTHONPATH:-}
       for f in ${GPU_TESTS:-tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_kv_tiers_gpu.py tests/gpu/test_parallel_gpu.py}; do
         timeout 300 python3 -m pytest -q -x "$f" -p no:cacheprovider 2>&1 | tail -15
         [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1

@@ -16,19 +16,18 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 10, 2026-11-27; a session's 30 minutes count
+# What the single-GPU issues still need (after lease 12, 2026-11-27; a session's 30 minutes count
 # 50-100 % of held time, so order by what closes). W7 and W8 need no vLLM for minivllm alone:
 # carry .vllm/x and .vllm/deps (two calls, `bash scripts/vllm_stage.sh`) for xgrammar instead.
-#   'gpu-tests+w7-timeline+w8-diag+profile-moe1@0'  with GPU_TESTS="tests/gpu/test_fused_ops.py
-#       tests/gpu/test_fused_moe.py tests/gpu/test_structured_gpu.py tests/gpu/test_gpu_correctness.py"
-#                                (first the kernels and paths built on 2026-11-27 that never ran on a GPU:
-#                                 the fused q/k norm + rotary, the one-token MoE GEMVs, the pipelined
-#                                 constrained step; then 18: overhead predicted 45 % -> 5-10 %;
-#                                 19: which engine state slows batch 32 after batch 1; 21: the MoE profile)
-#   'w7+w8-ngram+w8-ngram-vllm@0'  with vLLM staged (18 and 19 against vLLM in the same lease)
-#   'moe-sweep-decode+profile-moe1+ours:W10-decode@0'  (21, after the batch-1 MoE path is built)
-#   'profile-bi+ours:W1-bi+vllm:W1-bi@0'  (22, after the invariant attention path is faster)
-#   'ours:W11-fp8+vllm:W11-fp8+fp8-sweep+ours:W11-awq+vllm:W11-awq+profile-awq1@0'  (25)
+#   'gpu-tests+w7-timeline+ours:W2+ours:W2-nogemv@0'  with GPU_TESTS="tests/gpu/test_structured_gpu.py
+#       tests/gpu/test_gpu_correctness.py"  (the structured GPU tests never ran: xgrammar is now staged
+#       for them; 18: W7's steady-state phase medians, which segment of a full decode step is on the
+#       critical path; 21/W2: the dense GEMV in the engine on Llama-3.1-8B, predicted -0.2 ms a token)
+#   'w7+w8-ngram+w8-ngram-vllm+ours:W10-decode+vllm:W10-decode@0'  with vLLM staged (18, 19 and 21
+#       against vLLM in the same lease; W10-decode predicted 4.0 ms = 52 % here, vLLM 4.94 in lease 2)
+#   'profile-fp8+ours:W11-fp8+vllm:W11-fp8@0'  (25: where the FP8 step goes; 0.96x in lease 9)
+#   'profile-bi+ours:W1-bi+vllm:W1-bi@0'  (22, after the invariant attention work)
+#   'ours:W11-awq+vllm:W11-awq+profile-awq1@0'  (25)
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue

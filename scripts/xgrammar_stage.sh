@@ -8,7 +8,9 @@
 set -u
 SITE=${XGR_SITE:-/tmp/xgr-site}
 STAGE=${VLLM_STAGE:-/tmp/vllm-stage}
-if python3 -c "import xgrammar, jsonschema" 2>/dev/null || PYTHONPATH=$SITE python3 -c "import xgrammar, jsonschema" 2>/dev/null; then
+# (xgrammar imports pydantic, which the image may lack: gpu_env.sh puts the carried .whl's copy on
+# PYTHONPATH, so the checks keep the caller's path after $SITE; lease 11's check without it failed)
+if python3 -c "import xgrammar, jsonschema" 2>/dev/null || PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} python3 -c "import xgrammar, jsonschema" 2>/dev/null; then
   echo "xgrammar_stage: xgrammar and jsonschema importable (PYTHONPATH=$SITE if not in the image)"; exit 0
 fi
 wheels=""
@@ -22,4 +24,4 @@ if [ -z "$wheels" ]; then
   echo "xgrammar_stage: no xgrammar wheel found (carry .vllm/x and .vllm/deps, see scripts/vllm_carry.md)"; exit 1
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" $wheels \
-  && PYTHONPATH=$SITE python3 -c "import xgrammar, jsonschema; print('xgrammar_stage: ready in $SITE')"
+  && PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} python3 -c "import xgrammar, jsonschema; print('xgrammar_stage: ready in $SITE')"
