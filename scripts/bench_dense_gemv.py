@@ -32,7 +32,7 @@ L2_BYTES = 50 << 20
 SPLITS = (1, 2, 4, 8, 16)
 # (BLOCK_N, BLOCK_K, num_warps): narrow row tiles, long 16-byte loads along K
 TILES = [(4, 512, 2), (8, 256, 4), (8, 512, 4), (16, 128, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4),
-         (32, 512, 8), (64, 128, 4)]
+         (32, 512, 8), (64, 128, 4), (4, 1024, 4), (8, 1024, 8), (4, 2048, 8)]
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "minivllm", "bench", "configs")
 MODELS = ["qwen3-30b-a3b", "llama-3.1-8b", "qwen3-8b", "qwen3-0.6b", "smollm2-135m"]
 
