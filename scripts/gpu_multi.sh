@@ -26,6 +26,7 @@
 #   profile-bi / profile-moe1 / profile-fp8  scripts/kernel_profile.py: kernel times (issues 22 / 21 / 25)
 #   spec-profile-32     scripts/spec_profile.py --batch 32: W8 batch 32, none vs n-gram (issue 19)
 #   w8-32first          bench spec none,ngram with batch 32 timed before batch 1 (issue 19)
+#   w8-warm             bench spec none,ngram --warm-each-phase, with the SM clock logged (issue 19)
 #   w8-diag             bench spec none,ngram with the prefix cache reset between the batch sizes,
 #                       then with no step history (which engine state slows batch 32 after batch 1)
 #   w7-timeline         w7-trace plus gzipped Chrome traces of both traced runs (issue 18)
@@ -108,6 +109,14 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --output "$dir/w8-reset-minivllm.json"
       MINIVLLM_STEP_HISTORY=0 python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram \
         --output "$dir/w8-nohistory-minivllm.json" ;;
+    w8-warm)  # issue 19: bench spec none,ngram with an untimed run of each batch size just before its timed runs,
+      # and the GPU's SM clock logged every 100 ms (is batch 32 slower after batch 1 because the GPU clocked down?)
+      [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv -lms 100 > "$dir/w8-clocks.csv" &
+      local smi=$!
+      python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram --warm-each-phase \
+        --output "$dir/w8-warm-minivllm.json"
+      kill $smi ;;
     w8)  # W8 speculative decoding on the default model's real weights, minivllm then vLLM
       [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
       [ -f /tmp/smollm2-draft/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-draft --dtype bfloat16 --num-layers 8 >/dev/null

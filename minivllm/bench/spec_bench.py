@@ -121,6 +121,8 @@ def measure_method(args, spec: dict | None, prompts: list[list[int]]) -> dict:
     batches = {"batch1": one, "batch32": many}
     results = {}
     for name in order:
+        if args.warm_each_phase:  # one untimed run of this batch size right before its timed ones
+            _timed(llm, args.engine, batches[name][:1], params)
         results[name] = _median_of(args.repeats, lambda b=batches[name]: _timed(llm, args.engine, b, params))
         if args.reset_prefix_cache:  # a diagnostic: the second batch size starts from an empty cache
             llm.reset_prefix_cache()
@@ -164,6 +166,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="empty the prefix cache between the two batch sizes (a diagnostic)")
     p.add_argument("--batch32-first", action="store_true",
                    help="time batch 32 before batch 1 (a diagnostic: whether the batch-1 runs change batch 32's)")
+    p.add_argument("--warm-each-phase", action="store_true",
+                   help="an untimed run of each batch size right before its timed runs (a diagnostic: a "
+                        "GPU that clocked down during the host-bound batch-1 phase ramps up before batch 32)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)

@@ -20,11 +20,12 @@ def test_bench_spec_runs_each_method_in_its_own_process(tmp_path):
     out = tmp_path / "w8.json"
     subprocess.run([sys.executable, "-m", "minivllm", "bench", "spec", "--model", str(model), "--methods",
                     "none,ngram,layer_skip", "--layer-skip-layers", "3", "--num-prompts", "3", "--batch1-prompts", "1",
-                    "--max-tokens", "6", "--repeats", "3", "--dtype", "float32", "--output", str(out)],
+                    "--max-tokens", "6", "--repeats", "3", "--dtype", "float32", "--warm-each-phase",
+                    "--output", str(out)],
                    check=True, capture_output=True, timeout=600, cwd=ROOT)
     record = json.loads(out.read_text())
     assert set(record["results"]) == {"none", "ngram", "layer_skip"}
-    for name, r in record["results"].items():
+    for name, r in record["results"].items():  # (--warm-each-phase's untimed runs are not counted)
         assert r["batch1"]["output_tokens"] == 6 and r["batch32"]["output_tokens"] == 3 * 6, name
         runs = r["batch32"]["runs_tok_per_s"]  # three timed runs, the median one reported
         assert len(runs) == 3 and runs[1] == r["batch32"]["tok_per_s"], name
