@@ -42,6 +42,20 @@ from minivllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
+@dataclass
+class TakenIn:
+    """What taking in a launched step gives (LLMEngine._take_in)."""
+
+    outputs: list  # RequestOutputs ready now
+    ok: bool  # the step succeeded
+    bitmask: object = None  # the constrained step's mask filled beside the take-in (or None)
+    # with beside_fill taken: it ran (next holds its result, possibly None) and the output
+    # processing of `deferred` is left to the caller, after it has queued its sampling
+    early: bool = False
+    next: tuple | None = None
+    deferred: list | None = None  # RequestUpdates whose outputs are still to be made
+
+
 SPEC_LOG_INTERVAL_S = 10.0  # how often the acceptance of speculative decoding is logged
 # Python's GIL switch interval while a grammar fill runs beside the output processing (see _take_in)
 FILL_SWITCH_INTERVAL_S = 0.0002
@@ -144,6 +158,7 @@ class LLMEngine:
         # schedule record) for the next step() to take up
         self._next = None
         self.num_pipelined_steps = 0  # forwards queued that way (tests, profiling)
+        self.num_early_schedules = 0  # steps scheduled beside the fill, outputs deferred (_take_in)
         # pipeline parallelism: up to one whole batch per stage in flight, oldest first
         self._max_batches = config.parallel.pipeline_parallel_size
         # (MINIVLLM_GRAMMAR_PIPELINE=0: off, to compare)
@@ -324,11 +339,11 @@ class LLMEngine:
         else:
             sched = self._schedule()
         if forward is None and self._inflight is not None and self._needs_sync(sched):
-            outputs += self._take_inflight(sched)[0]
+            outputs += self._take_inflight(sched).outputs
         with self.profiler.phase("minivllm.launch"):
             launched = self._launch(sched, outputs, forward)
         if self._inflight is not None:
-            outputs += self._take_inflight(launched[0] if launched is not None else None)[0]
+            outputs += self._take_inflight(launched[0] if launched is not None else None).outputs
         self._inflight = launched
         if launched is not None and (not self.async_scheduling or self._speculates(launched[0])):
             outputs += self._complete(launched)[0]
@@ -382,16 +397,16 @@ class LLMEngine:
             outputs += self._complete(self._batches.popleft())[0]
         return outputs
 
-    def _take_inflight(self, next_sched, fill_handles: list | None = None):
-        """Completes the step in flight: (outputs, the next step's bitmask if fill_handles were
-        given, see _take_in). If it failed, the step scheduled after it (launched, or to be
-        launched all the same, so the runner's request state stays in step) may read what the
-        failed one never wrote: its requests fail too; its device work still finishes first."""
-        done, ok, bitmask = self._take_in(self._inflight, fill_handles)
+    def _take_inflight(self, next_sched, fill_handles: list | None = None, beside_fill=None) -> TakenIn:
+        """Completes the step in flight (see _take_in). If it failed, the step scheduled after it
+        (launched, or to be launched all the same, so the runner's request state stays in step)
+        may read what the failed one never wrote: its requests fail too; its device work still
+        finishes first."""
+        taken = self._take_in(self._inflight, fill_handles, beside_fill)
         self._inflight = None
-        if not ok and next_sched is not None:
-            done += self._fail_scheduled(next_sched)
-        return done, bitmask
+        if not taken.ok and next_sched is not None:
+            taken.outputs += self._fail_scheduled(next_sched)
+        return taken
 
     def _needs_sync(self, sched) -> bool:
         """Penalties need the previous step's token values on the host before sampling; so do a
@@ -420,7 +435,7 @@ class LLMEngine:
                 and not sched.kv_transfers:
             return None
         t = time.perf_counter()
-        nxt = None
+        nxt = deferred = None
         try:
             handles = self._grammar_handles(sched)
             if not handles:
@@ -433,19 +448,24 @@ class LLMEngine:
                 bitmask = self.structured.bitmask(handles)
             else:
                 t = self._add_time("launch", t)  # the wait, update and outputs below are timed on their own
-                done, bitmask = self._take_inflight(sched, fill_handles=handles)
-                outputs += done
+                taken = self._take_inflight(sched, fill_handles=handles, beside_fill=self._schedule_next)
+                outputs += taken.outputs
+                deferred = taken.deferred
+                bitmask = taken.bitmask
                 if bitmask is None:
                     # none filled (the step in flight failed, or the fill raised): fill here, where
                     # a failure fails this step alone, the step before's outputs already taken
                     bitmask = self.structured.bitmask(handles)
-                nxt = self._schedule_next()  # (timed as "pipeline", not "launch")
+                # (timed as "pipeline", not "launch")
+                nxt = taken.next if taken.early else self._schedule_next()
                 t = time.perf_counter()
             launched = sched, self.executor.launch_sampling(forward, bitmask)
         except ExecutorDeadError as e:
+            self._flush_outputs(deferred, outputs)
             self._aborted_outputs += self._die(e)
             return None
         except Exception as e:
+            self._flush_outputs(deferred, outputs)
             self._aborted_outputs += self._fail_scheduled(sched, e)
             if nxt is not None:  # scheduled behind the failed step: it may read what that never wrote
                 self._aborted_outputs += self._fail_scheduled(nxt[0])
@@ -454,7 +474,20 @@ class LLMEngine:
             self._add_time("launch", t)
         if nxt is not None:
             self._pipeline_next(*nxt)
+        self._flush_outputs(deferred, outputs)  # the step before's tokens, now that the device has work queued
         return launched
+
+    def _flush_outputs(self, deferred: list | None, outputs: list[RequestOutput]) -> None:
+        """The outputs of updates whose processing _take_in left for later (see TakenIn)."""
+        if not deferred:
+            return
+        t = time.perf_counter()
+        with self.profiler.phase("minivllm.outputs"):
+            done, stopped = self.output_processor.process(deferred)
+        outputs += done
+        if stopped:  # (none can be: deferred only when no request of the step has stop strings)
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._add_time("outputs", t)
 
     def _schedule_next(self):
         """With a constrained step's sampling still to queue, the step after it is scheduled now:
@@ -513,24 +546,33 @@ class LLMEngine:
 
     def _complete(self, inflight) -> tuple[list[RequestOutput], bool]:
         """Waits for a launched step and takes in its results: (outputs, whether it succeeded)."""
-        done, ok, _ = self._take_in(inflight)
-        return done, ok
+        taken = self._take_in(inflight)
+        return taken.outputs, taken.ok
 
-    def _take_in(self, inflight, fill_handles: list | None = None):
+    def _take_in(self, inflight, fill_handles: list | None = None, beside_fill=None) -> TakenIn:
         """_complete, and with fill_handles (a constrained step launched behind this one) also
-        that step's bitmask: (outputs, ok, bitmask or None). The fill starts on the grammar
-        manager's thread as soon as this step's tokens have advanced the grammars, runs beside
-        this thread's output processing (detokenization; xgrammar releases the GIL), and is
-        joined before any request is finished (finishing releases matchers)."""
+        that step's bitmask. The fill starts on the grammar manager's thread as soon as this
+        step's tokens have advanced the grammars, runs beside this thread's work (xgrammar
+        releases the GIL), and is joined before any request is finished (finishing releases
+        matchers).
+
+        beside_fill (the engine's _schedule_next) is what this thread does beside the fill when
+        no request of the step has stop strings: then the output processing (detokenization)
+        cannot stop a request, so it changes no scheduling decision, and it is left to the
+        caller (TakenIn.deferred), which makes it after queueing the constrained step's sampling
+        and the next forward. The host's critical path between two samplings is then the update,
+        the longer of the fill and the next step's scheduling and input build, and the sampling's
+        launch (issue 18: W7's constrained steps were host-bound, lease 11). With stop strings
+        the order stays update, outputs beside the fill, join, stops, and the caller schedules."""
         sched, launched = inflight
         t = time.perf_counter()
         try:
             with self.profiler.phase("minivllm.wait"):
                 result = self.executor.finish(launched)
         except ExecutorDeadError as e:
-            return self._die(e), False, None
+            return TakenIn(self._die(e), False)
         except Exception as e:
-            return self._fail_scheduled(sched, e), False, None
+            return TakenIn(self._fail_scheduled(sched, e), False)
         t = self._add_time("wait", t)
         with self.profiler.phase("minivllm.update"):
             updates = self.scheduler.update(sched, result)
@@ -545,24 +587,34 @@ class LLMEngine:
             switch = sys.getswitchinterval()
             sys.setswitchinterval(FILL_SWITCH_INTERVAL_S)
             fill = self.structured.fill_async(fill_handles)
+        early = beside_fill is not None and fill is not None and not any(u.request.sampling_params.stop
+                                                                          for u in updates)
         try:
+            if early:
+                self.num_early_schedules += 1
+                nxt = beside_fill()  # (times itself as "pipeline")
+                bitmask = self._join_fill(fill, time.perf_counter())
+                return TakenIn([], True, bitmask, early=True, next=nxt, deferred=updates)
             with self.profiler.phase("minivllm.outputs"):
                 new_outputs, stopped = self.output_processor.process(updates)
             t = self._add_time("outputs", t)
-            bitmask = None
-            if fill is not None:
-                try:
-                    bitmask = fill.result()
-                except Exception:  # noqa: BLE001 - the caller fills again on its own thread, where a
-                    pass  # failure fails only the constrained step, after these outputs are out
-                t = self._add_time("fill_wait", t)  # what the fill took beyond the output processing
+            bitmask = self._join_fill(fill, t) if fill is not None else None
         finally:
             if switch is not None:
                 sys.setswitchinterval(switch)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self._add_time("outputs", t)
-        return new_outputs, True, bitmask
+        return TakenIn(new_outputs, True, bitmask)
+
+    def _join_fill(self, fill, since: float):
+        """The fill's bitmask, or None if it raised (the caller then fills again on its own
+        thread, where a failure fails only the constrained step); the wait is timed as fill_wait."""
+        try:
+            return fill.result()
+        except Exception:  # noqa: BLE001
+            return None
+        finally:
+            self._add_time("fill_wait", since)
 
     def _add_time(self, phase: str, since: float) -> float:
         now = time.perf_counter()

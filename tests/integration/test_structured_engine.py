@@ -246,10 +246,17 @@ def test_next_step_is_queued_before_the_constrained_sampling(llm, tiny_kv_llm):
                SamplingParams(temperature=0.0, max_tokens=40, stop=["ten"])]
     engine = tiny_kv_llm.llm_engine
     before, preempted = engine.num_pipelined_steps, engine.scheduler.num_preemptions
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in tiny_kv_llm.generate(prompts, params, use_tqdm=False)]
+    early = engine.num_early_schedules
+    want = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+           for o in tiny_kv_llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+    assert want[-1][2] == "stop" and "ten" not in want[-1][1], want[-1]  # the stop string cut it
     assert engine.num_pipelined_steps > before
+    # steps whose rows have no stop string schedule the next one beside the fill and make their
+    # outputs after queueing the sampling (LLMEngine._take_in); the others do not
+    assert engine.num_early_schedules > early
     assert engine.scheduler.num_preemptions > preempted, "the test needs preemptions"
     assert not engine.has_unfinished_requests()
 
@@ -384,6 +391,7 @@ def test_pipelined_step_edges_equal_the_synchronous_engine(llm, small_budget_llm
         params[-1] = _json(schemas[names[0]][1], 99, 20)
     engine = small_budget_llm.llm_engine
     before, hits = engine.num_pipelined_steps, engine.get_stats().prefix_cache_hits
+    early = engine.num_early_schedules
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in small_budget_llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
@@ -391,6 +399,8 @@ def test_pipelined_step_edges_equal_the_synchronous_engine(llm, small_budget_llm
         assert engine.get_stats().prefix_cache_hits > hits, "the repeated prompt should hit the prefix cache"
     if "c" in PIPELINE_EDGES[edge]:
         assert engine.num_pipelined_steps > before
+        assert engine.num_early_schedules > early  # (no stop strings here)
     else:
         assert engine.num_pipelined_steps == before
+        assert engine.num_early_schedules == early
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
