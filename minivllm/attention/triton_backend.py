@@ -24,9 +24,19 @@ if TYPE_CHECKING:
     from minivllm.kernels.decode_attention import DecodeWorkspace
 
 
-# batch-invariant mode: the prefill kernel's tile size as for a step with 64-token queries (its
-# largest BLOCK_M), whatever the step's real query lengths
-INVARIANT_MAX_QUERY_LEN = 64
+# batch-invariant mode: every row goes through the prefill kernel with one tile size whatever
+# the step's real query lengths: the smallest BLOCK_M (16 rows, or one GQA group if larger; see
+# invariant_max_query_len). A decode row fills GROUP rows of its tile, so a 64-row tile (the
+# mode's first choice) spent 31/32 of its QK and PV products on padding for Qwen3-0.6B (GROUP 2):
+# lease 9's profile-bi had this attention at 3.83 ms a step against 3.07 for the default mode's
+# decode kernel, which reads the same K/V. Prompt rows pay with more programs re-reading K/V.
+INVARIANT_BLOCK_M = 16
+
+
+def invariant_max_query_len(group: int) -> int:
+    """The max_query_len that makes prefill_config pick BLOCK_M = max(INVARIANT_BLOCK_M,
+    next_pow2(group)) (a constant per model: the tile never depends on the step)."""
+    return max(1, INVARIANT_BLOCK_M // group)
 
 
 class TritonAttentionBackend:
@@ -74,9 +84,10 @@ class TritonAttentionBackend:
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if self.invariant:
+            group = query.shape[1] // k_cache.shape[2]
             return self._prefill(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                 scale, max_query_len=INVARIANT_MAX_QUERY_LEN, k_scale=k_scale, v_scale=v_scale,
-                                 invariant=True)
+                                 scale, max_query_len=invariant_max_query_len(group), k_scale=k_scale,
+                                 v_scale=v_scale, invariant=True)
         if meta.is_decode_only:
             ws, num_splits = self._decode_plan(meta.num_seqs, query.shape[1], k_cache.shape[2])
         else:

@@ -366,6 +366,52 @@ def test_backend_reserved_workspace() -> None:
     assert ok(errs, torch.bfloat16), errs
 
 
+def check_invariant_rows(total: int, num_kv_heads: int, group: int, head_dim: int, dtype, device: str,
+                         seed: int = 7) -> list[str]:
+    """Batch-invariant mode with the backend's tile (triton_backend.invariant_max_query_len): a
+    prompt's rows attended in one step equal, bit for bit, the same rows attended in chunks of
+    16 and 64 (later chunks' keys already cached: chunked prefill, a prefix hit) and one token
+    at a time as decode rows, alone and beside another sequence's decode row. Returns failures.
+
+    GPU only: under Triton's interpreter tl.dot is numpy's matmul, whose bits for a row depend
+    on the tile's other rows (checked on the CPU on 2026-11-27: even the 64-row tile's chunks
+    of 16 differ there in the last bits), while a GPU's MMA computes each row alone."""
+    from minivllm.attention.triton_backend import invariant_max_query_len
+    from minivllm.kernels.prefill_attention import prefill_attention
+
+    mql = invariant_max_query_len(group)
+    case = make_case([(total, total), (1, 40)], num_kv_heads * group, num_kv_heads, head_dim, 16, dtype, device,
+                     seed=seed)
+    dev = case.query.device
+
+    def attend(q, starts, lens, tables):
+        qsl = torch.tensor(starts, dtype=torch.int32, device=dev)
+        sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+        return prefill_attention(q.contiguous(), case.k_cache, case.v_cache, qsl, sl, tables, case.scale,
+                                 max_query_len=mql, invariant=True)
+    whole = attend(case.query[:total], [0, total], [total], case.block_tables[:1])
+    fails = []
+    for chunk in (16, 64):
+        for start in range(0, total, chunk):
+            end = min(total, start + chunk)
+            part = attend(case.query[start:end], [0, end - start], [end], case.block_tables[:1])
+            if not torch.equal(part, whole[start:end]):
+                fails.append(f"chunk {chunk} at {start}: max diff {(part - whole[start:end]).abs().max().item()}")
+    other = case.query[total:total + 1]  # the second sequence's one decode row
+    for i in range(0, total, max(1, total // 12)):
+        alone = attend(case.query[i:i + 1], [0, 1], [i + 1], case.block_tables[:1])
+        pair = attend(torch.cat([other, case.query[i:i + 1]]), [0, 1, 2], [40, i + 1], case.block_tables.flip(0))
+        if not torch.equal(alone[0], whole[i]) or not torch.equal(pair[1], whole[i]):
+            fails.append(f"decode row {i} differs from its prompt row")
+    return fails
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (2, 128), (3, 64), (4, 128)])
+def test_invariant_rows_equal_in_one_step_chunks_and_decode(dtype, group: int, head_dim: int) -> None:
+    assert not check_invariant_rows(301, 2, group, head_dim, dtype, "cuda")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [1, 3])
 def test_invariant_prefill_rows_do_not_depend_on_the_chunking(dtype, group: int) -> None:
