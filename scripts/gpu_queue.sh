@@ -28,7 +28,9 @@
 #   'w7+w8-ngram+w8-ngram-vllm+ours:W10-decode+vllm:W10-decode@0'  with vLLM staged (18, 19 and 21
 #       against vLLM in the same lease; W10-decode predicted 4.0 ms = 52 % here, vLLM 4.94 in lease 2)
 #   'profile-fp8+ours:W11-fp8+vllm:W11-fp8@0'  (25: where the FP8 step goes; 0.96x in lease 9)
-#   'profile-bi+ours:W1-bi+vllm:W1-bi@0'  (22, after the invariant attention work)
+#   'gpu-tests+profile-bi+ours:W1-bi+vllm:W1-bi@0'  with GPU_TESTS="tests/gpu/test_triton_kernels.py
+#       tests/gpu/test_batch_invariant_gpu.py"  (22: the 16-row invariant tile, bitwise first; W1-bi
+#       predicted 11,479 -> ~13,000 tok/s)
 #   'ours:W11-awq+vllm:W11-awq+profile-awq1@0'  (25)
 set -u
 cd "$(dirname "$0")/.."
