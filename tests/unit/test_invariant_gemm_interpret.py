@@ -23,15 +23,37 @@ res["fp32 m70 n130 k130"] = checks.check_matmul(70, 130, 130, f32, "cpu", seed=2
 res["fp16 m5 n128 k64"] = checks.check_matmul(5, 128, 64, f16, "cpu", seed=3, bias=False, bitwise=False)
 res["fp32 m9 n600 k64 (64-wide tiles)"] = checks.check_matmul(9, 600, 64, f32, "cpu", seed=4, bias=True, bitwise=False)
 res["fp32 m3 n4300 k64 (128-wide tiles)"] = checks.check_matmul(3, 4300, 64, f32, "cpu", seed=5, bias=False, bitwise=False)
+# narrow weights split K (split_k_for): 2 slices with a ragged last K tile and a bias added once;
+# 4 slices, twice in a row (the split-K counters are back to 0 after each call)
+res["fp32 m5 n200 k1100 bias (2 K slices)"] = checks.check_matmul(5, 200, 1100, f32, "cpu", seed=6, bias=True, bitwise=False)
+for rep in range(2):
+    res[f"fp32 m70 n96 k2048 (4 K slices) #{rep}"] = checks.check_matmul(70, 96, 2048, f32, "cpu", seed=7, bias=True,
+                                                                      bitwise=False)
 print("RESULT " + json.dumps(res))
 """
 
 
 def test_invariant_matmul_under_interpreter():
     res = run_under_interpreter(CHILD, CHECKS, timeout_s=600)
-    assert len(res) == 5
+    assert len(res) == 8
     bad = {name: problems for name, problems in res.items() if problems}
     assert not bad, bad
+
+
+def test_k_split_depends_on_the_weight_only(monkeypatch):
+    """split_k_for: a function of N, K and the SM count; only narrow weights split, each slice
+    keeps at least SPLIT_MIN_K_PER_SLICE of K, and the tuning override turns it off."""
+    from minivllm.kernels import invariant_gemm as ig
+    monkeypatch.delenv(ig.TILE_ENV, raising=False)
+    # Qwen3-0.6B: qkv, o, gate_up, down; then Qwen3-8B's o (wide enough) and a short K
+    got = [ig.split_k_for(n, k, 132) for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),
+                                                   (4096, 4096), (1024, 512)]]
+    assert got == [1, 4, 1, 4, 1, 1]
+    for n, k in [(1024, 2048), (576, 1536), (200, 1100)]:
+        split = ig.split_k_for(n, k, 132)
+        assert split == 1 or k // split >= ig.SPLIT_MIN_K_PER_SLICE, (n, k, split)
+    monkeypatch.setenv(ig.TILE_ENV, "64,128,64,4,3")
+    assert ig.split_k_for(1024, 3072, 132) == 1
 
 
 def test_tile_width_depends_on_the_weight_only(monkeypatch):
