@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from minivllm.bench.gpu_timing import copies_for  # noqa: E402
+from minivllm.bench.gpu_timing import time_graph as _time_graph  # noqa: E402
+
+
+def time_graph(fn, copies: int) -> float:
+    return _time_graph(fn, copies, RUNS, GRAPH_CALLS)
 
 RUNS = 30
 GRAPH_CALLS = 32
-L2_BYTES = 50 << 20
 SPLITS = (1, 2, 4, 8, 16)
 # (BLOCK_N, BLOCK_K, num_warps): narrow row tiles, long 16-byte loads along K
 TILES = [(4, 512, 2), (8, 256, 4), (8, 512, 4), (16, 128, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4),
@@ -51,32 +54,6 @@ def model_shapes(name: str) -> dict[str, tuple[int, int]]:
         shapes["gate_up"] = (h, 2 * c["intermediate_size"])
         shapes["down"] = (c["intermediate_size"], h)
     return shapes
-
-
-def copies_for(nbytes: int) -> int:
-    return max(1, min(64, math.ceil(4 * L2_BYTES / nbytes)))
-
-
-def time_graph(fn, copies: int) -> float:
-    """Median us per call over RUNS replays of one graph of GRAPH_CALLS calls (copies cycled)."""
-    for i in range(3):
-        fn(i % copies)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(GRAPH_CALLS):
-            fn(i % copies)
-    for _ in range(3):
-        graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(RUNS)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(RUNS)]
-    for i in range(RUNS):
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    del graph
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3 / GRAPH_CALLS
 
 
 def sweep_shape(k: int, n: int, label: str) -> dict:

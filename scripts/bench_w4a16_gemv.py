@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 
 import torch
@@ -49,7 +48,8 @@ def int4_bytes(k: int, n: int, group: int = GROUP) -> int:
 
 def copies_for(nbytes: int) -> int:
     """Weight copies cycled through so that together they exceed 4x the L2 (at most 64)."""
-    return max(1, min(64, math.ceil(4 * L2_BYTES / nbytes)))
+    from minivllm.bench.gpu_timing import copies_for as shared
+    return shared(nbytes, L2_BYTES)
 
 
 def plan(num_sms: int) -> list[dict]:
@@ -93,23 +93,8 @@ def time_eager(fn, copies: int) -> float:
 
 def time_graph(fn, copies: int) -> float:
     """Median us per call over RUNS replays of one graph of GRAPH_CALLS calls (copies cycled)."""
-    fn(0)  # the eager warm-up already compiled and sized everything; one more call before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(GRAPH_CALLS):
-            fn(i % copies)
-    for _ in range(3):
-        graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(RUNS)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(RUNS)]
-    for i in range(RUNS):
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    del graph
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3 / GRAPH_CALLS
+    from minivllm.bench.gpu_timing import time_graph as timed
+    return timed(fn, copies, RUNS, GRAPH_CALLS)
 
 
 def bench_shape(row: dict) -> list[dict]:

@@ -24,9 +24,7 @@ MINIVLLM_DENSE_GEMV=1 forces it for every shape (0: never). The reference is F.l
 from __future__ import annotations
 
 import functools
-import json
 import os
-import re
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +33,7 @@ import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.split_k import store_tile, tile_counters
+from minivllm.kernels.tuned_tables import read_table, table_file
 
 GEMV_MAX_ROWS = 2  # batch-1 decode (and 2-row graphs); more rows: cuBLAS reads the weight once for all
 DEFAULT_TILE = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
@@ -123,17 +122,13 @@ def shape_key(n: int, k: int, dtype: torch.dtype) -> str:
 
 
 def config_file(device_name: str) -> str:
-    return os.path.join(CONFIG_DIR, re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name.strip()) + ".json")
+    return table_file(CONFIG_DIR, device_name)
 
 
 @functools.lru_cache(maxsize=8)
 def load_configs(device_name: str) -> dict:
     """The sweep's table for this GPU: shape_key -> {"tile": {...}, "gemv_us", "cublas_us"}."""
-    path = config_file(device_name)
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+    return read_table(config_file(device_name))
 
 
 def gemv_mode() -> str:

@@ -18,9 +18,9 @@ heuristic) is.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import re
+
+from minivllm.kernels.tuned_tables import read_table, table_file
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "fused_moe")
 
@@ -31,17 +31,13 @@ def shape_key(num_experts: int, inter: int, hidden: int, dtype_name: str) -> str
 
 def config_file(device_name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> .../NVIDIA_H100_80GB_HBM3.json"""
-    return os.path.join(CONFIG_DIR, re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name.strip()) + ".json")
+    return table_file(CONFIG_DIR, device_name)
 
 
 @functools.lru_cache(maxsize=8)
 def load_configs(device_name: str) -> dict:
     """The sweep's results for this GPU ({} when none were kept)."""
-    path = config_file(device_name)
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+    return read_table(config_file(device_name))
 
 
 def default_config(m: int, num_experts: int, top_k: int) -> dict:
