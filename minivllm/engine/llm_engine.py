@@ -54,6 +54,9 @@ class TakenIn:
     early: bool = False
     next: tuple | None = None
     deferred: list | None = None  # RequestUpdates whose outputs are still to be made
+    # beside_fill raised: the outputs were made all the same (they are the step before's), and
+    # the caller fails the constrained step with this error, as if its own scheduling had raised
+    error: BaseException | None = None
 
 
 SPEC_LOG_INTERVAL_S = 10.0  # how often the acceptance of speculative decoding is logged
@@ -451,6 +454,8 @@ class LLMEngine:
                 taken = self._take_inflight(sched, fill_handles=handles, beside_fill=self._schedule_next)
                 outputs += taken.outputs
                 deferred = taken.deferred
+                if taken.error is not None:
+                    raise taken.error
                 bitmask = taken.bitmask
                 if bitmask is None:
                     # none filled (the step in flight failed, or the fill raised): fill here, where
@@ -589,12 +594,18 @@ class LLMEngine:
             fill = self.structured.fill_async(fill_handles)
         early = beside_fill is not None and fill is not None and not any(u.request.sampling_params.stop
                                                                           for u in updates)
+        error = None
         try:
             if early:
                 self.num_early_schedules += 1
-                nxt = beside_fill()  # (times itself as "pipeline")
-                bitmask = self._join_fill(fill, time.perf_counter())
-                return TakenIn([], True, bitmask, early=True, next=nxt, deferred=updates)
+                try:
+                    nxt = beside_fill()  # (times itself as "pipeline")
+                except Exception as e:  # noqa: BLE001 - raised by the caller after these outputs are out
+                    error = e
+                else:
+                    bitmask = self._join_fill(fill, time.perf_counter())
+                    return TakenIn([], True, bitmask, early=True, next=nxt, deferred=updates)
+                t = time.perf_counter()
             with self.profiler.phase("minivllm.outputs"):
                 new_outputs, stopped = self.output_processor.process(updates)
             t = self._add_time("outputs", t)
@@ -604,7 +615,7 @@ class LLMEngine:
                 sys.setswitchinterval(switch)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return TakenIn(new_outputs, True, bitmask)
+        return TakenIn(new_outputs, True, bitmask, early=error is not None, error=error)
 
     def _join_fill(self, fill, since: float):
         """The fill's bitmask, or None if it raised (the caller then fills again on its own

@@ -404,3 +404,46 @@ def test_pipelined_step_edges_equal_the_synchronous_engine(llm, small_budget_llm
         assert engine.num_pipelined_steps == before
         assert engine.num_early_schedules == early
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_next_step_build_failing_beside_the_fill_ends_cleanly(tiny_kv_llm, monkeypatch):
+    """The next step's input build raises while it runs beside the fill (LLMEngine._take_in's
+    early path): the step before's tokens still reach their requests, the constrained step and
+    the half-scheduled next one end with "error" rather than hang, the engine serves the next
+    requests, and every KV block is free again."""
+    engine = tiny_kv_llm.llm_engine
+    runner = engine.executor.runner
+    real, calls = runner.prepare_forward, []
+
+    def failing_once(sched):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected input-build failure")
+        return real(sched)
+    monkeypatch.setattr(runner, "prepare_forward", failing_once)
+    take_in, errors = engine._take_in, []
+
+    def recording_take_in(*args, **kwargs):
+        taken = take_in(*args, **kwargs)
+        errors.append(taken.error)
+        return taken
+    monkeypatch.setattr(engine, "_take_in", recording_take_in)
+    schemas = load_schemas()
+    names = sorted(schemas)[:3]
+    prompts = [_chat(tiny_kv_llm, schemas[n][0]) for n in names]
+    params = [_json(schemas[n][1], 5 + i, 24) for i, n in enumerate(names)]
+    early = engine.num_early_schedules
+    outs = tiny_kv_llm.generate(prompts, params, use_tqdm=False)
+    assert len(calls) >= 3 and engine.num_early_schedules > early
+    assert [str(e) for e in errors if e is not None] == ["injected input-build failure"]  # raised beside the fill
+    assert all(o.finished for o in outs)
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert "error" in reasons, reasons
+    for _ in range(8):  # (an async engine may still have the step that tells the runner about finished requests)
+        if not engine.has_unfinished_requests():
+            break
+        assert not engine.step()
+    assert not engine.has_unfinished_requests() and not engine.scheduler.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    again = tiny_kv_llm.generate(prompts[:1], params[:1], use_tqdm=False)[0]
+    assert again.outputs[0].finish_reason in ("stop", "length")
