@@ -42,6 +42,12 @@ from minivllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
+SPEC_LOG_INTERVAL_S = 10.0  # how often the acceptance of speculative decoding is logged
+# Python's GIL switch interval while a grammar fill runs beside the output processing (see _take_in)
+FILL_SWITCH_INTERVAL_S = 0.0002
+KV_IDLE_WAIT_S = 0.005  # an engine waiting only for KV transfers polls its connector this often
+
+
 @dataclass
 class TakenIn:
     """What taking in a launched step gives (LLMEngine._take_in)."""
@@ -57,12 +63,6 @@ class TakenIn:
     # beside_fill raised: the outputs were made all the same (they are the step before's), and
     # the caller fails the constrained step with this error, as if its own scheduling had raised
     error: BaseException | None = None
-
-
-SPEC_LOG_INTERVAL_S = 10.0  # how often the acceptance of speculative decoding is logged
-# Python's GIL switch interval while a grammar fill runs beside the output processing (see _take_in)
-FILL_SWITCH_INTERVAL_S = 0.0002
-KV_IDLE_WAIT_S = 0.005  # an engine waiting only for KV transfers polls its connector this often
 
 
 @dataclass
@@ -615,7 +615,7 @@ class LLMEngine:
                 sys.setswitchinterval(switch)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return TakenIn(new_outputs, True, bitmask, early=error is not None, error=error)
+        return TakenIn(new_outputs, True, bitmask, error=error)
 
     def _join_fill(self, fill, since: float):
         """The fill's bitmask, or None if it raised (the caller then fills again on its own
