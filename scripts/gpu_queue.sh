@@ -19,7 +19,7 @@
 # What the single-GPU issues still need (after lease 12, 2026-11-27; a session's 30 minutes count
 # 50-100 % of held time, so order by what closes). W7 and W8 need no vLLM for minivllm alone:
 # carry .vllm/x and .vllm/deps (two calls, `bash scripts/vllm_stage.sh`) for xgrammar instead.
-#   'gpu-tests+w7-timeline+w8-warm+ours:W2+ours:W2-nogemv@0'  with GPU_TESTS="tests/gpu/test_structured_gpu.py
+#   'gpu-tests+w7-timeline+w8-warm+ours:W2+ours:W2-nogemv@0'  with GPU_TEST_TIMEOUT=600 GPU_TESTS="tests/gpu/test_structured_gpu.py
 #       tests/gpu/test_gpu_correctness.py tests/gpu/test_dense_gemv.py::test_engine_on_the_gemv_agrees_with_cublas"
 #       (the structured GPU tests never ran: xgrammar is now staged
 #       for them; 18: W7's steady-state phase medians, which segment of a full decode step is on the
