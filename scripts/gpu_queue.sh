@@ -19,20 +19,21 @@
 # What the single-GPU issues still need (after lease 12, 2026-11-27; a session's 30 minutes count
 # 50-100 % of held time, so order by what closes). W7 and W8 need no vLLM for minivllm alone:
 # carry .vllm/x and .vllm/deps (two calls, `bash scripts/vllm_stage.sh`) for xgrammar instead.
-#   'gpu-tests+w7-timeline+w8-warm+ours:W2+ours:W2-nogemv@0'  with GPU_TEST_TIMEOUT=600 GPU_TESTS="tests/gpu/test_structured_gpu.py
-#       tests/gpu/test_gpu_correctness.py tests/gpu/test_dense_gemv.py::test_engine_on_the_gemv_agrees_with_cublas"
-#       (the structured GPU tests never ran: xgrammar is now staged
-#       for them; 18: W7's steady-state phase medians, which segment of a full decode step is on the
-#       critical path, and W7 after the early scheduling (predicted 52.7 % -> ~30 %); 19: batch 32 after
-#       batch 1 with an untimed run of each phase first and the SM clock logged; 21/W2: the dense GEMV in
-#       the engine on Llama-3.1-8B, predicted -0.2 ms a token)
-#   'w7+w8-ngram+w8-ngram-vllm+ours:W10-decode+vllm:W10-decode@0'  with vLLM staged (18, 19 and 21
-#       against vLLM in the same lease; W10-decode predicted 4.0 ms = 52 % here, vLLM 4.94 in lease 2)
-#   'profile-fp8+ours:W11-fp8+vllm:W11-fp8@0'  (25: where the FP8 step goes; 0.96x in lease 9)
-#   'gpu-tests+profile-bi+ours:W1-bi+vllm:W1-bi@0'  with GPU_TESTS="tests/gpu/test_triton_kernels.py
-#       tests/gpu/test_batch_invariant_gpu.py"  (22: the 16-row invariant tile, bitwise first; W1-bi
-#       predicted 11,479 -> ~13,000 tok/s)
-#   'ours:W11-awq+vllm:W11-awq+profile-awq1@0'  (25)
+#   1. 'gpu-tests+w7-timeline+w8-warm+ours:W2+ours:W2-nogemv@0'  with GPU_TEST_TIMEOUT=600
+#      GPU_TESTS="tests/gpu/test_triton_kernels.py tests/gpu/test_invariant_gemm.py
+#      tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_structured_gpu.py tests/gpu/test_gpu_correctness.py
+#      tests/gpu/test_dense_gemv.py"
+#      First the code that never ran on a GPU: the 16-row invariant attention tile and the invariant
+#      GEMM's K split (bit for bit), the structured GPU tests (xgrammar now staged for them), the
+#      engine on the dense GEMV. Then 18: W7 after the early scheduling (predicted 52.7 % -> ~30 %)
+#      with the `steady` phase medians; 19: batch 32 after batch 1 with an untimed run of each phase
+#      first and the SM clock logged; 21: the dense GEMV on Llama-3.1-8B (W2), predicted -0.2 ms a token.
+#   2. 'moe-gemv-sweep+w7+w8-ngram+w8-ngram-vllm+ours:W10-decode+vllm:W10-decode@0'  with vLLM staged
+#      (18, 19 and 21 against vLLM in the same lease; W10-decode 4.0 ms = 52 % in lease 12, vLLM 4.94 in
+#      lease 2; the sweep now tries K tiles up to a whole row)
+#   3. 'profile-bi+ours:W1-bi+vllm:W1-bi+profile-fp8+ours:W11-fp8+vllm:W11-fp8@0'  (22: W1-bi predicted
+#      11,479 -> ~13,000 tok/s; 25: where the FP8 step goes, 0.96x in lease 9)
+#   4. 'ours:W11-awq+vllm:W11-awq+profile-awq1@0'  (25)
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue
