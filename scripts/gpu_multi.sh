@@ -112,7 +112,7 @@ run_step() {  # run_step STEP LANE_DIR PORT
     w8-warm)  # issue 19: bench spec none,ngram with an untimed run of each batch size just before its timed runs,
       # and the GPU's SM clock logged every 100 ms (is batch 32 slower after batch 1 because the GPU clocked down?)
       [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
-      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv -lms 100 > "$dir/w8-clocks.csv" &
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu --format=csv -lms 100 > "$dir/w8-clocks.csv" &
       local smi=$!
       python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram --warm-each-phase \
         --output "$dir/w8-warm-minivllm.json"
