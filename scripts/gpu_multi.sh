@@ -30,6 +30,7 @@
 #   w8-diag             bench spec none,ngram with the prefix cache reset between the batch sizes,
 #                       then with no step history (which engine state slows batch 32 after batch 1)
 #   w7-timeline         w7-trace plus gzipped Chrome traces of both traced runs (issue 18)
+#   w7-ab               W7 minivllm alone, then with MINIVLLM_GRAMMAR_PIPELINE=0 (issue 18)
 #   fp8-sweep           scripts/fp8_gemm_sweep.py: FP8 GEMM variants on Qwen3-8B's shapes (issue 25)
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
 #   gpu-tests           the single-GPU test files that last failed or never ran (one GPU)
@@ -99,6 +100,12 @@ run_step() {  # run_step STEP LANE_DIR PORT
       OUT=$dir bash scripts/gpu_w7.sh --engine minivllm --trace-requests 256 ;;
     w7-timeline)  # issue 18: w7-trace with the Chrome traces of the traced runs (16 tokens a request), gzipped
       OUT=$dir bash scripts/gpu_w7.sh --engine minivllm --trace-requests 256 --trace-max-tokens 16 --trace-dir "$dir" ;;
+    w7-ab)  # issue 18: W7 minivllm alone, as the engine runs it, then with the pipelined constrained step off
+      # (MINIVLLM_GRAMMAR_PIPELINE=0): what the pipelining and the early scheduling buy, in one lease
+      mkdir -p "$dir/w7-default" "$dir/w7-nopipe"
+      OUT=$dir/w7-default bash scripts/gpu_w7.sh --engine minivllm
+      MINIVLLM_GRAMMAR_PIPELINE=0 OUT=$dir/w7-nopipe bash scripts/gpu_w7.sh --engine minivllm
+      cp "$dir/w7-default/w7.txt" "$dir/w7-ab-default.txt"; cp "$dir/w7-nopipe/w7.txt" "$dir/w7-ab-nopipe.txt" ;;
     w8-32first)  # issue 19: W8 none and n-gram with batch 32 measured before batch 1 (does the batch-1 phase slow it?)
       [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
       python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram --batch32-first \

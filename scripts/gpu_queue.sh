@@ -19,14 +19,15 @@
 # What the single-GPU issues still need (after lease 12, 2026-11-27; a session's 30 minutes count
 # 50-100 % of held time, so order by what closes). W7 and W8 need no vLLM for minivllm alone:
 # carry .vllm/x and .vllm/deps (two calls, `bash scripts/vllm_stage.sh`) for xgrammar instead.
-#   1. 'gpu-tests+w7-timeline+w8-warm+ours:W2+ours:W2-nogemv@0'  with GPU_TEST_TIMEOUT=600
+#   1. 'gpu-tests+w7-ab+w8-warm+ours:W2+ours:W2-nogemv@0'  with GPU_TEST_TIMEOUT=600
 #      GPU_TESTS="tests/gpu/test_triton_kernels.py tests/gpu/test_invariant_gemm.py
 #      tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_structured_gpu.py tests/gpu/test_gpu_correctness.py
 #      tests/gpu/test_dense_gemv.py"
 #      First the code that never ran on a GPU: the 16-row invariant attention tile and the invariant
 #      GEMM's K split (bit for bit), the structured GPU tests (xgrammar now staged for them), the
 #      engine on the dense GEMV. Then 18: W7 after the early scheduling (predicted 52.7 % -> ~30 %)
-#      with the `steady` phase medians; 19: batch 32 after batch 1 with an untimed run of each phase
+#      with the `steady` phase medians and the pipelined / early step counts, against the same run
+#      with the pipelining off; 19: batch 32 after batch 1 with an untimed run of each phase
 #      first and the SM clock logged; 21: the dense GEMV on Llama-3.1-8B (W2), predicted -0.2 ms a token.
 #   2. 'moe-gemv-sweep+w7+w8-ngram+w8-ngram-vllm+ours:W10-decode+vllm:W10-decode@0'  with vLLM staged
 #      (18, 19 and 21 against vLLM in the same lease; W10-decode 4.0 ms = 52 % in lease 12, vLLM 4.94 in

@@ -82,6 +82,12 @@ class MinivllmEngine:
         out = {k: round(1e3 * v / max(self._steps, 1), 3) for k, v in self._phases.items()}
         out["steps"] = self._steps
         out["steady"] = steady_phases(self._records)
+        # how many steps took the pipelined and the early (beside-the-fill) paths since the last call
+        engine = self.llm.llm_engine
+        counts = {"pipelined_steps": engine.num_pipelined_steps, "early_schedules": engine.num_early_schedules}
+        last = getattr(self, "_counts", dict.fromkeys(counts, 0))
+        out.update({k: v - last[k] for k, v in counts.items()})
+        self._counts = counts
         self._phases, self._steps, self._records = {}, 0, []
         return out
 
