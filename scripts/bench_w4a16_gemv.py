@@ -102,12 +102,15 @@ def bench_shape(row: dict) -> list[dict]:
     k, n = row["K"], row["N"]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     ws = weights(k, n, row["copies"])
-    variants = [(f"gemv split {s}", s) for s in row["splits"]] + [(f"gemv default ({row['default_split']})", None)]
+    from minivllm.kernels.w4a16_gemm import w4a16_config
+    variants = [(f"gemv split {s}", s, False) for s in row["splits"]]
+    variants += [(f"gemv default ({row['default_split']})", None, False),
+                 (f"gemv fold-zeros default ({row['default_split']})", None, True)]  # MINIVLLM_W4A16_GEMV_FOLD=1
     results = []
-    for label, split in variants:
-        def call(i: int, split=split) -> torch.Tensor:
+    for label, split, fold in variants:
+        def call(i: int, split=split, fold=fold) -> torch.Tensor:
             qw, s, z = ws[i]
-            return w4a16_gemm(x, qw, s, z, GROUP, split_k=split)
+            return w4a16_gemm(x, qw, s, z, GROUP, split_k=split, config=dict(w4a16_config(1), FOLD_ZEROS=fold))
         eager, graph = time_eager(call, row["copies"]), time_graph(call, row["copies"])
         results.append({"shape": row["shape"], "variant": label, "split_k": split or row["default_split"],
                         "eager_us": eager, "graph_us": graph, "int4_GBps": row["int4_bytes"] / graph / 1e3})

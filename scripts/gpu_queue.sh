@@ -34,7 +34,9 @@
 #      lease 2; the sweep now tries K tiles up to a whole row)
 #   3. 'profile-bi+ours:W1-bi+vllm:W1-bi+profile-fp8+ours:W11-fp8+vllm:W11-fp8@0'  (22: W1-bi predicted
 #      11,479 -> ~13,000 tok/s; 25: where the FP8 step goes, 0.96x in lease 9)
-#   4. 'ours:W11-awq+vllm:W11-awq+profile-awq1@0'  (25)
+#   4. 'awq-gemv+ours:W11-awq+ours:W11-awq-fold+vllm:W11-awq+profile-awq1@0'  (25: the GEMV's zero-folding
+#      variant, predicted up to ~1.4x on the GEMVs if their integer ops bound them, W11-awq 180 -> ~210 tok/s;
+#      make it the default only if it wins; GPU test: test_quant_kernels.py::test_w4a16_gemv_fold_zeros)
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue

@@ -144,6 +144,19 @@ def test_w4a16_split_k(split_k: int, block_m: int) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (6144, 4096, 128), (4096, 14336, 128), (1536, 576, 64)])
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_w4a16_gemv_fold_zeros(n: int, k: int, group: int, split_k: int) -> None:
+    """The GEMV's zero-folding variant (MINIVLLM_W4A16_GEMV_FOLD) against the reference, bf16
+    and fp16 with act-order, one and two rows."""
+    cfg = {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "FOLD_ZEROS": True}
+    for m in (1, 2):
+        assert check_w4a16(m, n, k, group, torch.bfloat16, DEV, seed=m, split_k=split_k, config=cfg) < 2e-2
+        assert check_w4a16(m, n, k, group, torch.float16, DEV, seed=m, split_k=split_k, config=cfg,
+                           act_order=True) < 1e-2
+
+
+@gpu
 @pytest.mark.parametrize("split_k", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("m", [1, 2])
 def test_w4a16_gemv_split_fixup(split_k: int, m: int) -> None:
