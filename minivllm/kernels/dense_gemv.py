@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
-from minivllm.kernels.split_k import store_tile, tile_counters
+from minivllm.kernels.split_k import split_buffers, split_count, store_tile
 from minivllm.kernels.tuned_tables import read_table, table_file
 
 GEMV_MAX_ROWS = 2  # batch-1 decode (and 2-row graphs); more rows: cuBLAS reads the weight once for all
@@ -83,31 +83,25 @@ def _dense_gemv_kernel(
 def choose_split_k(n: int, k: int, tile: dict, num_sms: int) -> int:
     """Cut K until about PROGRAMS_PER_SM programs per SM (a power of two, at most MAX_SPLIT_K and
     the number of K tiles)."""
-    tiles = triton.cdiv(n, tile["BLOCK_N"])
-    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, tiles)
-    split = min(triton.next_power_of_2(max(1, want)), MAX_SPLIT_K, triton.cdiv(k, tile["BLOCK_K"]))
-    return 1 << (max(1, split).bit_length() - 1)
+    return split_count(triton.cdiv(n, tile["BLOCK_N"]), triton.cdiv(k, tile["BLOCK_K"]), num_sms, PROGRAMS_PER_SM,
+                       MAX_SPLIT_K)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                tile: dict | None = None, split_k: int | None = None) -> torch.Tensor:
-    """x [M, K] (rows may be strided, K contiguous) @ weight[N, K].T + bias -> [M, N] in x's dtype."""
+    """x [M, K] (rows may be strided, K contiguous) @ weight[N, K].T + bias -> [M, N] in x's dtype.
+    tile: BLOCK_N, BLOCK_K, num_warps, num_stages (DEFAULT_TILE); split_k None: choose_split_k."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, weight.shape)
-    tile = dict(tile or DEFAULT_TILE)
+    tile = tile or DEFAULT_TILE
     if split_k is None:
-        split_k = tile.pop("SPLIT_K", None) or choose_split_k(n, k, tile, num_sms_of(x.device))
-    tile.pop("SPLIT_K", None)
+        split_k = choose_split_k(n, k, tile, num_sms_of(x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     grid = (triton.cdiv(n, tile["BLOCK_N"]), m, split_k)
-    if split_k == 1:
-        ws = cnt = out  # not read: SPLIT_K 1 stores the output directly
-    else:
-        ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        cnt = tile_counters(x.device, grid[0] * grid[1])
+    ws, cnt = split_buffers(split_k, m, n, grid[0] * grid[1], out)
     _dense_gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, out, ws, cnt, m, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % tile["BLOCK_K"] == 0, SPLIT_K=split_k, **tile)
@@ -155,11 +149,15 @@ class GemvLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.tile = tile
+        # the launch is fixed per layer (the split depends on the weight, not the rows): resolved
+        # once here, not on every decode step
+        self.tile = dict(tile)
+        self.split_k = self.tile.pop("SPLIT_K", None) or choose_split_k(
+            self.out_features, self.in_features, self.tile, num_sms_of(self.weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.stride(1) == 1:
-            return dense_gemv(x, self.weight, self.bias, self.tile)
+            return dense_gemv(x, self.weight, self.bias, self.tile, self.split_k)
         return F.linear(x, self.weight, self.bias)
 
 

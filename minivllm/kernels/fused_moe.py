@@ -44,7 +44,7 @@ from minivllm.kernels.moe_align import moe_align
 if triton is not None:
     import triton.language as tl
 
-    from minivllm.kernels.split_k import store_tile, tile_counters
+    from minivllm.kernels.split_k import split_buffers, store_tile
 else:
     tl = None
 
@@ -214,8 +214,7 @@ def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
         inter, hidden, w13.stride(0), w13.stride(1), w13.stride(2), HAS_STATS=has_stats,
         HAS_VALID=token_valid is not None, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], num_warps=up["num_warps"])
     tiles_n = triton.cdiv(hidden, down["BLOCK_N"])
-    ws = torch.empty(k, hidden, dtype=torch.float32, device=x.device) if k > 1 else out  # (k 1: not read)
-    cnt = tile_counters(x.device, tiles_n) if k > 1 else out
+    ws, cnt = split_buffers(k, 1, hidden, tiles_n, out)  # the k experts' partials are the "K slices"
     _moe_decode_down_kernel[(tiles_n, k)](
         hmid, w2, ids, weights, out, ws, cnt, hidden, inter, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=k,
         BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], num_warps=down["num_warps"])

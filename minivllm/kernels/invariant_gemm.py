@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
-from minivllm.kernels.split_k import store_tile, tile_counters
+from minivllm.kernels.split_k import split_buffers, store_tile
 
 # the fixed launch: changing any of these changes the bits (not the correctness). BLOCK_N is the
 # widest of BLOCK_N_CHOICES that still gives REFERENCE_ROW_TILES x cdiv(N, BLOCK_N) >= the SM
@@ -126,11 +126,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     sms = num_sms_of(x.device)
     block_n, split = block_n_for(n, sms), split_k_for(n, k, sms)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), split)
-    if split == 1:
-        ws = cnt = y  # not read: one slice stores the output directly
-    else:
-        ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        cnt = tile_counters(x.device, grid[0] * grid[1])
+    ws, cnt = split_buffers(split, m, n, grid[0] * grid[1], y)
     _invariant_matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, y, ws, cnt, m, n, k,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),

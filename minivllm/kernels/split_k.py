@@ -1,6 +1,7 @@
 """The split-K fix-up shared by the GEMV/GEMM kernels that cut K (kernels/w4a16_gemm.py,
-dense_gemv.py) or sum several experts' outputs (fused_moe.py's one-token down kernel), inside the
-kernel: no torch sum or cast after it.
+dense_gemv.py, invariant_gemm.py) or sum several experts' outputs (fused_moe.py's one-token down
+kernel), inside the kernel: no torch sum or cast after it; with the host side they share (how many
+slices to cut K into, the workspace and counters of a launch).
 
 With SPLIT_K > 1 every program stores its float32 partial tile to a workspace [SPLIT_K, M, N] (torch.empty per call: free inside
 a CUDA graph's pool) and adds 1 to its output tile's int32 counter (tl.atomic_add, acq_rel). The
@@ -66,3 +67,21 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor:
                                f"{bufs[-1].numel() if bufs else 0} exist: run the shape once before capturing")
         bufs.append(torch.zeros(max(MIN_COUNTERS, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
     return bufs[-1]
+
+
+def split_count(tiles: int, k_steps: int, num_sms: int, programs_per_sm: int, max_split: int) -> int:
+    """Cut K until a grid of `tiles` output tiles has about programs_per_sm programs per SM: a
+    power of two, at most max_split and the number of K steps."""
+    want = triton.cdiv(programs_per_sm * num_sms, tiles)
+    split = min(triton.next_power_of_2(max(1, want)), max_split, k_steps)
+    return 1 << (max(1, split).bit_length() - 1)  # round down to a power of two
+
+
+def split_buffers(split: int, rows: int, cols: int, tiles: int, out: torch.Tensor):
+    """(workspace, counters) of a launch that cuts K into `split` slices over a grid of `tiles`
+    output tiles of an out [rows, cols]: float32 [split, rows, cols] and tile_counters; with one
+    slice the kernel stores out directly and reads neither (out stands in for both)."""
+    if split == 1:
+        return out, out
+    return (torch.empty(split, rows, cols, dtype=torch.float32, device=out.device),
+            tile_counters(out.device, tiles))

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
-from minivllm.kernels.split_k import store_tile, tile_counters
+from minivllm.kernels.split_k import split_buffers, split_count, store_tile
 
 # at this many rows and more: dequantize once, then a dense matmul (cuBLAS)
 DENSE_MIN_ROWS = 256
@@ -211,9 +211,7 @@ def choose_split_k(m: int, n: int, k: int, cfg: dict[str, int], num_sms: int) ->
     """Cut K until the grid has about PROGRAMS_PER_SM programs per SM (a power of two, at most
     MAX_SPLIT_K and the number of K slices)."""
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
-    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, tiles)
-    split = min(triton.next_power_of_2(max(1, want)), MAX_SPLIT_K, triton.cdiv(k, cfg["BLOCK_K"]))
-    return 1 << (max(1, split).bit_length() - 1)  # round down to a power of two
+    return split_count(tiles, triton.cdiv(k, cfg["BLOCK_K"]), num_sms, PROGRAMS_PER_SM, MAX_SPLIT_K)
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -231,11 +229,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if m == 0:
         return out
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
-    if split_k == 1:
-        ws = cnt = out  # not read: SPLIT_K 1 stores the output directly
-    else:
-        ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        cnt = tile_counters(x.device, grid[0] * grid[1])
+    ws, cnt = split_buffers(split_k, m, n, grid[0] * grid[1], out)
     args = (x, qweight, scales, zeros, out, ws, cnt, m, n, k, *x.stride(), *qweight.stride(), *scales.stride(),
             *out.stride())
     if cfg["BLOCK_M"] == 1:
