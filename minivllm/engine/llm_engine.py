@@ -55,11 +55,10 @@ class TakenIn:
     outputs: list  # RequestOutputs ready now
     ok: bool  # the step succeeded
     bitmask: object = None  # the constrained step's mask filled beside the take-in (or None)
-    # with beside_fill taken: it ran (next holds its result, possibly None) and the output
-    # processing of `deferred` is left to the caller, after it has queued its sampling
-    early: bool = False
+    # not None: beside_fill ran (next holds its result, possibly None) and the outputs of these
+    # RequestUpdates are left to the caller, made after it has queued its sampling
+    deferred: list | None = None
     next: tuple | None = None
-    deferred: list | None = None  # RequestUpdates whose outputs are still to be made
     # beside_fill raised: the outputs were made all the same (they are the step before's), and
     # the caller fails the constrained step with this error, as if its own scheduling had raised
     error: BaseException | None = None
@@ -462,7 +461,7 @@ class LLMEngine:
                     # a failure fails this step alone, the step before's outputs already taken
                     bitmask = self.structured.bitmask(handles)
                 # (timed as "pipeline", not "launch")
-                nxt = taken.next if taken.early else self._schedule_next()
+                nxt = taken.next if taken.deferred is not None else self._schedule_next()
                 t = time.perf_counter()
             launched = sched, self.executor.launch_sampling(forward, bitmask)
         except ExecutorDeadError as e:
@@ -486,13 +485,19 @@ class LLMEngine:
         """The outputs of updates whose processing _take_in left for later (see TakenIn)."""
         if not deferred:
             return
-        t = time.perf_counter()
-        with self.profiler.phase("minivllm.outputs"):
-            done, stopped = self.output_processor.process(deferred)
+        done, stopped = self._make_outputs(deferred)
         outputs += done
         if stopped:  # (none can be: deferred only when no request of the step has stop strings)
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+
+    def _make_outputs(self, updates) -> tuple[list[RequestOutput], list[str]]:
+        """The RequestOutputs of a step's updates (detokenization), and the requests a stop
+        string ended (to finish, after any fill is joined); timed as "outputs"."""
+        t = time.perf_counter()
+        with self.profiler.phase("minivllm.outputs"):
+            done, stopped = self.output_processor.process(updates)
         self._add_time("outputs", t)
+        return done, stopped
 
     def _schedule_next(self):
         """With a constrained step's sampling still to queue, the step after it is scheduled now:
@@ -582,7 +587,7 @@ class LLMEngine:
         with self.profiler.phase("minivllm.update"):
             updates = self.scheduler.update(sched, result)
             self._count_tokens(updates)
-        t = self._add_time("update", t)
+        self._add_time("update", t)
         fill, switch = None, None
         if fill_handles:
             # the fill thread needs the GIL to start and to finish (xgrammar's fill itself releases
@@ -604,12 +609,9 @@ class LLMEngine:
                     error = e
                 else:
                     bitmask = self._join_fill(fill, time.perf_counter())
-                    return TakenIn([], True, bitmask, early=True, next=nxt, deferred=updates)
-                t = time.perf_counter()
-            with self.profiler.phase("minivllm.outputs"):
-                new_outputs, stopped = self.output_processor.process(updates)
-            t = self._add_time("outputs", t)
-            bitmask = self._join_fill(fill, t) if fill is not None else None
+                    return TakenIn([], True, bitmask, deferred=updates, next=nxt)
+            new_outputs, stopped = self._make_outputs(updates)
+            bitmask = self._join_fill(fill, time.perf_counter()) if fill is not None else None
         finally:
             if switch is not None:
                 sys.setswitchinterval(switch)

@@ -166,6 +166,7 @@ class ModelRunner:
         logger.info("LoRA: %d slots of rank %d on %d linear layers (%s)", self.config.lora.max_loras,
                     self.config.lora.max_lora_rank, len(set(self.lora.layers.values())),
                     "Triton gather kernels" if self.lora.state.use_triton else "torch reference")
+
     def _use_dense_gemv(self, model: CausalLM) -> None:
         """Steps of one or two rows (batch-1 decode): the decoder linears that the kept sweep
         found faster as minivllm's Triton GEMV than as cuBLAS take it (kernels/dense_gemv.py;
