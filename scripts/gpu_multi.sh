@@ -31,6 +31,7 @@
 #                       then with no step history (which engine state slows batch 32 after batch 1)
 #   w7-timeline         w7-trace plus gzipped Chrome traces of both traced runs (issue 18)
 #   w7-ab               W7 minivllm alone, then with MINIVLLM_GRAMMAR_PIPELINE=0 (issue 18)
+#   w7-steps            W7 minivllm alone, every step's record of both throughput runs in w7-steps-*.jsonl (issue 18)
 #   fp8-sweep           scripts/fp8_gemm_sweep.py: FP8 GEMM variants on Qwen3-8B's shapes (issue 25)
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
 #   gpu-tests           the single-GPU test files that last failed or never ran (one GPU)
@@ -100,6 +101,8 @@ run_step() {  # run_step STEP LANE_DIR PORT
       OUT=$dir bash scripts/gpu_w7.sh --engine minivllm --trace-requests 256 ;;
     w7-timeline)  # issue 18: w7-trace with the Chrome traces of the traced runs (16 tokens a request), gzipped
       OUT=$dir bash scripts/gpu_w7.sh --engine minivllm --trace-requests 256 --trace-max-tokens 16 --trace-dir "$dir" ;;
+    w7-steps)  # issue 18: W7 minivllm alone with every step's record of both throughput runs (w7-steps-*.jsonl)
+      OUT=$dir bash scripts/gpu_w7.sh --engine minivllm --steps-dir "$dir" ;;
     w7-ab)  # issue 18: W7 minivllm alone, as the engine runs it, then with the pipelined constrained step off
       # (MINIVLLM_GRAMMAR_PIPELINE=0): what the pipelining and the early scheduling buy, in one lease
       mkdir -p "$dir/w7-default" "$dir/w7-nopipe"

@@ -68,11 +68,13 @@ class MinivllmEngine:
             for k, v in engine.last_step.items():
                 if isinstance(v, float):
                     self._phases[k] = self._phases.get(k, 0.0) + v
-            self._records.append(dict(engine.last_step, wall=time.perf_counter() - t))
+            self._records.append(dict(engine.last_step, wall=time.perf_counter() - t, start=t))
             return out
         engine.step = counted_step
 
-    def take_phases(self) -> dict:
+    steps_dir: str | None = None  # where take_phases(label) writes every step's record (--steps-dir)
+
+    def take_phases(self, label: str | None = None) -> dict:
         """Mean ms per step of each phase since the last call, and the step count (None for
         vLLM, whose engine has no such record); "steady" holds the median of each phase and of
         the step's wall time over the full decode steps alone (one token per sequence, at least
@@ -82,6 +84,8 @@ class MinivllmEngine:
         out = {k: round(1e3 * v / max(self._steps, 1), 3) for k, v in self._phases.items()}
         out["steps"] = self._steps
         out["steady"] = steady_phases(self._records)
+        if self.steps_dir and label:
+            write_step_records(os.path.join(self.steps_dir, f"w7-steps-{label}.jsonl"), self._records)
         # how many steps took the pipelined and the early (beside-the-fill) paths since the last call
         engine = self.llm.llm_engine
         counts = {"pipelined_steps": engine.num_pipelined_steps, "early_schedules": engine.num_early_schedules}
@@ -122,6 +126,18 @@ def steady_phases(records: list[dict]) -> dict:
     return out
 
 
+def write_step_records(path: str, records: list[dict]) -> None:
+    """One JSON line a step: its rows, tokens, phase ms, wall ms and start (ms from the first
+    step's), to find which steps a run's time goes to (lease 13: W7's full decode steps took
+    18.3 ms constrained against 17.8 unconstrained while the runs differed by 51 %)."""
+    t0 = records[0]["start"] if records else 0.0
+    with open(path, "w") as f:
+        for r in records:
+            row = {k: (round(1e3 * v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "start"}
+            row["start"] = round(1e3 * (r["start"] - t0), 3)
+            f.write(json.dumps(row) + "\n")
+
+
 class VllmEngine(MinivllmEngine):
     name = "vllm"
 
@@ -141,7 +157,16 @@ class VllmEngine(MinivllmEngine):
         return SamplingParams, StructuredOutputsParams
 
 
-def _timed(engine, prompts, params) -> tuple[float, list]:
+def _timed(engine, prompts, params, cold: bool = False) -> tuple[float, list]:
+    """Wall seconds and outputs of one generate call; cold: with the prefix cache emptied first.
+
+    The throughput runs are timed cold. Lease 13 found why: the unconstrained twin reuses the
+    constrained run's 256 prompts, and with a warm prefix cache it skipped their whole prefill
+    (~134k tokens of Qwen3-8B, about 4.5 s), which the constrained run paid. The full decode
+    steps took 18.3 ms constrained against 17.8 unconstrained, but the runs differed by 51 %:
+    every W7 "overhead" before lease 13 (45-53 % ours, 78 % vLLM's) was mostly that prefill."""
+    if cold:
+        engine.llm.reset_prefix_cache()
     t = time.perf_counter()
     outs = engine.generate(prompts, params)
     return time.perf_counter() - t, outs
@@ -164,13 +189,13 @@ def throughput(engine, n: int, max_tokens: int) -> dict:
     prompts, params, names = prompts[:n], params[:n], names[:n]
     for p in params:
         p["max_tokens"] = min(p["max_tokens"], max_tokens)
-    phases = getattr(engine, "take_phases", lambda: None)
+    phases = getattr(engine, "take_phases", lambda label=None: None)
     phases()
-    wall_c, outs = _timed(engine, prompts, params)
-    phases_c = phases()
+    wall_c, outs = _timed(engine, prompts, params, cold=True)
+    phases_c = phases("constrained")
     counts = [len(o.outputs[0].token_ids) for o in outs]
-    wall_u, outs_u = _timed(engine, prompts, w7.unconstrained_twins(params, counts))
-    phases_u = phases()
+    wall_u, outs_u = _timed(engine, prompts, w7.unconstrained_twins(params, counts), cold=True)
+    phases_u = phases("unconstrained")
     assert [len(o.outputs[0].token_ids) for o in outs_u] == counts, "the twin run must produce the same tokens"
     stopped = [(o.outputs[0].text, p["json_schema"]) for o, p in zip(outs, params) if o.outputs[0].finish_reason == "stop"]
     valid = sum(w7.validates(text, schema) for text, schema in stopped)
@@ -195,7 +220,7 @@ def kernel_time(engine, prompts, params, top: int = 8, trace_path: str | None = 
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     engine.take_phases()
     with torch.profiler.profile(activities=acts) as prof:
-        wall, _ = _timed(engine, prompts, params)
+        wall, _ = _timed(engine, prompts, params, cold=True)
     steps = max(engine.take_phases()["steps"], 1)
     kernels = kernel_times(prof)
     if trace_path:
@@ -225,6 +250,7 @@ def trace(engine, n: int, max_tokens: int, trace_dir: str | None = None) -> dict
 def run_engine(kind: str, args) -> dict:
     model_dir = w7.write_model_dir(base=args.model_config)
     engine = (MinivllmEngine if kind == "minivllm" else VllmEngine)(model_dir, 4096, args.device)
+    engine.steps_dir = args.steps_dir
     prompt = w7.w7_requests()[0][0]
     engine.generate([prompt], [{"temperature": 0.6, "max_tokens": 16}])  # warm-up
     t = time.perf_counter()  # the grammar backend's one-off setup (tokenizer tables)
@@ -254,6 +280,7 @@ def run_both(args) -> int:
                "--max-tokens", str(args.max_tokens), "--model-config", args.model_config,
                "--trace-requests", str(args.trace_requests), "--trace-max-tokens", str(args.trace_max_tokens)]
         cmd += ["--trace-dir", args.trace_dir] if args.trace_dir else []
+        cmd += ["--steps-dir", args.steps_dir] if args.steps_dir else []
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
@@ -299,6 +326,7 @@ def main() -> int:
     ap.add_argument("--trace-requests", type=int, default=0, help="minivllm: kernel times of this many requests (0: none)")
     ap.add_argument("--trace-max-tokens", type=int, default=48)
     ap.add_argument("--trace-dir", default=None, help="with --trace-requests: write gzipped Chrome traces here")
+    ap.add_argument("--steps-dir", default=None, help="minivllm: write every step's record of the throughput runs here")
     args = ap.parse_args()
     if args.engine == "both":
         return run_both(args)

@@ -72,12 +72,28 @@ def test_logprobs_respect_the_mask_on_gpu(llm):
     assert all("yes".startswith(tok.decode([t])) or "no".startswith(tok.decode([t])) for t in finite)
 
 
+def _pipeline_run(model_dir: str, pipeline: str, reqs, params, monkeypatch):
+    """Token ids of one generate call on a fresh batch-invariant engine with
+    MINIVLLM_GRAMMAR_PIPELINE=pipeline, and how many of its steps took the pipelined path."""
+    from minivllm import LLM
+    monkeypatch.setenv("MINIVLLM_GRAMMAR_PIPELINE", pipeline)
+    llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=2048, seed=0,
+              kv_cache_memory_bytes=2 << 30, batch_invariant=True)  # beside the module engine: an explicit budget
+    got = [o.outputs[0].token_ids for o in llm.generate(reqs, params, use_tqdm=False)]
+    pipelined = llm.llm_engine.num_pipelined_steps
+    llm.llm_engine.shutdown()
+    return got, pipelined
+
+
 def test_pipelined_constrained_steps_equal_the_unpipelined_ones(llm, monkeypatch):
     """The constrained step that queues the next step's forward behind its sampling
     (LLMEngine._pipeline_next, on by default with async scheduling) gives the same tokens as an
     engine with it off (MINIVLLM_GRAMMAR_PIPELINE=0), seeded sampling, constrained and free rows
-    mixed, CUDA graphs on."""
-    from minivllm import LLM, SamplingParams, StructuredOutputsParams
+    mixed, CUDA graphs on. Both engines are fresh and batch-invariant: the pipelining may change
+    which rows share a step (a finished row rides one step longer), and in the default mode a
+    bf16 row's logits then differ in the last bits, enough to flip a sampled token (lease 13:
+    the module engine, whose prefix cache also held these prompts, differed from a fresh one)."""
+    from minivllm import SamplingParams, StructuredOutputsParams
     from minivllm.bench import w7
     schemas = w7.load_schemas()
     prompts = w7.w7_requests()[0][:24]
@@ -85,13 +101,8 @@ def test_pipelined_constrained_steps_equal_the_unpipelined_ones(llm, monkeypatch
                              structured_outputs=StructuredOutputsParams(json=schemas[i % 8][2]) if i % 3 else None)
               for i in range(len(prompts))]
     reqs = [{"prompt_token_ids": p} for p in prompts]
-    before = llm.llm_engine.num_pipelined_steps
-    got = [o.outputs[0].token_ids for o in llm.generate(reqs, params, use_tqdm=False)]
-    assert llm.llm_engine.num_pipelined_steps > before
-    monkeypatch.setenv("MINIVLLM_GRAMMAR_PIPELINE", "0")
-    plain = LLM(model=llm.llm_engine.config.model.model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
-                seed=0, kv_cache_memory_bytes=4 << 30)  # (beside the module engine: an explicit budget, no preemption)
-    want = [o.outputs[0].token_ids for o in plain.generate(reqs, params, use_tqdm=False)]
-    assert plain.llm_engine.num_pipelined_steps == 0
-    plain.llm_engine.shutdown()
+    model_dir = llm.llm_engine.config.model.model
+    got, pipelined = _pipeline_run(model_dir, "1", reqs, params, monkeypatch)
+    want, plain_pipelined = _pipeline_run(model_dir, "0", reqs, params, monkeypatch)
+    assert pipelined > 0 and plain_pipelined == 0
     assert got == want
