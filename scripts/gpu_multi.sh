@@ -96,7 +96,7 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --output "$dir/soak.json" > "$dir/soak.log" 2>&1 < /dev/null &
       echo "soak started in the background (pid $!)" ;;
     w7)  # W7 structured output, both engines (scripts/gpu_w7.sh; needs the vLLM staging's xgrammar)
-      OUT=$dir bash scripts/gpu_w7.sh ;;
+      OUT=$dir bash scripts/gpu_w7.sh --steps-dir "$dir" ;;
     w7-trace)  # W7, minivllm alone, then 256 requests' kernel times constrained vs unconstrained (issue 18)
       OUT=$dir bash scripts/gpu_w7.sh --engine minivllm --trace-requests 256 ;;
     w7-timeline)  # issue 18: w7-trace with the Chrome traces of the traced runs (16 tokens a request), gzipped

@@ -146,7 +146,7 @@ def _engine_run(model_dir: str, mode: str, monkeypatch):
 def test_engine_on_the_gemv_agrees_with_cublas(tmp_path, monkeypatch):
     """MINIVLLM_DENSE_GEMV=1 puts every decoder linear of a batch-1 decode step on the GEMV (0:
     none); greedy decoding agrees with the cuBLAS engine (bf16: while the tokens agree, each
-    token's logprob within 0.05; most tokens equal), and the GEMV compiles at startup only."""
+    token's logprob within 0.1; most tokens equal), and the GEMV compiles at startup only."""
     model_dir = _random_model_dir(tmp_path)
     tokens_on, lps_on, n_on, compiled, after = _engine_run(model_dir, "1", monkeypatch)
     tokens_off, lps_off, n_off, _, _ = _engine_run(model_dir, "0", monkeypatch)
@@ -160,5 +160,8 @@ def test_engine_on_the_gemv_agrees_with_cublas(tmp_path, monkeypatch):
             same += 1
             if i >= 1:  # a decode step's token (the first comes from the prefill: cuBLAS in both)
                 compared += 1
-                assert abs(la[i] - lb[i]) < 0.05, (i, la[i], lb[i])
+                # 0.1: the logits are bf16, whose spacing is 0.0625 between 8 and 16, and each
+                # path's K/V differ in the last bits, more so along the sequence (lease 14: 0.063
+                # at the 18th token, one bf16 step, failed the 0.05 this had)
+                assert abs(la[i] - lb[i]) < 0.1, (i, la[i], lb[i])
     assert compared > 0 and same >= 0.8 * sum(len(t) for t in tokens_off), (tokens_on, tokens_off)

@@ -55,6 +55,29 @@ def test_cache_shares_compiles(tokenizer):
     mgr.shutdown()
 
 
+def test_validation_is_remembered_for_a_repeated_spec(tokenizer, monkeypatch):
+    """A spec that passed validate() once is not checked again (W7: ~4 ms a request for the JSON
+    Schema meta-validation); a different spec, or one that failed, is checked every time."""
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.structured import xgrammar_backend
+    mgr = _manager(tokenizer)
+    calls = []
+    real = xgrammar_backend.XgrammarBackend.validate
+    monkeypatch.setattr(xgrammar_backend.XgrammarBackend, "validate", staticmethod(lambda so: (calls.append(so), real(so))))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for _ in range(3):
+        mgr.validate(SamplingParams(structured_outputs=StructuredOutputsParams(json=dict(schema))))
+    assert len(calls) == 1
+    mgr.validate(SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "string"})))
+    assert len(calls) == 2
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object", "minProperties": "x"}))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="structured_outputs.json"):
+            mgr.validate(bad)
+    assert len(calls) == 4
+    mgr.shutdown()
+
+
 def test_choice_mask_accept_end_and_rollback(tokenizer):
     mgr = _manager(tokenizer)
     h = _ready(mgr.new_handle("r", StructuredOutputsParams(choice=["yes", "no"]), [1]))
