@@ -31,6 +31,7 @@
 #                       then with no step history (which engine state slows batch 32 after batch 1)
 #   w7-timeline         w7-trace plus gzipped Chrome traces of both traced runs (issue 18)
 #   w7-ab               W7 minivllm alone, then with MINIVLLM_GRAMMAR_PIPELINE=0 (issue 18)
+#   w8-interleave       bench spec none,ngram, both engines in one process, timed runs in turn (issue 19)
 #   w7-steps            W7 minivllm alone, every step's record of both throughput runs in w7-steps-*.jsonl (issue 18)
 #   fp8-sweep           scripts/fp8_gemm_sweep.py: FP8 GEMM variants on Qwen3-8B's shapes (issue 25)
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
@@ -119,6 +120,11 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --output "$dir/w8-reset-minivllm.json"
       MINIVLLM_STEP_HISTORY=0 python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram \
         --output "$dir/w8-nohistory-minivllm.json" ;;
+    w8-interleave)  # issue 19: bench spec none,ngram with both engines in one process, their timed runs taken in turn
+      # (the host's drift cancels; paired same-round ratios), medians of 7
+      [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
+      python3 -m minivllm bench spec --model /tmp/smollm2-bf16 --methods none,ngram --interleave --repeats 7 \
+        --output "$dir/w8-interleave-minivllm.json" ;;
     w8-warm)  # issue 19: bench spec none,ngram with an untimed run of each batch size just before its timed runs,
       # and the GPU's SM clock logged every 100 ms (is batch 32 slower after batch 1 because the GPU clocked down?)
       [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null

@@ -53,7 +53,7 @@ def prompt_ids(model_dir: str, n: int) -> list[list[int]]:
     return [apply_chat_template(tok, [{"role": "user", "content": p["prompt"]}]) for p in prompts]
 
 
-def _engine(args, spec: dict | None):
+def _engine(args, spec: dict | None, kv_bytes: int | None = None):
     common = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0)
     if args.engine == "vllm":
         from vllm import LLM
@@ -61,6 +61,8 @@ def _engine(args, spec: dict | None):
             spec = dict(spec, method="draft_model")
         return LLM(**common, speculative_config=spec, gpu_memory_utilization=args.gpu_memory_utilization)
     from minivllm import LLM
+    if kv_bytes is not None:  # several engines in this process: each an explicit budget
+        return LLM(**common, speculative_config=spec, kv_cache_memory_bytes=kv_bytes)
     return LLM(**common, speculative_config=spec, gpu_memory_utilization=args.gpu_memory_utilization)
 
 
@@ -104,21 +106,30 @@ def _timed(llm, engine: str, batches: list[list[list[int]]], params) -> dict:
             "mean_acceptance_length": round(1 + d["accepted"] / d["drafts"], 3) if d["drafts"] else None}
 
 
+def _warm_up(llm, engine: str, prompts: list[list[int]]) -> None:
+    """Warm-up at both batch sizes: with speculation, batch 1 runs the verify path and batch 32
+    the plain one (above disable_by_batch_size), and either's first use would otherwise compile
+    inside a timed run (lease 7: batch-32 n-gram 0.87x of no speculation without a single draft)."""
+    warm = _params(engine, 8)
+    llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:32]], warm, use_tqdm=False)
+
+
+def _phases(args, prompts: list[list[int]]) -> dict[str, list[list[list[int]]]]:
+    """The batches of each phase: batch 1 (the first --batch1-prompts prompts, one at a time)
+    and batch 32 (every prompt, 32 at a time)."""
+    return {"batch1": [[p] for p in prompts[:args.batch1_prompts]],
+            "batch32": [prompts[i:i + 32] for i in range(0, len(prompts), 32)]}
+
+
 def measure_method(args, spec: dict | None, prompts: list[list[int]]) -> dict:
     """One proposer's W8 figures, batch 1 then batch 32, on its own engine."""
     # a copy: vLLM writes its own objects into the speculative_config dict it is given
     llm = _engine(args, dict(spec) if spec is not None else None)
     params = _params(args.engine, args.max_tokens)
-    # warm-up at both batch sizes: with speculation, batch 1 runs the verify path and batch 32 the
-    # plain one (above disable_by_batch_size), and either's first use would otherwise compile
-    # inside a timed run (lease 7: batch-32 n-gram 0.87x of no speculation without a single draft)
-    warm = _params(args.engine, 8)
-    llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:32]], warm, use_tqdm=False)
-    one = [[p] for p in prompts[:args.batch1_prompts]]
-    many = [prompts[i:i + 32] for i in range(0, len(prompts), 32)]
+    _warm_up(llm, args.engine, prompts)
     order = ("batch32", "batch1") if args.batch32_first else ("batch1", "batch32")
-    batches = {"batch1": one, "batch32": many}
+    batches = _phases(args, prompts)
     results = {}
     for name in order:
         if args.warm_each_phase:  # one untimed run of this batch size right before its timed ones
@@ -130,15 +141,67 @@ def measure_method(args, spec: dict | None, prompts: list[list[int]]) -> dict:
 
 
 def _median_of(repeats: int, run) -> dict:
-    """The run with the median time of `repeats` runs, with every run's tok/s beside it: one
-    batch-32 run lasts under a second on an H100, and single runs of the same engine varied
-    from 13.3k to 22.7k tok/s between leases (host-bound steps of ~1.4 ms)."""
-    runs = sorted((run() for _ in range(repeats)), key=lambda r: r["seconds"])
-    return {**runs[len(runs) // 2], "runs_tok_per_s": [r["tok_per_s"] for r in runs]}
+    """The median of `repeats` runs (_median_run): one batch-32 run lasts under a second on an
+    H100, and single runs of the same engine varied from 13.3k to 22.7k tok/s between leases
+    (host-bound steps of ~1.4 ms)."""
+    return _median_run([run() for _ in range(repeats)])
+
+
+def measure_interleaved(args, specs: dict[str, dict | None], prompts: list[list[int]]) -> dict:
+    """Every proposer's engine alive in this process (minivllm only; each an explicit KV budget),
+    their timed runs taken in turn: round r times each engine once per phase, the engines' order
+    rotated each round. The host of the GPU machine drifts between and within runs (W8 batch 32,
+    one engine, one phase: 15.1k-23.2k tok/s in lease 14), and batch-32 n-gram against no
+    speculation read 0.89x-1.17x depending on the order of the runs (issue 19): taken in turn,
+    every engine sees the same drift. Also returns, per phase, each round's ratio of every
+    engine to the first (the paired figure)."""
+    engines = {name: _engine(args, dict(spec) if spec is not None else None, kv_bytes=args.kv_cache_memory_bytes)
+               for name, spec in specs.items()}
+    params = _params(args.engine, args.max_tokens)
+    for llm in engines.values():
+        _warm_up(llm, args.engine, prompts)
+    names = list(engines)
+    runs: dict[str, dict[str, list[dict]]] = {n: {"batch1": [], "batch32": []} for n in names}
+    for phase, batches in _phases(args, prompts).items():
+        for name in names:  # one untimed run of the phase each, as --warm-each-phase does
+            _timed(engines[name], args.engine, batches[:1], params)
+        for r in range(args.repeats):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                runs[name][phase].append(_timed(engines[name], args.engine, batches, params))
+    results = {}
+    for name in names:
+        results[name] = {phase: _median_run(rs) for phase, rs in runs[name].items()}
+        results[name]["config"] = specs[name]
+        results[name]["paired_ratio_to_" + names[0]] = {
+            phase: _paired_ratio(rs, runs[names[0]][phase]) for phase, rs in runs[name].items()}
+    return results
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median time, with every run's tok/s beside it in run order."""
+    ordered = sorted(runs, key=lambda r: r["tok_per_s"])  # (the same tokens each run; seconds are rounded to ms)
+    return {**ordered[len(ordered) // 2], "runs_tok_per_s": [r["tok_per_s"] for r in runs]}
+
+
+def _paired_ratio(runs: list[dict], base: list[dict]) -> dict:
+    """Round by round tok/s ratios of runs to base (same round: the same stretch of host drift):
+    their median, min and max."""
+    import statistics
+    ratios = [a["tok_per_s"] / b["tok_per_s"] for a, b in zip(runs, base)]
+    return {"median": round(statistics.median(ratios), 4), "min": round(min(ratios), 4),
+            "max": round(max(ratios), 4)}
 
 
 def run(args) -> dict:
     prompts = prompt_ids(args.model, args.num_prompts)
+    if args.interleave:
+        if args.engine != "minivllm":
+            raise SystemExit("--interleave: minivllm only (one vLLM engine per process)")
+        results = measure_interleaved(args, method_configs(args), prompts)
+        for name, r in results.items():
+            print(json.dumps({"method": name, **r}), flush=True)
+        return {"workload": "W8", "engine": args.engine, "model": args.model, "num_prompts": len(prompts),
+                "max_tokens": args.max_tokens, "interleaved": True, "results": results}
     results = {}
     for name, spec in method_configs(args).items():
         # each engine in its own process: one left in this process keeps its GPU memory, and the
@@ -169,6 +232,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-each-phase", action="store_true",
                    help="an untimed run of each batch size right before its timed runs (a diagnostic: a "
                         "GPU that clocked down during the host-bound batch-1 phase ramps up before batch 32)")
+    p.add_argument("--interleave", action="store_true",
+                   help="every proposer's engine in this process, their timed runs taken in turn (minivllm; "
+                        "an explicit KV budget each, --kv-cache-memory-bytes)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30, help="with --interleave: each engine's KV cache")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
