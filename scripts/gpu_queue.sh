@@ -16,27 +16,21 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 12, 2026-11-27; a session's 30 minutes count
-# 50-100 % of held time, so order by what closes). W7 and W8 need no vLLM for minivllm alone:
-# carry .vllm/x and .vllm/deps (two calls, `bash scripts/vllm_stage.sh`) for xgrammar instead.
-#   1. 'gpu-tests+w7-ab+w8-warm+ours:W2+ours:W2-nogemv@0'  with GPU_TEST_TIMEOUT=600
-#      GPU_TESTS="tests/gpu/test_triton_kernels.py tests/gpu/test_invariant_gemm.py
-#      tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_structured_gpu.py tests/gpu/test_gpu_correctness.py
-#      tests/gpu/test_dense_gemv.py"
-#      First the code that never ran on a GPU: the 16-row invariant attention tile and the invariant
-#      GEMM's K split (bit for bit), the structured GPU tests (xgrammar now staged for them), the
-#      engine on the dense GEMV. Then 18: W7 after the early scheduling (predicted 52.7 % -> ~30 %)
-#      with the `steady` phase medians and the pipelined / early step counts, against the same run
-#      with the pipelining off; 19: batch 32 after batch 1 with an untimed run of each phase
-#      first and the SM clock logged; 21: the dense GEMV on Llama-3.1-8B (W2), predicted -0.2 ms a token.
-#   2. 'moe-gemv-sweep+w7+w8-ngram+w8-ngram-vllm+ours:W10-decode+vllm:W10-decode@0'  with vLLM staged
-#      (18, 19 and 21 against vLLM in the same lease; W10-decode 4.0 ms = 52 % in lease 12, vLLM 4.94 in
-#      lease 2; the sweep now tries K tiles up to a whole row)
-#   3. 'profile-bi+ours:W1-bi+vllm:W1-bi+profile-fp8+ours:W11-fp8+vllm:W11-fp8@0'  (22: W1-bi predicted
-#      11,479 -> ~13,000 tok/s; 25: where the FP8 step goes, 0.96x in lease 9)
-#   4. 'awq-gemv+ours:W11-awq+ours:W11-awq-fold+vllm:W11-awq+profile-awq1@0'  (25: the GEMV's zero-folding
-#      variant, predicted up to ~1.4x on the GEMVs if their integer ops bound them, W11-awq 180 -> ~210 tok/s;
-#      make it the default only if it wins; GPU test: test_quant_kernels.py::test_w4a16_gemv_fold_zeros)
+# What the single-GPU issues still need (after lease 15, 2026-11-27; a session's 30 minutes count
+# 50-100 % of held time, so order by what closes; issue 18 closed in lease 15). Staging all of
+# vLLM takes ~1.5 minutes of held time; gpu-tests of 8 files took 17 minutes in lease 13, so
+# name only the files that need a run.
+#   1. 'w8-interleave+w8-ngram-vllm+ours:W1-bi+vllm:W1-bi+profile-bi+gpu-tests@0'  with vLLM staged and
+#      GPU_TESTS=tests/gpu/test_fused_moe.py (27 of 49 passed in lease 13 before it was stopped).
+#      19: batch-32 n-gram against no speculation with both engines in one process, runs in turn
+#      (0.89x-1.17x by the order of the runs so far; target >= 1.0x), vLLM's batch-1 n-gram
+#      speed-up in the same lease (ours 1.77x in lease 14, vLLM's 1.01x in lease 8). 22: W1-bi
+#      12,479 tok/s in lease 13 with no vLLM figure in that lease (target 1.2x vLLM-bi).
+#   2. 'profile-fp8+ours:W11-fp8+vllm:W11-fp8+awq-gemv+ours:W11-awq+ours:W11-awq-fold+vllm:W11-awq@0'
+#      (25: where the FP8 step goes, 0.96x in lease 9; the W4A16 GEMV's zero folding, predicted
+#      W11-awq 180 -> ~210 tok/s; make it the default only if it wins)
+#   3. 'moe-gemv-sweep+ours:W10-decode+vllm:W10-decode+profile-moe1@0'  (21: 3.93 ms, 52.2 % in lease 13,
+#      1.27x vLLM; target 60 %) after the next change to the MoE GEMVs.
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue
