@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from minivllm.sampling_params import StructuredOutputsParams
 from minivllm.server.errors import OpenAIError, bad_request
 from minivllm.server.protocol import SamplingFields
-from minivllm.structured.backend import get_backend_class
+from minivllm.structured.backend import validate_spec
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -54,9 +54,9 @@ def single_constraint(found: list[Constraint]) -> Constraint | None:
 
 def check_constraint(c: Constraint, backend: str) -> None:
     """The backend's compile checks (schema validity, unsupported features, regex/grammar syntax
-    with the position): a 400 naming the request's field."""
+    with the position), once per spec (validate_spec): a 400 naming the request's field."""
     try:
-        get_backend_class(backend).validate(c.params)
+        validate_spec(backend, c.params)
     except ValueError as e:
         raise bad_request(_rename(str(e), c.label), c.param) from None
 

@@ -1,7 +1,8 @@
 """StructuredOutputManager: the engine core's side of structured outputs.
 
 - validate(): the backend's checks when a request is added (ValueError -> HTTP 400); a spec
-  that passed them once is remembered (an LRU), so a repeated schema is not checked again.
+  that passed them once is remembered (backend.validate_spec), so a repeated schema is not
+  checked again.
 - new_handle(): one GrammarHandle per sequence (n > 1: one each, sharing the compiled grammar).
   Compiles run on a thread pool, off the step loop, and are cached by GrammarKey (an LRU of
   futures), so a repeated schema, or one still compiling, costs nothing more.
@@ -25,7 +26,8 @@ from typing import Any
 
 from minivllm.config import StructuredOutputsConfig
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
-from minivllm.structured.backend import GrammarBackend, GrammarKey, GrammarMatcher, get_backend_class, grammar_key
+from minivllm.structured.backend import (GrammarBackend, GrammarKey, GrammarMatcher, get_backend_class, grammar_key,
+                                         validate_spec)
 from minivllm.structured.bitmask import GrammarBitmask
 from minivllm.structured.request import GrammarHandle
 
@@ -51,10 +53,6 @@ class StructuredOutputManager:
         # (fill_async); apart from the compile pool, so a fill never queues behind a compile
         self._fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-grammar-fill")
         self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
-        # specs that passed validate() (an LRU like the cache): a repeated schema skips the checks,
-        # ~4 ms a request for W7's schemas (the JSON Schema meta-validation), which cost W7's
-        # 256 constrained requests ~0.7 s of a 13.4 s run before any step (issue 18, lease 14)
-        self._validated: OrderedDict[GrammarKey, None] = OrderedDict()
         self._failed: deque[tuple[str, BaseException]] = deque()
         self._compiling: set[Future] = set()
         self._bitmask: Any = None  # reused host buffer [max_rows, W]
@@ -71,17 +69,7 @@ class StructuredOutputManager:
         if self._tokenizer is None:
             raise ValueError("SamplingParams.structured_outputs needs a tokenizer (the engine was started with "
                              "skip_tokenizer_init)")
-        so = params.structured_outputs
-        key = grammar_key(so)
-        with self._lock:
-            if key in self._validated:
-                self._validated.move_to_end(key)
-                return
-        get_backend_class(self.config.backend).validate(so)
-        with self._lock:
-            self._validated[key] = None
-            while len(self._validated) > CACHE_SIZE:
-                self._validated.popitem(last=False)
+        validate_spec(self.config.backend, params.structured_outputs)
 
     def new_handle(self, request_id: str, so: StructuredOutputsParams, prompt_ids: list[int]) -> GrammarHandle:
         future = self._compiled(grammar_key(so))

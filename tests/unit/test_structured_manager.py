@@ -56,21 +56,28 @@ def test_cache_shares_compiles(tokenizer):
 
 
 def test_validation_is_remembered_for_a_repeated_spec(tokenizer, monkeypatch):
-    """A spec that passed validate() once is not checked again (W7: ~4 ms a request for the JSON
-    Schema meta-validation); a different spec, or one that failed, is checked every time."""
+    """A spec that passed validation once is not checked again, by the engine's manager or the
+    server's request check (one LRU: W7's JSON Schema meta-validation was ~4 ms a request); a
+    different spec, or one that failed, is checked every time."""
+    import uuid
+
     from minivllm.sampling_params import SamplingParams
+    from minivllm.server.structured import Constraint, check_constraint
     from minivllm.structured import xgrammar_backend
     mgr = _manager(tokenizer)
     calls = []
     real = xgrammar_backend.XgrammarBackend.validate
     monkeypatch.setattr(xgrammar_backend.XgrammarBackend, "validate", staticmethod(lambda so: (calls.append(so), real(so))))
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    name = "p" + uuid.uuid4().hex  # (the LRU lives for the process: a spec no other test has used)
+    schema = {"type": "object", "properties": {name: {"type": "integer"}}}
     for _ in range(3):
         mgr.validate(SamplingParams(structured_outputs=StructuredOutputsParams(json=dict(schema))))
+    check_constraint(Constraint("response_format", "response_format.json_schema.schema",
+                                StructuredOutputsParams(json=dict(schema))), "xgrammar")
     assert len(calls) == 1
-    mgr.validate(SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "string"})))
+    mgr.validate(SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "string", "title": name})))
     assert len(calls) == 2
-    bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object", "minProperties": "x"}))
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object", "minProperties": name}))
     for _ in range(2):
         with pytest.raises(ValueError, match="structured_outputs.json"):
             mgr.validate(bad)
