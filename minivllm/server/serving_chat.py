@@ -105,7 +105,7 @@ class ServingChat(ServingBase):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
         opts = self._output_options(req)
-        structured = resolve_constraint(req, self.engine.config.structured_outputs.backend,
+        structured = await resolve_constraint(req, self.engine.config.structured_outputs.backend,
                                         tool_constraint(req, opts.tools))
         params = chat_params(req, self.engine.config.model.arch.vocab_size, structured)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None

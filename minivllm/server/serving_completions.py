@@ -55,7 +55,7 @@ class _ChoiceState:
 class ServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
-        structured = resolve_constraint(req, self.engine.config.structured_outputs.backend)
+        structured = await resolve_constraint(req, self.engine.config.structured_outputs.backend)
         params = completion_params(req, self.engine.config.model.arch.vocab_size, structured)
         prompts = engine_prompts(req.prompt)
         if req.kv_transfer_params is not None and len(prompts) != 1:

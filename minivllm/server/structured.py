@@ -8,6 +8,7 @@ vLLM's `structured_outputs` object, its legacy `guided_json` / `guided_regex` /
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 
@@ -61,12 +62,16 @@ def check_constraint(c: Constraint, backend: str) -> None:
         raise bad_request(_rename(str(e), c.label), c.param) from None
 
 
-def resolve_constraint(req: SamplingFields, backend: str, extra: Constraint | None = None) -> StructuredOutputsParams | None:
-    """The request's one constraint (from its fields, or `extra`: a forced tool call), checked."""
+async def resolve_constraint(req: SamplingFields, backend: str,
+                             extra: Constraint | None = None) -> StructuredOutputsParams | None:
+    """The request's one constraint (from its fields, or `extra`: a forced tool call), checked on a
+    worker thread: a spec not seen before costs the JSON Schema meta-validation and a grammar
+    build (milliseconds, more for a large schema), which on the event loop would stall every
+    stream the server is sending."""
     c = single_constraint(requested_constraints(req) + ([extra] if extra is not None else []))
     if c is None:
         return None
-    check_constraint(c, backend)
+    await asyncio.to_thread(check_constraint, c, backend)
     return c.params
 
 

@@ -209,6 +209,35 @@ BAD = [
 ]
 
 
+def test_a_slow_schema_check_does_not_stall_the_server(served, monkeypatch):
+    """The server checks a constraint on a worker thread: while a new schema's check runs (made
+    to take 1.5 s here), the event loop answers other requests at once."""
+    import threading
+    import time
+
+    from minivllm.structured import xgrammar_backend
+    real = xgrammar_backend.XgrammarBackend.validate
+
+    def slow(so):
+        if isinstance(so.json, dict) and so.json.get("title") == "slow-check":
+            time.sleep(1.5)
+        return real(so)
+    monkeypatch.setattr(xgrammar_backend.XgrammarBackend, "validate", staticmethod(slow))
+    body = {"model": served.model, "prompt": "x", "max_tokens": 2,
+            "guided_json": {"title": "slow-check", "type": "object", "properties": {"a": {"type": "integer"}}}}
+    done = {}
+    worker = threading.Thread(target=lambda: done.update(r=httpx.post(served.base_url + "/v1/completions",
+                                                                        json=body, timeout=120)))
+    worker.start()
+    time.sleep(0.3)  # the constrained request is in its check now
+    t = time.perf_counter()
+    assert httpx.get(served.base_url + "/health", timeout=30).status_code == 200
+    waited = time.perf_counter() - t
+    worker.join(120)
+    assert done["r"].status_code == 200, done["r"].text
+    assert waited < 0.6, f"/health waited {waited:.2f} s behind the schema check"
+
+
 @pytest.mark.parametrize("patch,param,words", BAD, ids=[p for _, p, _ in BAD])
 def test_bad_input_is_400_and_the_server_goes_on(served, patch, param, words):
     body = {"model": served.model, "messages": ASK, "max_tokens": 4, **patch}
