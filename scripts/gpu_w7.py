@@ -162,7 +162,7 @@ def _timed(engine, prompts, params, cold: bool = False) -> tuple[float, list]:
 
     The throughput runs are timed cold. Lease 13 found why: the unconstrained twin reuses the
     constrained run's 256 prompts, and with a warm prefix cache it skipped their whole prefill
-    (~134k tokens of Qwen3-8B, about 4.5 s), which the constrained run paid. The full decode
+    (~144k tokens of Qwen3-8B, ~3 s of steps in lease 14's records), which the constrained run paid. The full decode
     steps took 18.3 ms constrained against 17.8 unconstrained, but the runs differed by 51 %:
     every W7 "overhead" before lease 13 (45-53 % ours, 78 % vLLM's) was mostly that prefill."""
     if cold:

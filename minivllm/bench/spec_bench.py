@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 from minivllm.bench.common import emit, in_fresh_process
@@ -161,8 +162,9 @@ def measure_interleaved(args, specs: dict[str, dict | None], prompts: list[list[
     for llm in engines.values():
         _warm_up(llm, args.engine, prompts)
     names = list(engines)
-    runs: dict[str, dict[str, list[dict]]] = {n: {"batch1": [], "batch32": []} for n in names}
-    for phase, batches in _phases(args, prompts).items():
+    phases = _phases(args, prompts)
+    runs: dict[str, dict[str, list[dict]]] = {n: {phase: [] for phase in phases} for n in names}
+    for phase, batches in phases.items():
         for name in names:  # one untimed run of the phase each, as --warm-each-phase does
             _timed(engines[name], args.engine, batches[:1], params)
         for r in range(args.repeats):
@@ -186,7 +188,6 @@ def _median_run(runs: list[dict]) -> dict:
 def _paired_ratio(runs: list[dict], base: list[dict]) -> dict:
     """Round by round tok/s ratios of runs to base (same round: the same stretch of host drift):
     their median, min and max."""
-    import statistics
     ratios = [a["tok_per_s"] / b["tok_per_s"] for a, b in zip(runs, base)]
     return {"median": round(statistics.median(ratios), 4), "min": round(min(ratios), 4),
             "max": round(max(ratios), 4)}

@@ -59,4 +59,4 @@ def test_bench_spec_interleaved_takes_the_engines_runs_in_turn(model, tmp_path):
     ratios = [a / b for a, b in zip(ngram["batch32"]["runs_tok_per_s"], none["batch32"]["runs_tok_per_s"])]
     paired = ngram["paired_ratio_to_none"]["batch32"]
     assert paired["min"] == pytest.approx(min(ratios), rel=1e-3) and paired["max"] == pytest.approx(max(ratios), rel=1e-3)
-    assert ngram["batch1"]["acceptance_rate"] is not None or ngram["batch1"]["mean_acceptance_length"] is None
+    assert none["batch1"]["acceptance_rate"] is None and none["batch32"]["acceptance_rate"] is None  # never drafts
