@@ -205,6 +205,11 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --out "$dir/profile-moe1.json"
       MINIVLLM_MOE_DECODE_GEMV=0 python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --batch 1 \
         --prompt-len 128 --max-tokens 64 --out "$dir/profile-moe1-grouped.json" ;;
+    decode-variants)  # issue 25: decode attention, bf16 and FP8 caches, queries or keys as rows, FP8 widened to fp16 or not
+      python3 scripts/bench_decode_variants.py --out "$dir/decode-variants.json" ;;
+    w11-fp8-kar)  # issue 25: W11-fp8 with the decode kernel's keys-as-rows products (A/B with ours:W11-fp8)
+      MINIVLLM_DECODE_KEYS_AS_ROWS=1 python3 -m minivllm.bench.compare --only 'ours:W11-fp8' --out "$dir/kar" --budget-s 580 \
+        > "$dir/w11-fp8-kar.txt" 2>&1; tail -3 "$dir/w11-fp8-kar.txt" ;;
     fp8-sweep)  # issue 25: torch._scaled_mm's FP8 variants vs bf16 on Qwen3-8B's linear shapes
       python3 scripts/fp8_gemm_sweep.py --out "$dir/fp8-sweep.json" ;;
     soak)

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels import store_kv
 from minivllm.kernels.paged_checks import check_paged_shapes
 from minivllm.kernels.store_kv import kv_scale_args
 
@@ -138,8 +139,9 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,  # keys per inner iteration
     SKIP_SINGLE: tl.constexpr,  # leave one-token queries to the decode kernel
     ALL_MASKED: tl.constexpr,  # every key tile through the masked path (batch-invariant mode)
-    KV_FP8: tl.constexpr,  # K/V are float8 e4m3: widened to the query's dtype, scales folded in
+    KV_FP8: tl.constexpr,  # K/V are float8 e4m3: widened (WIDEN_F16: to float16, else the query's dtype)
     IEEE: tl.constexpr,  # float32 cache: full-precision products (tl.dot's default is TF32)
+    WIDEN_F16: tl.constexpr = False,  # FP8 only: the products in float16 (decode_attention's docstring)
 ):
     # reversed: within a sequence the last tiles see the most keys, so start them first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -166,6 +168,8 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+        if WIDEN_F16:
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     else:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
@@ -261,7 +265,7 @@ def prefill_attention(
         *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, SKIP_SINGLE=skip_single_token, ALL_MASKED=invariant, KV_FP8=fp8,
-        IEEE=k_cache.dtype == torch.float32, **cfg,
+        IEEE=k_cache.dtype == torch.float32, WIDEN_F16=store_kv.FP8_WIDEN_F16 and query.dtype != torch.float32, **cfg,
     )
     return out
 

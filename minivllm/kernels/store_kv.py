@@ -8,9 +8,17 @@ saturated at +-448. The reference is `store_kv_reference` in minivllm/attention/
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# How the attention kernels widen FP8 (e4m3) K/V tiles in registers: to float16 (default: one
+# cvt.rn.f16x2.e4m3x2 per two values on sm89+, widening to bfloat16 takes that and two more
+# conversions) or to the query's dtype (MINIVLLM_FP8_KV_WIDEN=query, the layout before lease 17).
+# Read at each launch, so a benchmark can flip it.
+FP8_WIDEN_F16 = os.environ.get("MINIVLLM_FP8_KV_WIDEN", "fp16") != "query"
 
 
 @triton.jit

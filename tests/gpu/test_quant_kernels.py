@@ -92,7 +92,8 @@ def fp8_caches(case: PagedCase, k_scale: float, v_scale: float):
     return k8, v8, ks, vs
 
 
-def check_fp8_attention(case: PagedCase, kernel: str, k_scale: float = 0.02, v_scale: float = 0.01) -> float:
+def check_fp8_attention(case: PagedCase, kernel: str, k_scale: float = 0.02, v_scale: float = 0.01,
+                        keys_as_rows: bool = False) -> float:
     """Worst-row relative error of the decode or prefill kernel reading FP8 blocks, against the
     reference reading the same blocks."""
     from minivllm.kernels.decode_attention import decode_attention
@@ -103,7 +104,8 @@ def check_fp8_attention(case: PagedCase, kernel: str, k_scale: float = 0.02, v_s
     out = torch.full_like(case.query, float("nan"))
     args = (case.query, k8, v8, case.query_start_loc, case.seq_lens, case.block_tables, case.scale)
     if kernel == "decode":
-        decode_attention(*args, max_seq_len=max(case.seq_lens_list), out=out, k_scale=ks, v_scale=vs)
+        decode_attention(*args, max_seq_len=max(case.seq_lens_list), out=out, k_scale=ks, v_scale=vs,
+                         keys_as_rows=keys_as_rows)
     else:
         q_lens = [b - a for a, b in zip(case.qsl_list, case.qsl_list[1:])]
         prefill_attention(*args, max_query_len=max(q_lens), out=out, k_scale=ks, v_scale=vs)
@@ -216,6 +218,18 @@ def test_fp8_kv_attention(kernel: str, dtype) -> None:
     kind = "decode" if kernel == "decode" else "mixed"
     case = make_case(random_specs(random.Random(1), 24, 700, kind), 32, 8, 128, 16, dtype, DEV, seed=2)
     assert check_fp8_attention(case, kernel) < 2e-2
+
+
+@gpu
+@pytest.mark.parametrize("widen", ["fp16", "query"])
+@pytest.mark.parametrize("keys_as_rows", [False, True])
+def test_fp8_kv_decode_variants(widen: str, keys_as_rows: bool, monkeypatch) -> None:
+    """Both widenings of the FP8 tiles and both product layouts, on bf16 queries (the engine's)."""
+    import random
+    from minivllm.kernels import store_kv
+    monkeypatch.setattr(store_kv, "FP8_WIDEN_F16", widen == "fp16")
+    case = make_case(random_specs(random.Random(4), 24, 3000, "decode"), 32, 8, 128, 16, torch.bfloat16, DEV, seed=5)
+    assert check_fp8_attention(case, "decode", keys_as_rows=keys_as_rows) < 2e-2
 
 
 @gpu

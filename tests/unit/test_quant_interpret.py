@@ -45,6 +45,8 @@ mixed = [(37, 60), (1, 45), (20, 20), (5, 90), (1, 1), (10, 72)]
 decode = [(1, 60), (1, 1), (1, 97), (1, 300)]
 res["fp8kv decode fp32 gqa4"] = checks.check_fp8_attention(checks.make_case(decode, 8, 2, 64, 16, f32, "cpu", 5), "decode")
 res["fp8kv decode fp16 gqa1"] = checks.check_fp8_attention(checks.make_case(decode, 4, 4, 64, 16, f16, "cpu", 6), "decode")
+res["fp8kv decode fp16 gqa4 keys as rows"] = checks.check_fp8_attention(
+    checks.make_case(decode, 8, 2, 64, 16, f16, "cpu", 9), "decode", keys_as_rows=True)
 res["fp8kv prefill fp32 gqa2"] = checks.check_fp8_attention(checks.make_case(mixed, 4, 2, 64, 16, f32, "cpu", 7), "prefill")
 res["fp8kv prefill fp16 gqa4"] = checks.check_fp8_attention(checks.make_case(mixed, 8, 2, 64, 32, f16, "cpu", 8), "prefill")
 print("RESULT " + json.dumps(res))
