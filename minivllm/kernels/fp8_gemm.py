@@ -13,6 +13,7 @@ is quant/fp8.py: quantize_rows, fp8_linear_reference.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -22,6 +23,19 @@ from minivllm.quant.fp8 import FP8, MIN_SCALE
 from minivllm.quant.config import FP8_E4M3_MAX
 
 FAST_ACCUM = os.environ.get("MINIVLLM_FP8_FAST_ACCUM", "1") != "0"
+
+
+class Fp8Rows(NamedTuple):
+    """Activations already quantized per token (kernels/fp8_act.py): what `fp8_linear` takes in
+    place of a bf16/fp16 tensor, skipping its own quantizer launch."""
+
+    q: torch.Tensor  # [T, K] e4m3
+    scale: torch.Tensor  # [T, 1] float32
+    dtype: torch.dtype  # the activations' dtype: the linear's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 @triton.jit
@@ -56,19 +70,23 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """x [..., K] (bf16/fp16) -> [..., N]: per-token FP8 quantization, then the FP8 GEMM."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    x_q, x_scale = quantize_rows_triton(rows)
+def fp8_linear(x: torch.Tensor | Fp8Rows, w_q: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16, or Fp8Rows [T, K]) -> [..., N]: per-token FP8 quantization (unless
+    x comes quantized), then the FP8 GEMM."""
+    if isinstance(x, Fp8Rows):
+        lead, x_q, x_scale, dtype = x.q.shape[:-1], x.q, x.scale, x.dtype
+    else:
+        lead, k, dtype = x.shape[:-1], x.shape[-1], x.dtype
+        rows = x.reshape(-1, k)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        x_q, x_scale = quantize_rows_triton(rows)
     # row-wise scales come with a bfloat16 output only (cuBLASLt / CUTLASS); other dtypes convert after
     y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16,
                          use_fast_accum=FAST_ACCUM)
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
+    if y.dtype != dtype:
+        y = y.to(dtype)
     if bias is not None:
         y = y + bias
     return y.view(*lead, w_q.shape[0])

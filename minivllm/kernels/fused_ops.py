@@ -150,7 +150,7 @@ def _rms_norm_kernel(
     x_ptr,  # [T, heads, H] (heads = 1 for hidden states), last dim contiguous
     res_ptr,  # [T, H] residual (read only if HAS_RESIDUAL)
     w_ptr,  # [H]
-    out_ptr,  # [T, heads, H]
+    out_ptr,  # [T, heads, H]; with QUANT_FP8: [T, H] e4m3
     res_out_ptr,  # [T, H] x + residual (written only if HAS_RESIDUAL)
     stride_xt, stride_xh, stride_rt, stride_ot, stride_oh, stride_st,
     num_heads, eps,
@@ -158,6 +158,9 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,  # next_pow2(H)
     ROWS: tl.constexpr,  # heads per program
     HAS_RESIDUAL: tl.constexpr,
+    QUANT_FP8: tl.constexpr = False,  # (ROWS 1) the row quantized per token for an FP8 linear (kernels/fp8_act.py)
+    scale_ptr=None,  # [T] float32 per-token scales (QUANT_FP8)
+    FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 0.0,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
@@ -173,6 +176,11 @@ def _rms_norm_kernel(
     y = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty)  # HF: cast back before the weight
     w = tl.load(w_ptr + d, mask=d < H, other=0.0)
     out = y.to(tl.float32) * w.to(tl.float32)
+    if QUANT_FP8:  # exactly what the unfused norm's stored row would get from fp8_gemm's quantizer
+        o = out.to(x_ptr.dtype.element_ty).to(tl.float32)  # the unfused norm's stored row (weight dtype = x's)
+        s = tl.maximum(tl.max(tl.abs(o), axis=1) / FP8_MAX, MIN_SCALE)  # [ROWS]
+        tl.store(scale_ptr + t + tl.arange(0, ROWS), s)
+        out = tl.clamp(o / s[:, None], -FP8_MAX, FP8_MAX)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -20,11 +20,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # set at load time when the only consumer is an FP8 linear: the output comes quantized
+        # per token (kernels/fp8_act.py: Fp8Rows instead of a tensor)
+        self.fp8_out = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm step.
 
         Triton kernels on CUDA, the same torch math as Hugging Face elsewhere (kernels/fused_ops.py)."""
+        if self.fp8_out:
+            from minivllm.kernels.fp8_act import rms_norm_fp8
+            rows, residual_out = rms_norm_fp8(x, self.weight, self.eps, residual)
+            return rows if residual is None else (rows, residual_out)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -159,7 +166,13 @@ class MLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = make_linear(hidden, [intermediate, intermediate], False, quant, f"{prefix}.gate_proj")
         self.down_proj = make_linear(intermediate, [hidden], False, quant, f"{prefix}.down_proj")
+        self.fp8_act = False  # set at load time for an FP8 down_proj: SwiGLU quantizes (kernels/fp8_act.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up
+        gate_up = self.gate_up_proj(x)
+        if self.fp8_act:
+            from minivllm.kernels.fp8_act import silu_and_mul_fp8
+            out = self.down_proj(silu_and_mul_fp8(gate_up))
+        else:
+            out = self.down_proj(silu_and_mul(gate_up))  # silu(gate) * up
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -84,7 +84,8 @@ class Fp8Method:
             layer.weight_dequant = w_q.float() * layer.weight_scale_f32[:, None]
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cuda":
+        # x may come quantized already (kernels/fp8_act.py's Fp8Rows, CUDA only)
+        if not isinstance(x, torch.Tensor) or x.device.type == "cuda":
             from minivllm.kernels.fp8_gemm import fp8_linear
             return fp8_linear(x, layer.weight_fp8, layer.weight_scale_f32, layer.bias)
         return fp8_linear_reference(x, layer.weight_fp8, layer.weight_scale_f32, layer.bias,

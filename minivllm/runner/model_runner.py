@@ -146,6 +146,7 @@ class ModelRunner:
                 self._make_batch_invariant(self.model)
             elif self.device.type == "cuda":
                 self._use_dense_gemv(self.model)
+                self._fuse_fp8_activation_quant(self.model)
         self.expert_counts = ExpertCountsReader(self.model, self.device)
         if self.config.speculative is not None:
             from minivllm.spec_decode import make_speculator
@@ -175,6 +176,15 @@ class ModelRunner:
         count = make_linears_gemv(model.layers)
         if count:
             logger.info("dense GEMV (%s): %d decoder linears take the Triton GEMV at <= 2 rows", gemv_mode(), count)
+
+    def _fuse_fp8_activation_quant(self, model: CausalLM) -> None:
+        """FP8 linears: the norms and SwiGLUs before them write quantized rows (kernels/fp8_act.py)."""
+        if self.config.model.quantization is None:
+            return
+        from minivllm.kernels.fp8_act import enable_fused_activation_quant
+        count = enable_fused_activation_quant(model.layers)
+        if count:
+            logger.info("FP8: %d activations quantized by the kernel that makes them", count)
 
     def _make_batch_invariant(self, model: CausalLM) -> None:
         """Batch-invariant mode (models/batch_invariant.py): on the GPU the fixed-tile matmul for

@@ -124,6 +124,43 @@ def check_fp8_store(case: PagedCase, scale: float = 0.02) -> bool:
 
 # ---------------------------------------------------------------- GPU tests
 
+def check_fp8_act(kind: str, m: int, h: int, dtype, device, seed: int = 0) -> dict:
+    """The fused quantizing norm / SwiGLU (kernels/fp8_act.py) against the unfused pair.
+
+    kind: "norm" (no residual), "add_norm" or "silu". Returns {"bitwise": the fused e4m3 bytes
+    and scales equal those of the unfused Triton kernels (the op, then fp8_gemm's quantizer),
+    "scale_err": max relative error of the scales against the torch reference's
+    (quant/fp8.quantize_rows of the torch op), "residual_equal" (add_norm)}. On the CPU under the
+    interpreter both paths share its float -> fp8 conversion (which is not the hardware's: it
+    rounds 126.7 to 64), so the bytes still compare."""
+    from minivllm.kernels import fp8_act
+    from minivllm.kernels.fp8_gemm import quantize_rows_triton
+    from minivllm.kernels.fused_ops import (fused_add_rms_norm_torch, fused_add_rms_norm_triton, rms_norm_torch,
+                                            rms_norm_triton, silu_and_mul_torch, silu_and_mul_triton)
+    from minivllm.quant.fp8 import quantize_rows
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, h, generator=g) * 3).to(dtype).to(device)
+    x[0, 1] = 40.0  # an outlier sets the row's scale
+    res = {}
+    if kind == "silu":
+        rows, plain, ref = fp8_act.silu_and_mul_fp8(x), silu_and_mul_triton(x), silu_and_mul_torch(x)
+    else:
+        w = (torch.rand(h, generator=g) + 0.5).to(dtype).to(device)
+        r = torch.randn(m, h, generator=g).to(dtype).to(device) if kind == "add_norm" else None
+        rows, r_out = fp8_act.rms_norm_fp8(x, w, 1e-6, r)
+        if r is None:
+            plain, ref = rms_norm_triton(x, w, 1e-6), rms_norm_torch(x, w, 1e-6)
+        else:
+            plain, ref = fused_add_rms_norm_triton(x, r, w, 1e-6)[0], fused_add_rms_norm_torch(x, r, w, 1e-6)[0]
+            res["residual_equal"] = bool(torch.equal(r_out, x + r))
+    q_plain, s_plain = quantize_rows_triton(plain)
+    res["bitwise"] = bool(torch.equal(rows.q.view(torch.uint8), q_plain.view(torch.uint8))
+                          and torch.equal(rows.scale, s_plain))
+    s_ref = quantize_rows(ref)[1]
+    res["scale_err"] = ((rows.scale - s_ref).abs() / s_ref).max().item()
+    return res
+
+
 gpu = pytest.mark.gpu
 DEV = "cuda"
 
@@ -233,6 +270,16 @@ def test_fp8_kv_decode_variants(widen: str, keys_as_rows: bool, monkeypatch) -> 
 
 
 @gpu
+@pytest.mark.parametrize("kind", ["norm", "add_norm", "silu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, h", [(1, 4096), (37, 4096), (256, 12288), (5, 576)])
+def test_fused_fp8_activation_quant_is_bitwise_the_unfused_pair(kind: str, dtype, m: int, h: int) -> None:
+    r = check_fp8_act(kind, m, h, dtype, DEV, seed=m + h)
+    assert r["bitwise"], r
+    assert r.get("residual_equal", True), r
+
+
+@gpu
 def test_fp8_kv_store() -> None:
     import random
     case = make_case(random_specs(random.Random(3), 8, 300, "mixed"), 32, 8, 128, 16, torch.bfloat16, DEV, seed=4)
@@ -285,6 +332,9 @@ def test_quantized_default_model_on_gpu(quantized_dirs, fmt: str, kv: str) -> No
     else:
         ref = w4.w4a16_reference(x, lin.qweight, lin.scales, lin.zeros, lin.group_size, lin.perm, lin.bias)
     assert errors(lin(x), ref)[0] < 1e-2
+    if fmt == "ct-fp8":  # the norms and SwiGLUs before its linears quantize (kernels/fp8_act.py)
+        from minivllm.models.layers import MLP
+        assert all(m.fp8_act for m in model.modules() if isinstance(m, MLP))
     assert "Paris" in _capital_of_france(llm)
     llm.llm_engine.shutdown()
     # the next parameter's engine plans its KV cache from the free memory: this one's cache and

@@ -49,6 +49,11 @@ res["fp8kv decode fp16 gqa4 keys as rows"] = checks.check_fp8_attention(
     checks.make_case(decode, 8, 2, 64, 16, f16, "cpu", 9), "decode", keys_as_rows=True)
 res["fp8kv prefill fp32 gqa2"] = checks.check_fp8_attention(checks.make_case(mixed, 4, 2, 64, 16, f32, "cpu", 7), "prefill")
 res["fp8kv prefill fp16 gqa4"] = checks.check_fp8_attention(checks.make_case(mixed, 8, 2, 64, 32, f16, "cpu", 8), "prefill")
+act = {}
+for kind in ("norm", "add_norm", "silu"):
+    for m, h, dt in [(3, 576, f32), (2, 1000, f16)]:
+        act[f"{kind} m{m} h{h} {str(dt)[6:]}"] = checks.check_fp8_act(kind, m, h, dt, "cpu", seed=m)
+res["fp8act"] = act
 print("RESULT " + json.dumps(res))
 """
 
@@ -64,6 +69,16 @@ def test_quant_kernels_match_reference_under_interpreter(results: dict[str, floa
     assert cases, f"no {kernel} cases ran"
     bad = {name: err for name, err in cases.items() if not err < tol}
     assert not bad, f"error above {tol}: {bad}"
+
+
+def test_fused_fp8_activation_quant_under_interpreter(results: dict) -> None:
+    """The quantizing norm and SwiGLU give the unfused kernels' bytes and scales, and the scales
+    are the torch reference's (the same max over the same rounded row)."""
+    cases = results["fp8act"]
+    assert len(cases) == 6, cases
+    bad = {name: r for name, r in cases.items()
+           if not (r["bitwise"] and r["scale_err"] < 1e-6 and r.get("residual_equal", True))}
+    assert not bad, bad
 
 
 def test_w4a16_dequant_is_exact_under_interpreter(results: dict) -> None:
