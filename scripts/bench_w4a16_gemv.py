@@ -39,6 +39,7 @@ RUNS = 50
 GRAPH_CALLS = 32
 WARMUP = 5
 L2_BYTES = 50 << 20  # H100's L2; the weight copies of a shape add up to more than 4x this
+DTYPE = torch.bfloat16  # the activations' (and scales'); --fp16: AWQ checkpoints' float16, as W11-awq runs
 
 
 def int4_bytes(k: int, n: int, group: int = GROUP) -> int:
@@ -71,8 +72,8 @@ def weights(k: int, n: int, copies: int):
     out = []
     for _ in range(copies):
         words = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")  # any 8 nibbles
-        scales = (torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
-        zeros = torch.randint(0, 16, (k // GROUP, n), device="cuda").to(torch.bfloat16)
+        scales = (torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).to(DTYPE)
+        zeros = torch.randint(0, 16, (k // GROUP, n), device="cuda").to(DTYPE)
         out.append((words, scales, zeros))
     return out
 
@@ -100,22 +101,24 @@ def time_graph(fn, copies: int) -> float:
 def bench_shape(row: dict) -> list[dict]:
     from minivllm.kernels.w4a16_gemm import w4a16_gemm
     k, n = row["K"], row["N"]
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=DTYPE)
     ws = weights(k, n, row["copies"])
     from minivllm.kernels.w4a16_gemm import w4a16_config
     variants = [(f"gemv split {s}", s, False) for s in row["splits"]]
     variants += [(f"gemv default ({row['default_split']})", None, False),
-                 (f"gemv fold-zeros default ({row['default_split']})", None, True)]  # MINIVLLM_W4A16_GEMV_FOLD=1
+                 (f"gemv fold-zeros default ({row['default_split']})", None, True),  # MINIVLLM_W4A16_GEMV_FOLD=1
+                 (f"gemv half2 default ({row['default_split']})", None, "half2")]  # MINIVLLM_W4A16_GEMV_HALF2=1
     results = []
     for label, split, fold in variants:
         def call(i: int, split=split, fold=fold) -> torch.Tensor:
             qw, s, z = ws[i]
-            return w4a16_gemm(x, qw, s, z, GROUP, split_k=split, config=dict(w4a16_config(1), FOLD_ZEROS=fold))
+            cfg = dict(w4a16_config(1), FOLD_ZEROS=fold is True, HALF2=fold == "half2")
+            return w4a16_gemm(x, qw, s, z, GROUP, split_k=split, config=cfg)
         eager, graph = time_eager(call, row["copies"]), time_graph(call, row["copies"])
         results.append({"shape": row["shape"], "variant": label, "split_k": split or row["default_split"],
                         "eager_us": eager, "graph_us": graph, "int4_GBps": row["int4_bytes"] / graph / 1e3})
     del ws
-    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(row["dense_copies"])]
+    dense = [torch.randn(n, k, device="cuda", dtype=DTYPE) for _ in range(row["dense_copies"])]
     call = (lambda i: torch.matmul(x, dense[i].t()))
     eager, graph = time_eager(call, row["dense_copies"]), time_graph(call, row["dense_copies"])
     results.append({"shape": row["shape"], "variant": "dense bf16 matmul", "split_k": None, "eager_us": eager,
@@ -132,7 +135,7 @@ def sweep_tiles(rows: list[dict], tiles: list[tuple[int, int, int, int]]) -> lis
     results = []
     for row in rows:
         k, n = row["K"], row["N"]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=DTYPE)
         ws = weights(k, n, row["copies"])
         for bn, bk, warps, stages in tiles:
             cfg = {"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
@@ -160,7 +163,11 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the plan and the results as JSON")
     ap.add_argument("--dry-run", action="store_true", help="print the shapes and splits; time nothing (no GPU needed)")
     ap.add_argument("--tiles", default=None, help='sweep GEMV tiles: "BN,BK,warps,stages ..." (graph times only)')
+    ap.add_argument("--fp16", action="store_true", help="float16 activations and scales (W11-awq's dtype)")
     args = ap.parse_args()
+    global DTYPE
+    if args.fp16:
+        DTYPE = torch.float16
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split()] if args.tiles else None
     if tiles and any(len(t) != 4 for t in tiles):
         raise SystemExit('--tiles: each tile is "BLOCK_N,BLOCK_K,num_warps,num_stages"')

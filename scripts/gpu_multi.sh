@@ -170,8 +170,10 @@ run_step() {  # run_step STEP LANE_DIR PORT
     awq-gemv-tiles)  # issue 25: a tile sweep of the W4A16 GEMV on the same shapes (a few minutes)
       python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv-tiles.json" \
         --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 32,512,4,4 256,256,8,3 64,128,4,4" ;;
-    awq-gemv)  # issue 25: the W4A16 GEMV alone on Llama-3.1-8B's batch-1 shapes (scripts/bench_w4a16_gemv.py)
-      python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv.json" ;;
+    awq-gemv)  # issue 25: the W4A16 GEMV alone on Llama-3.1-8B's batch-1 shapes (scripts/bench_w4a16_gemv.py),
+      # bf16 and (W11-awq's) fp16 activations; variants: split-K, default, fold-zeros, half2
+      python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv.json"
+      python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-fp16.json" ;;
     invariance)  # issue 22: 1,000 repeats of one prompt under random load, batch-invariant mode, bf16
       python3 -m minivllm bench invariance --device cuda --dtype bfloat16 --repeats ${REPEATS:-1000} --batch-invariant \
         --output "$dir/invariance.json" ;;

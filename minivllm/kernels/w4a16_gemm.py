@@ -57,6 +57,9 @@ W4A16_CONFIGS: list[tuple[int, dict[str, int]]] = [
 MAX_SPLIT_K = 16
 # the GEMV's zero-folding variant (see _w4a16_gemv_kernel), off until measured on a GPU
 GEMV_FOLD_ZEROS = os.environ.get("MINIVLLM_W4A16_GEMV_FOLD", "0") == "1"
+# the GEMV's packed half2 variant (see _word_dot_half2), off until measured on a GPU; never on
+# the CPU (Triton's interpreter has no inline assembly)
+GEMV_HALF2 = os.environ.get("MINIVLLM_W4A16_GEMV_HALF2", "0") == "1"
 # split K until about this many programs per SM. 4, from scripts/bench_w4a16_gemv.py on an H100
 # (lease 7, Llama-3.1-8B batch-1 shapes, in CUDA graphs): at 2, gate_up (448 tiles) ran unsplit
 # in 48.8 us against 41.9 us at split 2; the four linears of a layer take 88 us at 4, 95 us at 2
@@ -71,6 +74,82 @@ def _nibble(w, j: tl.constexpr):
     """Nibble j of each int32 word as the float32 2^23 + q, exactly, without an I2F: the
     nibble OR-ed into the mantissa of 2^23 and the bits read as a float."""
     return (((w >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
+
+
+# One int32 word of 8 nibbles (q_j at bits 4j) against 8 activations, in packed 16-bit math:
+#   lop3 (w >> 4k) & 0x000F000F | MAGIC  ->  the pair (MAGIC + q_k, MAGIC + q_{k+4}), exactly
+#   sub  the pair (MAGIC + z) x 2         ->  (q_k - z, q_{k+4} - z), exactly
+#   fma  with the activation pair (x_k, x_{k+4}) / 16 into a packed accumulator (4 pairs)
+# then the two halves widened to float32 and added: $0 = sum_j (q_j - z) x_j / 16. MAGIC is
+# 1024 in float16 (0x6400: ulp 1 on [1024, 2048)) and 128 in bfloat16 (0x4300: ulp 1 on [128, 256)).
+# Per 8 weights: 3 shifts, 4 LOP3, 4 packed subs, 4 packed FMAs, 2 widenings, an add (the plain
+# path: a shift, a LOP3, FADD, FMUL and FFMA per weight). The 1/16 keeps the packed partial
+# inside float16's range (|q - z| <= 15, so |partial| <= 4 max|x|); the scale carries the 16.
+_HALF2_ASM = """{{
+.reg .b32 w4t, w4a, w4b, w4c, w4d, w4acc;
+.reg .{rty} w4lo, w4hi;
+.reg .f32 w4flo, w4fhi;
+lop3.b32 w4a, $1, 0x000f000f, {magic}, 0xea;
+shr.u32 w4t, $1, 4;
+lop3.b32 w4b, w4t, 0x000f000f, {magic}, 0xea;
+shr.u32 w4t, $1, 8;
+lop3.b32 w4c, w4t, 0x000f000f, {magic}, 0xea;
+shr.u32 w4t, $1, 12;
+lop3.b32 w4d, w4t, 0x000f000f, {magic}, 0xea;
+sub{rnd}.{ty}x2 w4a, w4a, $2;
+sub{rnd}.{ty}x2 w4b, w4b, $2;
+sub{rnd}.{ty}x2 w4c, w4c, $2;
+sub{rnd}.{ty}x2 w4d, w4d, $2;
+mul{rnd}.{ty}x2 w4acc, w4a, $3;
+fma.rn.{ty}x2 w4acc, w4b, $4, w4acc;
+fma.rn.{ty}x2 w4acc, w4c, $5, w4acc;
+fma.rn.{ty}x2 w4acc, w4d, $6, w4acc;
+mov.b32 {{w4lo, w4hi}}, w4acc;
+cvt.f32.{ty} w4flo, w4lo;
+cvt.f32.{ty} w4fhi, w4hi;
+add.f32 $0, w4flo, w4fhi;
+}}"""
+HALF2_ASM_F16: tl.constexpr = tl.constexpr(_HALF2_ASM.format(magic="0x64006400", ty="f16", rty="f16", rnd=".rn"))
+HALF2_ASM_BF16: tl.constexpr = tl.constexpr(_HALF2_ASM.format(magic="0x43004300", ty="bf16", rty="b16", rnd=".rn"))
+
+
+@triton.jit
+def _x_pair_bits(x_ptr, row_off, words, kk: tl.constexpr, K, stride_xk, EVEN: tl.constexpr):
+    """[BK/8] int32: the activation pair (x[8r + kk], x[8r + kk + 4]) / 16 packed as two 16-bit
+    floats (low half first), for _word_dot_half2's pair k = kk of word r."""
+    k0 = words * 8 + kk
+    if EVEN:
+        lo = tl.load(x_ptr + row_off + k0 * stride_xk).to(tl.float32) * 0.0625
+        hi = tl.load(x_ptr + row_off + (k0 + 4) * stride_xk).to(tl.float32) * 0.0625
+    else:
+        lo = tl.load(x_ptr + row_off + k0 * stride_xk, mask=k0 < K, other=0.0).to(tl.float32) * 0.0625
+        hi = tl.load(x_ptr + row_off + (k0 + 4) * stride_xk, mask=k0 + 4 < K, other=0.0).to(tl.float32) * 0.0625
+    dt = x_ptr.dtype.element_ty
+    lo_bits = lo.to(dt).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi_bits = hi.to(dt).to(tl.int16, bitcast=True).to(tl.int32)
+    return lo_bits | (hi_bits << 16)
+
+
+@triton.jit
+def _word_dot_half2(w, z, x0, x1, x2, x3, ROWS: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr):
+    """w [ROWS, COLS] int32 words, z [ROWS, COLS] float zero points (integers 0..15), x0..x3 [ROWS]
+    activation pairs (_x_pair_bits) -> [ROWS, COLS] float32: sum_j (q_j - z) x_j / 16 per word."""
+    if BF16:
+        zi = z.to(tl.int32) + 0x4300  # the 16-bit float MAGIC + z, exactly
+    else:
+        zi = z.to(tl.int32) + 0x6400
+    z2 = zi | (zi << 16)
+    xb0 = tl.broadcast_to(x0[:, None], (ROWS, COLS))
+    xb1 = tl.broadcast_to(x1[:, None], (ROWS, COLS))
+    xb2 = tl.broadcast_to(x2[:, None], (ROWS, COLS))
+    xb3 = tl.broadcast_to(x3[:, None], (ROWS, COLS))
+    if BF16:
+        part = tl.inline_asm_elementwise(HALF2_ASM_BF16, "=f,r,r,r,r,r,r", [w, z2, xb0, xb1, xb2, xb3],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        part = tl.inline_asm_elementwise(HALF2_ASM_F16, "=f,r,r,r,r,r,r", [w, z2, xb0, xb1, xb2, xb3],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return part
 
 
 @triton.jit
@@ -127,7 +206,8 @@ def _w4a16_gemv_kernel(
     stride_sg, stride_sn,
     stride_om, stride_on,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    FOLD_ZEROS: tl.constexpr = False,
+    FOLD_ZEROS: tl.constexpr = False, HALF2: tl.constexpr = False,
+    EVEN: tl.constexpr = False,  # K % BLOCK_K == 0 and N % BLOCK_N == 0: the weight tiles need no masks
 ):
     """Few rows (batch-1 decode): no tensor cores, so the dequantized tile never changes layout
     for a tl.dot operand; products accumulate elementwise in a [BLOCK_K/8, BLOCK_N] tile and are
@@ -152,10 +232,27 @@ def _w4a16_gemv_kernel(
     for t in range(pid_k * per_split, t_end):
         words = t * (BLOCK_K // 8) + rw
         w_ok = (words < K // 8)[:, None] & n_ok[None, :]
-        w = tl.load(qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn, mask=w_ok, other=0)
+        w_ptrs = qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn
         g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
-        s = tl.load(s_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
-        if FOLD_ZEROS:
+        if EVEN:
+            w = tl.load(w_ptrs)
+            s = tl.load(s_ptr + g_off).to(tl.float32)
+        else:
+            w = tl.load(w_ptrs, mask=w_ok, other=0)
+            s = tl.load(s_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
+        if HALF2:  # 16-bit activations: packed math per word (_word_dot_half2); the 16 once, at the end
+            if EVEN:
+                z = tl.load(z_ptr + g_off)
+            else:
+                z = tl.load(z_ptr + g_off, mask=w_ok, other=0.0)
+            row_off = m * stride_xm
+            part = _word_dot_half2(w, z, _x_pair_bits(x_ptr, row_off, words, 0, K, stride_xk, EVEN),
+                                   _x_pair_bits(x_ptr, row_off, words, 1, K, stride_xk, EVEN),
+                                   _x_pair_bits(x_ptr, row_off, words, 2, K, stride_xk, EVEN),
+                                   _x_pair_bits(x_ptr, row_off, words, 3, K, stride_xk, EVEN),
+                                   BLOCK_K // 8, BLOCK_N, x_ptr.dtype.element_ty == tl.bfloat16)
+            acc += part * s
+        elif FOLD_ZEROS:
             z = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
             w_hi = w >> 20  # nibbles 5..7 at bits 0..11
             part = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)  # sum_j x_j q_j of each word
@@ -178,6 +275,8 @@ def _w4a16_gemv_kernel(
                 xj = tl.load(x_ptr + m * stride_xm + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)  # [BK/8]
                 acc += xj[:, None] * ((_nibble(w, j) - zb) * s)
     out = tl.sum(acc, 0)  # [BLOCK_N]
+    if HALF2:
+        out = out * 16.0  # the activations entered the packed products divided by 16 (exact)
     store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn * stride_on, m * N + rn, M * N, n_ok, pid_k,
                 m * tl.num_programs(0) + pid_n, SPLIT_K)
 
@@ -235,6 +334,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if cfg["BLOCK_M"] == 1:
         del cfg["BLOCK_M"]
         cfg.setdefault("FOLD_ZEROS", GEMV_FOLD_ZEROS)
+        cfg.setdefault("HALF2", GEMV_HALF2 and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16))
+        cfg.setdefault("EVEN", k % cfg["BLOCK_K"] == 0 and n % cfg["BLOCK_N"] == 0)
         _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)
     else:
         _w4a16_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)

@@ -196,6 +196,33 @@ def test_w4a16_gemv_fold_zeros(n: int, k: int, group: int, split_k: int) -> None
 
 
 @gpu
+@pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (6144, 4096, 128), (4096, 14336, 128), (1536, 576, 64),
+                                         (75, 512, 64)])
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_w4a16_gemv_half2(n: int, k: int, group: int, split_k: int) -> None:
+    """The packed 16-bit GEMV (MINIVLLM_W4A16_GEMV_HALF2=1: kernels/w4a16_gemm.py _word_dot_half2)
+    against the reference, in both 16-bit dtypes, with act-order and every zero point."""
+    from minivllm.kernels.w4a16_gemm import w4a16_config
+    cfg = dict(w4a16_config(1), HALF2=True)
+    for m in (1, 2):
+        assert check_w4a16(m, n, k, group, torch.bfloat16, DEV, seed=m, split_k=split_k, config=cfg) < 2e-2
+        assert check_w4a16(m, n, k, group, torch.float16, DEV, seed=m, split_k=split_k, config=cfg,
+                           act_order=True) < 1e-2
+
+
+@gpu
+def test_w4a16_gemv_half2_large_activations() -> None:
+    """Activations near float16's limit: the packed partial (scaled by 1/16) must not overflow."""
+    from minivllm.kernels.w4a16_gemm import w4a16_config, w4a16_gemm
+    x, qw, s, z, _ = w4_case(1, 256, 1024, 128, torch.float16, DEV, seed=3)
+    x[0, :16:2] = 30000.0  # outlier channels (one word's pairs), as some LLM activations have
+    s = s / 10  # keep the float16 output itself finite
+    ref = w4.w4a16_reference(x, qw, s, z, 128, None).float()
+    out = w4a16_gemm(x, qw, s, z, 128, split_k=1, config=dict(w4a16_config(1), HALF2=True))
+    assert torch.isfinite(out).all() and errors(out, ref)[1] < 1e-2
+
+
+@gpu
 @pytest.mark.parametrize("split_k", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("m", [1, 2])
 def test_w4a16_gemv_split_fixup(split_k: int, m: int) -> None:

@@ -1,0 +1,78 @@
+"""The W4A16 GEMV's packed half2 variant (kernels/w4a16_gemm.py: inline PTX) compiled for an
+H100 (sm_90) on the CPU, through Triton's own ptxas: Triton's interpreter cannot run inline
+assembly, so this is what CI checks of it (its numbers: tests/gpu/test_quant_kernels.py).
+Also that the packed path issues fewer instructions per weight than the plain one, by counting
+the SASS of the main loop (nvdisasm, shipped with Triton as well)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+NAMES = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "M", "N", "K", "stride_xm",
+         "stride_xk", "stride_qk", "stride_qn", "stride_sg", "stride_sn", "stride_om", "stride_on"]
+ONES = {"M", "stride_xk", "stride_qn", "stride_sn", "stride_on"}  # what the JIT specializes to 1 at batch 1
+
+
+def _compile(dtype: str, half2: bool, split_k: int = 4):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minivllm.kernels import w4a16_gemm as w
+    types = [f"*{dtype}", "*i32", f"*{dtype}", f"*{dtype}", f"*{dtype}", "*fp32", "*i32"] + ["i32"] * 11
+    sig = {n: ("constexpr" if n in ONES else t) for n, t in zip(NAMES, types)}
+    consts = {n: 1 for n in ONES}
+    consts.update(GROUP=128, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, FOLD_ZEROS=False, HALF2=half2, EVEN=True)
+    sig.update({k: "constexpr" for k in ("GROUP", "BLOCK_N", "BLOCK_K", "SPLIT_K", "FOLD_ZEROS", "HALF2", "EVEN")})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n not in ONES}
+    try:
+        src = ASTSource(fn=w._w4a16_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    except TypeError as e:  # another Triton's ASTSource
+        pytest.skip(f"this Triton's ASTSource differs: {e}")
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+
+
+def _loop_instructions(kernel) -> collections.Counter:
+    """Opcode counts of the kernel's longest backward-branch loop (the K loop)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(tool):
+        pytest.skip("no nvdisasm in this Triton")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    labels, ins = {}, []
+    for line in text.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+        elif (m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line)):
+            ins.append(m.group(1))
+    loops = [ins[labels[m.group(1)]: i + 1] for i, s in enumerate(ins)
+             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", s)) and labels[m.group(1)] <= i]
+    body = max(loops, key=len)
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in body)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_half2_gemv_compiles_for_sm90(dtype: str) -> None:
+    kernel = _compile(dtype, half2=True)
+    ptx = kernel.asm["ptx"]
+    packed = "f16x2" if dtype == "fp16" else "bf16x2"
+    assert f"fma.rn.{packed}" in ptx and "lop3.b32" in ptx and kernel.asm["cubin"]
+
+
+def test_half2_gemv_issues_fewer_instructions_per_weight() -> None:
+    """SASS of the K loop: the plain path spends ~7 instructions a weight, the packed one < 5."""
+    weights_per_thread = 64 * 256 / (32 * 4)  # BLOCK_N x BLOCK_K over 4 warps
+    plain = sum(_loop_instructions(_compile("fp16", half2=False)).values()) / weights_per_thread
+    half2_ops = _loop_instructions(_compile("fp16", half2=True))
+    half2 = sum(half2_ops.values()) / weights_per_thread
+    assert half2_ops["HFMA2"] > 0 and half2 < 5.0 < plain, (plain, half2, half2_ops.most_common(8))
