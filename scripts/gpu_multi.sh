@@ -171,8 +171,8 @@ run_step() {  # run_step STEP LANE_DIR PORT
       python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv-tiles.json" \
         --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 32,512,4,4 256,256,8,3 64,128,4,4" ;;
     awq-gemv)  # issue 25: the W4A16 GEMV alone on Llama-3.1-8B's batch-1 shapes (scripts/bench_w4a16_gemv.py),
-      # bf16 and (W11-awq's) fp16 activations; variants: split-K, default, fold-zeros, half2
-      python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv.json"
+      # W11-awq's fp16 activations (AWQ_GEMV_BF16=1: bf16 too); variants: split-K, default, fold-zeros, half2
+      [ -n "${AWQ_GEMV_BF16:-}" ] && python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv.json"
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-fp16.json" ;;
     invariance)  # issue 22: 1,000 repeats of one prompt under random load, batch-invariant mode, bf16
       python3 -m minivllm bench invariance --device cuda --dtype bfloat16 --repeats ${REPEATS:-1000} --batch-invariant \
@@ -222,7 +222,7 @@ run_step() {  # run_step STEP LANE_DIR PORT
       # xgrammar for the structured-output tests (lease 11: test_structured_gpu.py skipped without it)
       bash scripts/xgrammar_stage.sh >/dev/null 2>&1 && export PYTHONPATH=${XGR_SITE:-/tmp/xgr-site}:${PYTHONPATH:-}
       for f in ${GPU_TESTS:-tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_kv_tiers_gpu.py tests/gpu/test_parallel_gpu.py}; do
-        timeout ${GPU_TEST_TIMEOUT:-300} python3 -m pytest -q -x "$f" -p no:cacheprovider 2>&1 | tail -15
+        timeout ${GPU_TEST_TIMEOUT:-300} python3 -m pytest -q -x "$f" -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tail -15
         [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
       done
       return $failed ;;

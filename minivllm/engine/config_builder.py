@@ -119,7 +119,8 @@ def build_engine_config(
     check(max_model_len <= arch.max_position_embeddings, "max_model_len",
           f"must be <= the model's max_position_embeddings={arch.max_position_embeddings}, got {max_model_len}")
     check(block_size in (8, 16, 32, 64, 128), "block_size", f"must be one of 8, 16, 32, 64, 128, got {block_size}")
-    check(0.0 < gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+    check(isinstance(gpu_memory_utilization, (int, float)) and not isinstance(gpu_memory_utilization, bool)
+          and 0.0 < gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
           f"must be in (0, 1], got {gpu_memory_utilization}")
     if num_kv_blocks is not None:
         check(num_kv_blocks >= 1, "num_kv_blocks", f"must be >= 1, got {num_kv_blocks}")

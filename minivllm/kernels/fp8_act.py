@@ -20,9 +20,10 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.fp8_gemm import Fp8Rows
-from minivllm.kernels.fused_ops import _norm_warps, _rms_norm_kernel
+from minivllm.kernels.fused_ops import (_norm_warps, _rms_norm_kernel, fused_add_rms_norm_torch, rms_norm_torch,
+                                        silu_and_mul_torch)
 from minivllm.quant.config import FP8_E4M3_MAX
-from minivllm.quant.fp8 import FP8, MIN_SCALE
+from minivllm.quant.fp8 import FP8, MIN_SCALE, quantize_rows
 
 FUSED_QUANT = os.environ.get("MINIVLLM_FP8_FUSED_QUANT", "1") != "0"
 
@@ -60,7 +61,13 @@ def _silu_mul_quant_kernel(
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[Fp8Rows, torch.Tensor | None]:
     """x [T, H] (+ residual) -> (the normed rows quantized per token, x + residual or None):
-    fused_ops.fused_add_rms_norm / rms_norm followed by the FP8 linear's quantizer, one launch."""
+    fused_ops.fused_add_rms_norm / rms_norm followed by the FP8 linear's quantizer, one launch.
+    Off CUDA: the same two steps in torch (the reference)."""
+    if not x.is_cuda:
+        if residual is None:
+            return Fp8Rows(*quantize_rows(rms_norm_torch(x, weight, eps)), x.dtype), None
+        normed, res_out = fused_add_rms_norm_torch(x, residual, weight, eps)
+        return Fp8Rows(*quantize_rows(normed), x.dtype), res_out
     num_tokens, hidden = x.shape
     assert weight.dtype == x.dtype and x.stride(-1) == 1 and weight.is_contiguous(), (weight.dtype, x.dtype)
     q = torch.empty(num_tokens, hidden, dtype=FP8, device=x.device)
@@ -83,7 +90,9 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:
     """gate_up [T, 2I] -> silu(gate) * up quantized per token: fused_ops.silu_and_mul followed by
-    the FP8 linear's quantizer, one launch."""
+    the FP8 linear's quantizer, one launch. Off CUDA: the same two steps in torch."""
+    if not gate_up.is_cuda:
+        return Fp8Rows(*quantize_rows(silu_and_mul_torch(gate_up)), gate_up.dtype)
     num_tokens, two_i = gate_up.shape
     assert two_i % 2 == 0 and gate_up.stride(-1) == 1, (gate_up.shape, gate_up.stride())
     inter = two_i // 2
@@ -103,10 +112,11 @@ def _is_fp8_linear(module) -> bool:
     return type(module) is QuantLinear and isinstance(module.method, Fp8Method) and hasattr(module, "weight_fp8")
 
 
-def enable_fused_activation_quant(layers) -> int:
+def enable_fused_activation_quant(layers, on_cpu: bool = False) -> int:
     """Point every norm and SwiGLU whose only consumer is an FP8 linear (not wrapped, e.g. by
     LoRA) at the fused quantizing kernels. Dense decoder layers only (a MoE block's input also
-    feeds its router). Returns how many activations now arrive quantized."""
+    feeds its router). CUDA layers only unless on_cpu (tests: the torch stand-ins then run).
+    Returns how many activations now arrive quantized."""
     from minivllm.models.layers import MLP
     if not FUSED_QUANT:
         return 0
@@ -116,10 +126,10 @@ def enable_fused_activation_quant(layers) -> int:
         if attn is None or not isinstance(mlp, MLP):
             continue
         for norm, consumer in ((layer.input_layernorm, attn.qkv_proj), (layer.post_attention_layernorm, mlp.gate_up_proj)):
-            if _is_fp8_linear(consumer) and norm.weight.is_cuda:
+            if _is_fp8_linear(consumer) and (norm.weight.is_cuda or on_cpu):
                 norm.fp8_out = True
                 count += 1
-        if _is_fp8_linear(mlp.down_proj) and mlp.down_proj.weight_fp8.is_cuda:
+        if _is_fp8_linear(mlp.down_proj) and (mlp.down_proj.weight_fp8.is_cuda or on_cpu):
             mlp.fp8_act = True
             count += 1
     return count

@@ -33,17 +33,21 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(x, scale), scale
 
 
-def fp8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+def fp8_linear_reference(x, w_q: torch.Tensor, w_scale: torch.Tensor,
                          bias: torch.Tensor | None = None, w_dequant: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (quantized per token here) @ (w_q [N, K] * w_scale [N]).T (+ bias), in float32.
+    """x [..., K] (quantized per token here; or rows already quantized, kernels/fp8_gemm.Fp8Rows
+    [T, K]) @ (w_q [N, K] * w_scale [N]).T (+ bias), in float32, returned in x's dtype.
     w_dequant: that product of w_q and w_scale when already computed (float32 [N, K])."""
-    lead = x.shape[:-1]
-    x_q, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    if isinstance(x, torch.Tensor):
+        lead, dtype = x.shape[:-1], x.dtype
+        x_q, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    else:
+        lead, dtype, x_q, x_scale = x.q.shape[:-1], x.dtype, x.q, x.scale
     w = w_dequant if w_dequant is not None else w_q.float() * w_scale.float()[:, None]
     y = (x_q.float() * x_scale) @ w.t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).view(*lead, w_q.shape[0])
+    return y.to(dtype).view(*lead, w_q.shape[0])
 
 
 class Fp8Method:
@@ -84,8 +88,8 @@ class Fp8Method:
             layer.weight_dequant = w_q.float() * layer.weight_scale_f32[:, None]
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        # x may come quantized already (kernels/fp8_act.py's Fp8Rows, CUDA only)
-        if not isinstance(x, torch.Tensor) or x.device.type == "cuda":
+        # x may come quantized already (kernels/fp8_act.py's Fp8Rows)
+        if (x if isinstance(x, torch.Tensor) else x.q).device.type == "cuda":
             from minivllm.kernels.fp8_gemm import fp8_linear
             return fp8_linear(x, layer.weight_fp8, layer.weight_scale_f32, layer.bias)
         return fp8_linear_reference(x, layer.weight_fp8, layer.weight_scale_f32, layer.bias,

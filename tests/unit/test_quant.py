@@ -161,6 +161,13 @@ def test_kv_cache_dtype_is_validated() -> None:
         build_engine_config(device="cpu", kv_cache_dtype="fp8_e5m2")
 
 
+@pytest.mark.parametrize("bad", [None, "0.9", True, 0.0, 1.5])
+def test_gpu_memory_utilization_is_validated(bad) -> None:
+    """A clear error naming the field (None and strings raised a TypeError from a comparison)."""
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        build_engine_config(device="cpu", gpu_memory_utilization=bad)
+
+
 @pytest.mark.parametrize("fmt", ["awq", "gptq-act", "ct-w4a16-asym", "ct-fp8"])
 def test_dummy_weights_with_a_quantization_config(tmp_path, fmt: str) -> None:
     d = tmp_path / fmt
@@ -219,3 +226,43 @@ def test_calibrated_kv_scales_put_the_step_maximum_at_the_range() -> None:
     assert attn.calibrate_kv is False
     assert torch.allclose(k.abs().max() / attn.k_scale, torch.tensor(K_SCALE_RANGE))
     assert torch.allclose(v.abs().max() / attn.v_scale, torch.tensor(V_SCALE_RANGE))
+
+
+def test_fused_fp8_activation_quant_keeps_the_tokens(tmp_path) -> None:
+    """The norms and SwiGLUs that quantize for their FP8 linear (kernels/fp8_act.py, wired in at
+    load time on the GPU) give the same greedy tokens and logprobs as the separate quantizer: here
+    with their torch stand-ins on the CPU (bf16, so the decoder layers' own forward runs), which
+    is the plumbing the GPU path shares: Fp8Rows through RMSNorm, Attention, MLP and the linear."""
+    pytest.importorskip("triton")
+    from minivllm import LLM, SamplingParams
+    from minivllm.kernels import fp8_act
+    from minivllm.models.layers import MLP, RMSNorm
+    d, _ = write_tiny(tmp_path, "ct-fp8")
+    llm = LLM(model=d, skip_tokenizer_init=True, device="cpu", dtype="bfloat16", kv_cache_memory_bytes=4 << 20)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250, 42, 7]}, {"prompt_token_ids": [1, 2, 3]}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
+
+    def run():
+        return [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+    plain = run()
+    model = llm.llm_engine.executor.runner.model
+    assert fp8_act.enable_fused_activation_quant(model.layers, on_cpu=True) == 3 * len(model.layers)
+    calls = {"norm": 0, "silu": 0}
+    norm_fp8, silu_fp8 = fp8_act.rms_norm_fp8, fp8_act.silu_and_mul_fp8
+
+    def counted(kind, fn):
+        def wrapped(*a, **k):
+            calls[kind] += 1
+            return fn(*a, **k)
+        return wrapped
+    fp8_act.rms_norm_fp8, fp8_act.silu_and_mul_fp8 = counted("norm", norm_fp8), counted("silu", silu_fp8)
+    try:
+        fused = run()
+    finally:
+        fp8_act.rms_norm_fp8, fp8_act.silu_and_mul_fp8 = norm_fp8, silu_fp8
+    assert calls["norm"] > 0 and calls["silu"] > 0, calls
+    assert all(m.fp8_out for m in model.modules() if isinstance(m, RMSNorm) and m is not model.norm)
+    assert all(m.fp8_act for m in model.modules() if isinstance(m, MLP))
+    assert fused == plain
+    llm.llm_engine.shutdown()
