@@ -104,15 +104,15 @@ def bench_shape(row: dict) -> list[dict]:
     x = torch.randn(1, k, device="cuda", dtype=DTYPE)
     ws = weights(k, n, row["copies"])
     from minivllm.kernels.w4a16_gemm import w4a16_config
-    variants = [(f"gemv split {s}", s, False) for s in row["splits"]]
-    variants += [(f"gemv default ({row['default_split']})", None, False),
-                 (f"gemv fold-zeros default ({row['default_split']})", None, True),  # MINIVLLM_W4A16_GEMV_FOLD=1
-                 (f"gemv half2 default ({row['default_split']})", None, "half2")]  # MINIVLLM_W4A16_GEMV_HALF2=1
+    # (label, split-K, packed half2 path): the splits on the default path, then both paths at the default split
+    variants = [(f"gemv split {s}", s, None) for s in row["splits"]]
+    variants += [(f"gemv plain default ({row['default_split']})", None, False),  # MINIVLLM_W4A16_GEMV_HALF2=0
+                 (f"gemv half2 default ({row['default_split']})", None, True)]
     results = []
-    for label, split, fold in variants:
-        def call(i: int, split=split, fold=fold) -> torch.Tensor:
+    for label, split, half2 in variants:
+        def call(i: int, split=split, half2=half2) -> torch.Tensor:
             qw, s, z = ws[i]
-            cfg = dict(w4a16_config(1), FOLD_ZEROS=fold is True, HALF2=fold == "half2")
+            cfg = w4a16_config(1) if half2 is None else dict(w4a16_config(1), HALF2=half2)
             return w4a16_gemm(x, qw, s, z, GROUP, split_k=split, config=cfg)
         eager, graph = time_eager(call, row["copies"]), time_graph(call, row["copies"])
         results.append({"shape": row["shape"], "variant": label, "split_k": split or row["default_split"],

@@ -171,7 +171,7 @@ run_step() {  # run_step STEP LANE_DIR PORT
       python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv-tiles.json" \
         --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 32,512,4,4 256,256,8,3 64,128,4,4" ;;
     awq-gemv)  # issue 25: the W4A16 GEMV alone on Llama-3.1-8B's batch-1 shapes (scripts/bench_w4a16_gemv.py),
-      # W11-awq's fp16 activations (AWQ_GEMV_BF16=1: bf16 too); variants: split-K, default, fold-zeros, half2
+      # W11-awq's fp16 activations (AWQ_GEMV_BF16=1: bf16 too); variants: split-K, plain and packed half2 paths
       [ -n "${AWQ_GEMV_BF16:-}" ] && python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv.json"
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-fp16.json" ;;
     invariance)  # issue 22: 1,000 repeats of one prompt under random load, batch-invariant mode, bf16
@@ -207,11 +207,8 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --out "$dir/profile-moe1.json"
       MINIVLLM_MOE_DECODE_GEMV=0 python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --batch 1 \
         --prompt-len 128 --max-tokens 64 --out "$dir/profile-moe1-grouped.json" ;;
-    decode-variants)  # issue 25: decode attention, bf16 and FP8 caches, queries or keys as rows, FP8 widened to fp16 or not
+    decode-variants)  # issue 25: decode attention, bf16 and FP8 caches, FP8 widened to fp16 or to the query's dtype
       python3 scripts/bench_decode_variants.py --out "$dir/decode-variants.json" ;;
-    w11-fp8-kar)  # issue 25: W11-fp8 with the decode kernel's keys-as-rows products (A/B with ours:W11-fp8)
-      MINIVLLM_DECODE_KEYS_AS_ROWS=1 python3 -m minivllm.bench.compare --only 'ours:W11-fp8' --out "$dir/kar" --budget-s 580 \
-        > "$dir/w11-fp8-kar.txt" 2>&1; tail -3 "$dir/w11-fp8-kar.txt" ;;
     fp8-sweep)  # issue 25: torch._scaled_mm's FP8 variants vs bf16 on Qwen3-8B's linear shapes
       python3 scripts/fp8_gemm_sweep.py --out "$dir/fp8-sweep.json" ;;
     soak)

@@ -107,11 +107,9 @@ def _jobs() -> list[Job]:
     # kernels (vLLM: AWQ Marlin, CUTLASS FP8)
     awq = ["latency", "--model-config", "llama-3.1-8b", "--quantization", "awq"]
     j += _pair("W11-awq", awq, awq, 130, 200, _LAT_TINY + ["--quant-group-size", "32"])
-    # issue 25: the W4A16 GEMV's zero-folding variant (kernels/w4a16_gemm.py), A/B in one lease
-    j += [Job("ours:W11-awq-fold", "ours", OURS + awq, 130, 540, _LAT_TINY + ["--quant-group-size", "32"] + _CPU,
-              env={"MINIVLLM_W4A16_GEMV_FOLD": "1"}),
-          Job("ours:W11-awq-half2", "ours", OURS + awq, 130, 540, _LAT_TINY + ["--quant-group-size", "32"] + _CPU,
-              env={"MINIVLLM_W4A16_GEMV_HALF2": "1"})]
+    # issue 25: the W4A16 GEMV's plain path (the packed half2 one off), A/B in one lease
+    j += [Job("ours:W11-awq-plain", "ours", OURS + awq, 130, 540, _LAT_TINY + ["--quant-group-size", "32"] + _CPU,
+              env={"MINIVLLM_W4A16_GEMV_HALF2": "0"})]
     fp8 = tp + ["W1-8B", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
     j += _pair("W11-fp8", fp8, fp8, 180, 260, _TINY)
     # issue 23: W1 with 4 dummy rank-16 LoRA adapters spread over the requests (vs W1 without), and

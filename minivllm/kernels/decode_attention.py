@@ -18,15 +18,10 @@ With num_splits == 1 stage 1 writes the final output and stage 2 is skipped.
 FP8 (e4m3) caches: each K/V tile is widened in registers to float16 (one `cvt.rn.f16x2.e4m3x2`
 per two values on sm89+; widening to bfloat16 takes that and two more conversions), and the
 query and the probabilities join it in float16 (a 16-bit query clamped to float16's range; a
-float32 query keeps float32; products still accumulate in float32). k_scale is folded into the softmax scale and v_scale into the
-normalized output (per-tensor scales). MINIVLLM_FP8_KV_WIDEN=query widens to the query's dtype
-instead (the layout before lease 17).
-
-Keys as rows (`KEYS_AS_ROWS`, MINIVLLM_DECODE_KEYS_AS_ROWS=1, off until measured): the products
-are taken transposed, S^T = K q^T [BLOCK_N, G_PAD] and O^T += V^T P^T [D, G_PAD], so the K/V
-tile is the left operand (128 rows) and the few query heads the right one. On Hopper the left
-operand of a wgmma may come from registers, where a widened FP8 tile already is; with the
-query heads as the left operand (16 padded rows) the product cannot use wgmma at all.
+float32 query keeps float32; products still accumulate in float32). k_scale is folded into the
+softmax scale and v_scale into the normalized output (per-tensor scales).
+MINIVLLM_FP8_KV_WIDEN=query widens to the query's dtype instead (the layout before lease 17;
+lease 17: 3-7 % slower on W11-like batches, `scripts/bench_decode_variants.py`).
 
 Only sequences with exactly one new token are attended; others (zero-length padding, and the
 prompt chunks of a mixed step, which the prefill kernel serves) are left alone, so a mixed
@@ -40,7 +35,6 @@ replays. The reference is `paged_attention_reference` in minivllm/attention/refe
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +51,6 @@ LOG2E = math.log2(math.e)
 MIN_CHUNK = 128  # fewest keys per split: below this the merge costs more than it saves
 MAX_SPLITS = 64  # most chunks per sequence
 PROGRAMS_PER_SM = 4  # split until about this many stage-1 programs per SM
-# the transposed products (K/V tile as the left operand); off until measured on a GPU
-KEYS_AS_ROWS = os.environ.get("MINIVLLM_DECODE_KEYS_AS_ROWS", "0") == "1"
 
 
 @dataclass
@@ -83,7 +75,7 @@ class DecodeWorkspace:
 
 
 @triton.jit
-def _attend_queries_as_rows(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs, stride_cb, stride_cd,
+def _attend_chunk(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs, stride_cb, stride_cd,
                             G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
                             IEEE: tl.constexpr):
@@ -116,40 +108,6 @@ def _attend_queries_as_rows(q, k_base, v_base, bt_row, start, end, qk_scale, str
     return acc, m_i, l_i
 
 
-@triton.jit
-def _attend_keys_as_rows(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs, stride_cb, stride_cd,
-                         G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-                         IEEE: tl.constexpr):
-    """The same softmax with the products transposed: S^T = K q^T [BLOCK_N, G_PAD] and
-    O^T += V^T P^T [D_PAD, G_PAD], the K/V tile the left operand. Same return as
-    _attend_queries_as_rows (acc transposed back once, after the loop)."""
-    d = tl.arange(0, D_PAD)
-    q_t = tl.trans(q)  # [D_PAD, G_PAD]
-    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    acc_t = tl.zeros([D_PAD, G_PAD], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = n < end
-        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        kv_off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs
-        k = tl.load(k_base + kv_off[:, None] + d[None, :] * stride_cd,
-                    mask=n_valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_N, D_PAD]
-        v_t = tl.load(v_base + kv_off[None, :] + d[:, None] * stride_cd,
-                      mask=n_valid[None, :] & (d < HEAD_DIM)[:, None], other=0.0)  # [D_PAD, BLOCK_N]
-        if KV_FP8:
-            k, v_t = k.to(q.dtype), v_t.to(q.dtype)
-        s_t = mma(k, q_t, IEEE) * qk_scale  # [BLOCK_N, G_PAD]
-        s_t = tl.where(n_valid[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p_t = tl.exp2(s_t - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p_t, 0)
-        acc_t = acc_t * alpha[None, :] + mma(v_t, p_t.to(v_t.dtype), IEEE)
-        m_i = m_new
-    return tl.trans(acc_t), m_i, l_i
-
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # per-step values: one compiled variant
 def _decode_split_kernel(
@@ -180,7 +138,6 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,  # K/V tiles are float8 e4m3: widened to WIDEN, scales folded in
     IEEE: tl.constexpr,  # float32 cache: full-precision products (prefill_attention.mma)
     WIDEN_F16: tl.constexpr = True,  # FP8 only: products in float16 (else in the query's dtype)
-    KEYS_AS_ROWS: tl.constexpr = False,  # the transposed products (module docstring)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -209,13 +166,8 @@ def _decode_split_kernel(
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if KEYS_AS_ROWS:
-        acc, m_i, l_i = _attend_keys_as_rows(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs, stride_cb,
-                                             stride_cd, G_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, KV_FP8, IEEE)
-    else:
-        acc, m_i, l_i = _attend_queries_as_rows(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs,
-                                                stride_cb, stride_cd, G_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N,
-                                                KV_FP8, IEEE)
+    acc, m_i, l_i = _attend_chunk(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs, stride_cb,
+                                            stride_cd, G_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, KV_FP8, IEEE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty chunk: acc == 0, keep the partial at 0
     o = acc / l_safe[:, None]
@@ -313,7 +265,6 @@ def decode_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; allocated if None
     k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches only (None: 1.0)
     v_scale: torch.Tensor | None = None,
-    keys_as_rows: bool | None = None,  # None: KEYS_AS_ROWS
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of each sequence's single new token over its whole paged context."""
     num_tokens, num_heads, head_dim = query.shape
@@ -333,7 +284,7 @@ def decode_attention(
         assert workspace.part_lse.shape[0] >= num_seqs and workspace.part_lse.shape[1] == num_heads
         assert workspace.num_splits >= num_splits and workspace.part_out.shape[3] == head_dim
     _launch_split(query, k_cache, v_cache, out, workspace, query_start_loc, seq_lens, block_tables,
-                  scale, num_splits, k_scale, v_scale, KEYS_AS_ROWS if keys_as_rows is None else keys_as_rows)
+                  scale, num_splits, k_scale, v_scale)
     if num_splits > 1:
         _launch_merge(out, workspace, query_start_loc, num_seqs, num_splits)
     return out
@@ -347,7 +298,7 @@ def _default_splits(query, num_seqs, num_kv_heads, max_seq_len, k_cache, block_t
 
 
 def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, block_tables,
-                  scale, num_splits, k_scale=None, v_scale=None, keys_as_rows: bool = False) -> None:
+                  scale, num_splits, k_scale=None, v_scale=None) -> None:
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -372,7 +323,7 @@ def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, b
         MIN_CHUNK_N=triton.cdiv(MIN_CHUNK, cfg["BLOCK_N"]) * cfg["BLOCK_N"],
         NUM_SPLITS_IS_ONE=one, KV_FP8=fp8,
         IEEE=k_cache.dtype == torch.float32,
-        WIDEN_F16=store_kv.FP8_WIDEN_F16 and query.dtype != torch.float32, KEYS_AS_ROWS=keys_as_rows, **cfg,
+        WIDEN_F16=store_kv.FP8_WIDEN_F16 and query.dtype != torch.float32, **cfg,
     )
 
 

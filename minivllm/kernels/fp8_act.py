@@ -48,14 +48,14 @@ def _silu_mul_quant_kernel(
         u = tl.load(row + I + c, mask=c < I, other=0.0)
         a = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(a))
-    s = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_S)
+    s = tl.maximum(tl.div_rn(tl.max(amax, 0), FP8_MAX), MIN_S)
     tl.store(s_ptr + t, s)
     for c0 in range(0, I, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         g = tl.load(row + c, mask=c < I, other=0.0).to(tl.float32)
         u = tl.load(row + I + c, mask=c < I, other=0.0)
         a = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt).to(tl.float32)
-        tl.store(q_ptr + t * stride_qt + c, tl.clamp(a / s, -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty), mask=c < I)
+        tl.store(q_ptr + t * stride_qt + c, tl.clamp(tl.div_rn(a, s), -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty), mask=c < I)
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -68,6 +68,12 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
             return Fp8Rows(*quantize_rows(rms_norm_torch(x, weight, eps)), x.dtype), None
         normed, res_out = fused_add_rms_norm_torch(x, residual, weight, eps)
         return Fp8Rows(*quantize_rows(normed), x.dtype), res_out
+    return rms_norm_fp8_triton(x, weight, eps, residual)
+
+
+def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor | None = None) -> tuple[Fp8Rows, torch.Tensor | None]:
+    """Kernel path of `rms_norm_fp8` (also on CPU tensors under TRITON_INTERPRET=1)."""
     num_tokens, hidden = x.shape
     assert weight.dtype == x.dtype and x.stride(-1) == 1 and weight.is_contiguous(), (weight.dtype, x.dtype)
     q = torch.empty(num_tokens, hidden, dtype=FP8, device=x.device)
@@ -93,6 +99,11 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:
     the FP8 linear's quantizer, one launch. Off CUDA: the same two steps in torch."""
     if not gate_up.is_cuda:
         return Fp8Rows(*quantize_rows(silu_and_mul_torch(gate_up)), gate_up.dtype)
+    return silu_and_mul_fp8_triton(gate_up)
+
+
+def silu_and_mul_fp8_triton(gate_up: torch.Tensor) -> Fp8Rows:
+    """Kernel path of `silu_and_mul_fp8` (also on CPU tensors under TRITON_INTERPRET=1)."""
     num_tokens, two_i = gate_up.shape
     assert two_i % 2 == 0 and gate_up.stride(-1) == 1, (gate_up.shape, gate_up.stride())
     inter = two_i // 2

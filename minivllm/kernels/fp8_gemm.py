@@ -48,12 +48,12 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, MIN_S: tl.c
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    s = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_S)
+    s = tl.maximum(tl.div_rn(tl.max(amax, 0), FP8_MAX), MIN_S)
     tl.store(s_ptr + m, s)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-        q = tl.clamp(x / s, -FP8_MAX, FP8_MAX)
+        q = tl.clamp(tl.div_rn(x, s), -FP8_MAX, FP8_MAX)  # IEEE division: as torch, and the fused kernels
         tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
 
 

@@ -178,9 +178,9 @@ def _rms_norm_kernel(
     out = y.to(tl.float32) * w.to(tl.float32)
     if QUANT_FP8:  # exactly what the unfused norm's stored row would get from fp8_gemm's quantizer
         o = out.to(x_ptr.dtype.element_ty).to(tl.float32)  # the unfused norm's stored row (weight dtype = x's)
-        s = tl.maximum(tl.max(tl.abs(o), axis=1) / FP8_MAX, MIN_SCALE)  # [ROWS]
+        s = tl.maximum(tl.div_rn(tl.max(tl.abs(o), axis=1), FP8_MAX), MIN_SCALE)  # [ROWS]
         tl.store(scale_ptr + t + tl.arange(0, ROWS), s)
-        out = tl.clamp(o / s[:, None], -FP8_MAX, FP8_MAX)
+        out = tl.clamp(tl.div_rn(o, s[:, None]), -FP8_MAX, FP8_MAX)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -55,11 +55,12 @@ W4A16_CONFIGS: list[tuple[int, dict[str, int]]] = [
     (1 << 30, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}),
 ]
 MAX_SPLIT_K = 16
-# the GEMV's zero-folding variant (see _w4a16_gemv_kernel), off until measured on a GPU
-GEMV_FOLD_ZEROS = os.environ.get("MINIVLLM_W4A16_GEMV_FOLD", "0") == "1"
-# the GEMV's packed half2 variant (see _word_dot_half2), off until measured on a GPU; never on
-# the CPU (Triton's interpreter has no inline assembly)
-GEMV_HALF2 = os.environ.get("MINIVLLM_W4A16_GEMV_HALF2", "0") == "1"
+# the GEMV's packed half2 path for 16-bit activations (_word_dot_half2), on unless
+# MINIVLLM_W4A16_GEMV_HALF2=0; never on the CPU (Triton's interpreter has no inline assembly).
+# Lease 17 (H100, scripts/bench_w4a16_gemv.py --fp16, Llama-3.1-8B's four linears x 32 layers
+# in CUDA graphs): 2.08 ms a token against 2.81 for the plain path and 2.51 for a zero-folding
+# variant (removed)
+GEMV_HALF2 = os.environ.get("MINIVLLM_W4A16_GEMV_HALF2", "1") != "0"
 # split K until about this many programs per SM. 4, from scripts/bench_w4a16_gemv.py on an H100
 # (lease 7, Llama-3.1-8B batch-1 shapes, in CUDA graphs): at 2, gate_up (448 tiles) ran unsplit
 # in 48.8 us against 41.9 us at split 2; the four linears of a layer take 88 us at 4, 95 us at 2
@@ -206,21 +207,17 @@ def _w4a16_gemv_kernel(
     stride_sg, stride_sn,
     stride_om, stride_on,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    FOLD_ZEROS: tl.constexpr = False, HALF2: tl.constexpr = False,
+    HALF2: tl.constexpr = False,
     EVEN: tl.constexpr = False,  # K % BLOCK_K == 0 and N % BLOCK_N == 0: the weight tiles need no masks
 ):
     """Few rows (batch-1 decode): no tensor cores, so the dequantized tile never changes layout
     for a tl.dot operand; products accumulate elementwise in a [BLOCK_K/8, BLOCK_N] tile and are
     reduced once at the end. The weights are re-read per row (from L2 for a few rows).
 
-    FOLD_ZEROS (MINIVLLM_W4A16_GEMV_FOLD=1, to be measured against the default): the zero point
-    and the scale leave the per-weight work. A word's 8 k values share a group, so
-    sum_j x_j (q_j - z) s = s (sum_j x_j q_j - z sum_j x_j): per weight one LOP3 (the nibble
-    masked in place, OR-ed into 2^23: 2^23 + q 16^j, exact for j <= 4), one FADD and one FFMA
-    with x_j scaled by 16^-j (exact: a power of two, once per row vector); nibbles 5-7 after one
-    shift of the word by 20. The default path spends a shift, a LOP3, FADD, FMUL and FFMA per
-    weight, and at batch 1 its integer ops bound the kernel (Hopper issues half as many integer
-    as float32 operations a cycle; lease 7: 1.1-1.5 TB/s of int4)."""
+    HALF2 (16-bit activations, the default there): each word's 8 products in packed 16-bit math
+    (_word_dot_half2): 3.8 instructions a weight in the K loop against 7.0 for the plain path (a
+    shift, a LOP3, FADD, FMUL and FFMA a weight, plus the conversions), which issue-bound the
+    kernel at 0.9-1.5 TB/s of int4."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, BLOCK_K // 8)
@@ -252,22 +249,6 @@ def _w4a16_gemv_kernel(
                                    _x_pair_bits(x_ptr, row_off, words, 3, K, stride_xk, EVEN),
                                    BLOCK_K // 8, BLOCK_N, x_ptr.dtype.element_ty == tl.bfloat16)
             acc += part * s
-        elif FOLD_ZEROS:
-            z = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
-            w_hi = w >> 20  # nibbles 5..7 at bits 0..11
-            part = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)  # sum_j x_j q_j of each word
-            xsum = tl.zeros([BLOCK_K // 8], dtype=tl.float32)  # sum_j x_j of each word
-            for j in tl.static_range(8):
-                k = words * 8 + j
-                xj = tl.load(x_ptr + m * stride_xm + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)
-                xsum += xj
-                if j < 5:
-                    q16 = ((w & (0xF << (4 * j))) | MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC  # q 16^j
-                    part += (xj * (1.0 / (1 << (4 * j))))[:, None] * q16
-                else:
-                    q16 = ((w_hi & (0xF << (4 * (j - 5)))) | MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC
-                    part += (xj * (1.0 / (1 << (4 * (j - 5)))))[:, None] * q16
-            acc += (part - z * xsum[:, None]) * s
         else:
             zb = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32) + MAGIC  # 2^23 + z, exact
             for j in tl.static_range(8):
@@ -333,7 +314,6 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
             *out.stride())
     if cfg["BLOCK_M"] == 1:
         del cfg["BLOCK_M"]
-        cfg.setdefault("FOLD_ZEROS", GEMV_FOLD_ZEROS)
         cfg.setdefault("HALF2", GEMV_HALF2 and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16))
         cfg.setdefault("EVEN", k % cfg["BLOCK_K"] == 0 and n % cfg["BLOCK_N"] == 0)
         _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)

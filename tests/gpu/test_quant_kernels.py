@@ -92,8 +92,7 @@ def fp8_caches(case: PagedCase, k_scale: float, v_scale: float):
     return k8, v8, ks, vs
 
 
-def check_fp8_attention(case: PagedCase, kernel: str, k_scale: float = 0.02, v_scale: float = 0.01,
-                        keys_as_rows: bool = False) -> float:
+def check_fp8_attention(case: PagedCase, kernel: str, k_scale: float = 0.02, v_scale: float = 0.01) -> float:
     """Worst-row relative error of the decode or prefill kernel reading FP8 blocks, against the
     reference reading the same blocks."""
     from minivllm.kernels.decode_attention import decode_attention
@@ -104,8 +103,7 @@ def check_fp8_attention(case: PagedCase, kernel: str, k_scale: float = 0.02, v_s
     out = torch.full_like(case.query, float("nan"))
     args = (case.query, k8, v8, case.query_start_loc, case.seq_lens, case.block_tables, case.scale)
     if kernel == "decode":
-        decode_attention(*args, max_seq_len=max(case.seq_lens_list), out=out, k_scale=ks, v_scale=vs,
-                         keys_as_rows=keys_as_rows)
+        decode_attention(*args, max_seq_len=max(case.seq_lens_list), out=out, k_scale=ks, v_scale=vs)
     else:
         q_lens = [b - a for a, b in zip(case.qsl_list, case.qsl_list[1:])]
         prefill_attention(*args, max_query_len=max(q_lens), out=out, k_scale=ks, v_scale=vs)
@@ -143,11 +141,11 @@ def check_fp8_act(kind: str, m: int, h: int, dtype, device, seed: int = 0) -> di
     x[0, 1] = 40.0  # an outlier sets the row's scale
     res = {}
     if kind == "silu":
-        rows, plain, ref = fp8_act.silu_and_mul_fp8(x), silu_and_mul_triton(x), silu_and_mul_torch(x)
+        rows, plain, ref = fp8_act.silu_and_mul_fp8_triton(x), silu_and_mul_triton(x), silu_and_mul_torch(x)
     else:
         w = (torch.rand(h, generator=g) + 0.5).to(dtype).to(device)
         r = torch.randn(m, h, generator=g).to(dtype).to(device) if kind == "add_norm" else None
-        rows, r_out = fp8_act.rms_norm_fp8(x, w, 1e-6, r)
+        rows, r_out = fp8_act.rms_norm_fp8_triton(x, w, 1e-6, r)
         if r is None:
             plain, ref = rms_norm_triton(x, w, 1e-6), rms_norm_torch(x, w, 1e-6)
         else:
@@ -183,27 +181,16 @@ def test_w4a16_split_k(split_k: int, block_m: int) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (6144, 4096, 128), (4096, 14336, 128), (1536, 576, 64)])
-@pytest.mark.parametrize("split_k", [1, 4])
-def test_w4a16_gemv_fold_zeros(n: int, k: int, group: int, split_k: int) -> None:
-    """The GEMV's zero-folding variant (MINIVLLM_W4A16_GEMV_FOLD) against the reference, bf16
-    and fp16 with act-order, one and two rows."""
-    cfg = {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "FOLD_ZEROS": True}
-    for m in (1, 2):
-        assert check_w4a16(m, n, k, group, torch.bfloat16, DEV, seed=m, split_k=split_k, config=cfg) < 2e-2
-        assert check_w4a16(m, n, k, group, torch.float16, DEV, seed=m, split_k=split_k, config=cfg,
-                           act_order=True) < 1e-2
-
-
-@gpu
 @pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (6144, 4096, 128), (4096, 14336, 128), (1536, 576, 64),
                                          (75, 512, 64)])
 @pytest.mark.parametrize("split_k", [1, 4])
-def test_w4a16_gemv_half2(n: int, k: int, group: int, split_k: int) -> None:
-    """The packed 16-bit GEMV (MINIVLLM_W4A16_GEMV_HALF2=1: kernels/w4a16_gemm.py _word_dot_half2)
-    against the reference, in both 16-bit dtypes, with act-order and every zero point."""
+@pytest.mark.parametrize("half2", [True, False])
+def test_w4a16_gemv_half2(n: int, k: int, group: int, split_k: int, half2: bool) -> None:
+    """The packed 16-bit GEMV (the default for 16-bit activations: kernels/w4a16_gemm.py
+    _word_dot_half2) and the plain one (MINIVLLM_W4A16_GEMV_HALF2=0) against the reference, in
+    both 16-bit dtypes, with act-order and every zero point."""
     from minivllm.kernels.w4a16_gemm import w4a16_config
-    cfg = dict(w4a16_config(1), HALF2=True)
+    cfg = dict(w4a16_config(1), HALF2=half2)
     for m in (1, 2):
         assert check_w4a16(m, n, k, group, torch.bfloat16, DEV, seed=m, split_k=split_k, config=cfg) < 2e-2
         assert check_w4a16(m, n, k, group, torch.float16, DEV, seed=m, split_k=split_k, config=cfg,
@@ -286,14 +273,13 @@ def test_fp8_kv_attention(kernel: str, dtype) -> None:
 
 @gpu
 @pytest.mark.parametrize("widen", ["fp16", "query"])
-@pytest.mark.parametrize("keys_as_rows", [False, True])
-def test_fp8_kv_decode_variants(widen: str, keys_as_rows: bool, monkeypatch) -> None:
-    """Both widenings of the FP8 tiles and both product layouts, on bf16 queries (the engine's)."""
+def test_fp8_kv_decode_widenings(widen: str, monkeypatch) -> None:
+    """Both widenings of the FP8 tiles (store_kv.FP8_WIDEN_F16) on bf16 queries (the engine's)."""
     import random
     from minivllm.kernels import store_kv
     monkeypatch.setattr(store_kv, "FP8_WIDEN_F16", widen == "fp16")
     case = make_case(random_specs(random.Random(4), 24, 3000, "decode"), 32, 8, 128, 16, torch.bfloat16, DEV, seed=5)
-    assert check_fp8_attention(case, "decode", keys_as_rows=keys_as_rows) < 2e-2
+    assert check_fp8_attention(case, "decode") < 2e-2
 
 
 @gpu

@@ -205,10 +205,8 @@ def check_prefill(case: PagedCase, invariant: bool = False) -> Errors:
     return errors(out[: case.num_valid], reference(case))
 
 
-def check_decode(case: PagedCase, num_splits: int | None = None, workspace_splits: int | None = None,
-                 keys_as_rows: bool = False) -> Errors:
-    """num_splits None: automatic choice; workspace_splits: preallocate scratch with that many;
-    keys_as_rows: the kernel's transposed products (decode_attention.KEYS_AS_ROWS)."""
+def check_decode(case: PagedCase, num_splits: int | None = None, workspace_splits: int | None = None) -> Errors:
+    """num_splits None: automatic choice; workspace_splits: preallocate scratch with that many."""
     from minivllm.kernels.decode_attention import DecodeWorkspace, decode_attention
 
     ws = None
@@ -221,7 +219,7 @@ def check_decode(case: PagedCase, num_splits: int | None = None, workspace_split
     out = torch.full_like(case.query, float("nan"))
     decode_attention(case.query, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
                      case.block_tables, case.scale, max_seq_len=max(case.seq_lens_list),
-                     num_splits=num_splits, workspace=ws, out=out, keys_as_rows=keys_as_rows)
+                     num_splits=num_splits, workspace=ws, out=out)
     return errors(out[: case.num_valid], reference(case))
 
 
@@ -335,15 +333,6 @@ def test_decode_fixed_splits(num_splits: int, workspace_splits: int | None, dtyp
     errs = check_decode(case, num_splits=num_splits, workspace_splits=workspace_splits)
     assert ok(errs, dtype), errs
 
-
-@pytest.mark.parametrize("num_splits", [1, 4, None])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_keys_as_rows(num_splits: int | None, dtype) -> None:
-    """The transposed products (decode_attention.KEYS_AS_ROWS) against the reference."""
-    specs = random_specs(random.Random(8), 24, 3000, "decode") + [(1, 1)]
-    case = make_case(specs, 32, 8, 128, 16, dtype, "cuda", seed=8)
-    errs = check_decode(case, num_splits=num_splits, keys_as_rows=True)
-    assert ok(errs, dtype), errs
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

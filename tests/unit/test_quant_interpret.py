@@ -28,8 +28,6 @@ for name, m, n, k, g, dt, split, act in [
     res[name] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split, config=small, act_order=act)
     gemv = dict(small, BLOCK_M=1)  # the one-row kernel
     res[name + " gemv"] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split, config=gemv, act_order=act)
-    res[name + " gemv fold"] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split,  # zero-folding variant
-                                                  config=dict(gemv, FOLD_ZEROS=True), act_order=act)
 res["w4a16 dequant g64"] = checks.check_w4a16_dequant(72, 256, 64, f32, "cpu")
 res["w4a16 dequant g128 fp16"] = checks.check_w4a16_dequant(40, 256, 128, f16, "cpu", seed=1)
 # the GEMV's in-kernel split-K sum: N = 75 leaves a ragged last tile; K = 512 is 4 K slices of
@@ -45,8 +43,7 @@ mixed = [(37, 60), (1, 45), (20, 20), (5, 90), (1, 1), (10, 72)]
 decode = [(1, 60), (1, 1), (1, 97), (1, 300)]
 res["fp8kv decode fp32 gqa4"] = checks.check_fp8_attention(checks.make_case(decode, 8, 2, 64, 16, f32, "cpu", 5), "decode")
 res["fp8kv decode fp16 gqa1"] = checks.check_fp8_attention(checks.make_case(decode, 4, 4, 64, 16, f16, "cpu", 6), "decode")
-res["fp8kv decode fp16 gqa4 keys as rows"] = checks.check_fp8_attention(
-    checks.make_case(decode, 8, 2, 64, 16, f16, "cpu", 9), "decode", keys_as_rows=True)
+res["fp8kv decode fp16 gqa4"] = checks.check_fp8_attention(checks.make_case(decode, 8, 2, 64, 16, f16, "cpu", 9), "decode")
 res["fp8kv prefill fp32 gqa2"] = checks.check_fp8_attention(checks.make_case(mixed, 4, 2, 64, 16, f32, "cpu", 7), "prefill")
 res["fp8kv prefill fp16 gqa4"] = checks.check_fp8_attention(checks.make_case(mixed, 8, 2, 64, 32, f16, "cpu", 8), "prefill")
 act = {}

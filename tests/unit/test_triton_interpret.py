@@ -46,10 +46,6 @@ record("decode fp16 d128 gqa4 bs32 auto", f16, checks.check_decode(case(decode, 
 record("decode fp32 d128 gqa4 1 split", f32, checks.check_decode(case(decode, (8, 2), 128, 16, f32, 8), num_splits=1))
 record("decode fp32 d64 gqa4 3 splits ws8", f32,
        checks.check_decode(case(decode, (8, 2), 64, 16, f32, 9), num_splits=3, workspace_splits=8))
-record("decode fp16 d128 gqa4 keys as rows", f16,
-       checks.check_decode(case(decode, (8, 2), 128, 32, f16, 15), keys_as_rows=True))
-record("decode fp32 d64 gqa1 keys as rows 3 splits", f32,
-       checks.check_decode(case(decode, (4, 4), 64, 16, f32, 16), num_splits=3, keys_as_rows=True))
 record("split fp32 d64 gqa4 mixed 1 split", f32, checks.check_split_roles(case(mixed, (8, 2), 64, 16, f32, 12), 1))
 record("split fp16 d128 gqa2 mixed 3 splits", f16,
        checks.check_split_roles(case(mixed + [(1, 300)], (4, 2), 128, 32, f16, 13, pad_tokens=2), 3))

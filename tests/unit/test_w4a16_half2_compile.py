@@ -29,8 +29,8 @@ def _compile(dtype: str, half2: bool, split_k: int = 4):
     types = [f"*{dtype}", "*i32", f"*{dtype}", f"*{dtype}", f"*{dtype}", "*fp32", "*i32"] + ["i32"] * 11
     sig = {n: ("constexpr" if n in ONES else t) for n, t in zip(NAMES, types)}
     consts = {n: 1 for n in ONES}
-    consts.update(GROUP=128, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, FOLD_ZEROS=False, HALF2=half2, EVEN=True)
-    sig.update({k: "constexpr" for k in ("GROUP", "BLOCK_N", "BLOCK_K", "SPLIT_K", "FOLD_ZEROS", "HALF2", "EVEN")})
+    consts.update(GROUP=128, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, HALF2=half2, EVEN=True)
+    sig.update({k: "constexpr" for k in ("GROUP", "BLOCK_N", "BLOCK_K", "SPLIT_K", "HALF2", "EVEN")})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n not in ONES}
     try:
         src = ASTSource(fn=w._w4a16_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -70,7 +70,8 @@ def test_half2_gemv_compiles_for_sm90(dtype: str) -> None:
 
 
 def test_half2_gemv_issues_fewer_instructions_per_weight() -> None:
-    """SASS of the K loop: the plain path spends ~7 instructions a weight, the packed one < 5."""
+    """SASS of the K loop: the plain path spends ~7 instructions a weight, the packed one < 5
+    (lease 17 on an H100: 2.08 ms of GEMVs a batch-1 token against 2.81)."""
     weights_per_thread = 64 * 256 / (32 * 4)  # BLOCK_N x BLOCK_K over 4 warps
     plain = sum(_loop_instructions(_compile("fp16", half2=False)).values()) / weights_per_thread
     half2_ops = _loop_instructions(_compile("fp16", half2=True))
