@@ -5,9 +5,12 @@ bf16 row that `_quant_rows_kernel` reads back and quantizes in a launch of its o
     norm -> [T, H] e4m3 + [T] scales        (fused_ops._rms_norm_kernel with QUANT_FP8)
     silu(gate) * up -> [T, I] e4m3 + [T]    (_silu_mul_quant_kernel: one program per row, two passes)
 
-Bits: a fused row equals the unfused pair's, because each kernel first rounds the value to the
-dtype the unfused op would have stored, then quantizes it with the quantizer's own arithmetic
-(s = max(max|x| / 448, MIN_SCALE); q = clamp(x / s) in e4m3). The model wires them in at load
+Bits: each kernel first rounds the value to the dtype the unfused op would have stored, then
+quantizes it with the quantizer's own arithmetic (s = max(max|x| / 448, MIN_SCALE); q =
+clamp(x / s) in e4m3, both divisions IEEE-rounded). SwiGLU rows are the unfused pair's bytes.
+A norm's row sum may compile to another float32 order than in the plain norm kernel: on an H100
+(lease 18) float16 rows of 12,288 then differed in a few codes by one rounding step; 4,096-wide
+rows and every bfloat16 row were the same bytes. The model wires them in at load
 time (`enable_fused_activation_quant`); MINIVLLM_FP8_FUSED_QUANT=0 keeps the separate launches.
 """
 
