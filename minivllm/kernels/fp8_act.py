@@ -32,6 +32,16 @@ FUSED_QUANT = os.environ.get("MINIVLLM_FP8_FUSED_QUANT", "1") != "0"
 
 
 @triton.jit
+def _silu_mul_chunk(row, c, I):
+    """Columns c of a = silu(gate).to(dtype) * up, rounded to the dtype as _silu_and_mul_kernel
+    stores it, in float32 (0 past I)."""
+    dt = row.dtype.element_ty
+    g = tl.load(row + c, mask=c < I, other=0.0).to(tl.float32)
+    u = tl.load(row + I + c, mask=c < I, other=0.0)
+    return ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt).to(tl.float32)
+
+
+@triton.jit
 def _silu_mul_quant_kernel(
     in_ptr,  # [T, 2I]: gate | up, last dim contiguous
     q_ptr,  # [T, I] e4m3
@@ -39,26 +49,19 @@ def _silu_mul_quant_kernel(
     stride_it, stride_qt, I,
     BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_S: tl.constexpr,
 ):
-    """Row t: a = silu(gate).to(dtype) * up, rounded to the dtype (as _silu_and_mul_kernel stores
-    it); pass 1 takes max|a|, pass 2 recomputes a (the row is in L2) and stores clamp(a / s)."""
+    """Row t: pass 1 takes max|a| (_silu_mul_chunk), pass 2 recomputes a (the row is in L2)
+    and stores clamp(a / s) in e4m3."""
     t = tl.program_id(0).to(tl.int64)
     row = in_ptr + t * stride_it
-    dt = in_ptr.dtype.element_ty
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, I, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        g = tl.load(row + c, mask=c < I, other=0.0).to(tl.float32)
-        u = tl.load(row + I + c, mask=c < I, other=0.0)
-        a = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(a))
+        amax = tl.maximum(amax, tl.abs(_silu_mul_chunk(row, c0 + tl.arange(0, BLOCK), I)))
     s = tl.maximum(tl.div_rn(tl.max(amax, 0), FP8_MAX), MIN_S)
     tl.store(s_ptr + t, s)
     for c0 in range(0, I, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
-        g = tl.load(row + c, mask=c < I, other=0.0).to(tl.float32)
-        u = tl.load(row + I + c, mask=c < I, other=0.0)
-        a = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt).to(tl.float32)
-        tl.store(q_ptr + t * stride_qt + c, tl.clamp(tl.div_rn(a, s), -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty), mask=c < I)
+        q = tl.clamp(tl.div_rn(_silu_mul_chunk(row, c, I), s), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + t * stride_qt + c, q.to(q_ptr.dtype.element_ty), mask=c < I)
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -85,7 +85,8 @@ def _nibble(w, j: tl.constexpr):
 # 1024 in float16 (0x6400: ulp 1 on [1024, 2048)) and 128 in bfloat16 (0x4300: ulp 1 on [128, 256)).
 # Per 8 weights: 3 shifts, 4 LOP3, 4 packed subs, 4 packed FMAs, 2 widenings, an add (the plain
 # path: a shift, a LOP3, FADD, FMUL and FFMA per weight). The 1/16 keeps the packed partial
-# inside float16's range (|q - z| <= 15, so |partial| <= 4 max|x|); the scale carries the 16.
+# inside float16's range (|q - z| <= 15, so |partial| <= 4 max|x|); the kernel multiplies the 16
+# back once, into the reduced output.
 _HALF2_ASM = """{{
 .reg .b32 w4t, w4a, w4b, w4c, w4d, w4acc;
 .reg .{rty} w4lo, w4hi;
