@@ -16,19 +16,16 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 15, 2026-11-27; a session's 30 minutes count
-# 50-100 % of held time, so order by what closes; issue 18 closed in lease 15). Staging all of
-# vLLM takes ~1.5 minutes of held time; gpu-tests of 8 files took 17 minutes in lease 13, so
-# name only the files that need a run.
-#   1. 'w8-interleave+w8-ngram-vllm+ours:W1-bi+vllm:W1-bi+profile-bi+gpu-tests@0'  with vLLM staged and
-#      GPU_TESTS=tests/gpu/test_fused_moe.py (27 of 49 passed in lease 13 before it was stopped).
-#      19: batch-32 n-gram against no speculation with both engines in one process, runs in turn
-#      (0.89x-1.17x by the order of the runs so far; target >= 1.0x), vLLM's batch-1 n-gram
-#      speed-up in the same lease (ours 1.77x in lease 14, vLLM's 1.01x in lease 8). 22: W1-bi
-#      12,479 tok/s in lease 13 with no vLLM figure in that lease (target 1.2x vLLM-bi).
-#   2. 'profile-fp8+ours:W11-fp8+vllm:W11-fp8+awq-gemv+ours:W11-awq+ours:W11-awq-fold+vllm:W11-awq@0'
-#      (25: where the FP8 step goes, 0.96x in lease 9; the W4A16 GEMV's zero folding, predicted
-#      W11-awq 180 -> ~210 tok/s; make it the default only if it wins)
+# What the single-GPU issues still need (after lease 18, 2026-11-27; a session's 30 minutes count
+# 50-100 % of held time, so order by what closes; issues 18 and 19 are closed). Staging all of
+# vLLM takes ~1.5 minutes of held time; name only the test files (and GPU_TESTS_K) that need a run.
+#   1. GPU_TESTS=tests/gpu/test_quant_kernels.py GPU_TESTS_K=fused_fp8
+#      'gpu-tests+profile-awq1+awq-gemv-tiles@0'
+#      (25: the relaxed fused-quantizer test, never run on a GPU; where W11-awq's 3.89 ms a token
+#      go now that the packed half2 GEMV is the default (lease 18: 257 tok/s, 1.08x vLLM, 40.8 % of
+#      the roofline; target 75 %); half2 tiles for o and qkv, whose split-K GEMVs read 0.86-1.36 TB/s)
+#   2. 'ours:W1-bi+vllm:W1-bi+profile-bi@0'  with vLLM staged
+#      (22: 0.905x vLLM's invariant mode in lease 16, target 1.2x; where the invariant step goes)
 #   3. 'moe-gemv-sweep+ours:W10-decode+vllm:W10-decode+profile-moe1@0'  (21: 3.93 ms, 52.2 % in lease 13,
 #      1.27x vLLM; target 60 %) after the next change to the MoE GEMVs.
 set -u
