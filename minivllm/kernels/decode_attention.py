@@ -44,7 +44,7 @@ import triton.language as tl
 from minivllm.kernels import store_kv
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.paged_checks import check_paged_shapes
-from minivllm.kernels.prefill_attention import mma
+from minivllm.kernels.prefill_attention import mma, softmax_accumulate
 from minivllm.kernels.store_kv import kv_scale_args
 
 LOG2E = math.log2(math.e)
@@ -98,13 +98,8 @@ def _attend_chunk(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs, st
             k_t, v = k_t.to(q.dtype), v.to(q.dtype)
         s = mma(q, k_t, IEEE) * qk_scale  # [G_PAD, BLOCK_N] fp32, log2 domain
         s = tl.where(n_valid[None, :], s, float("-inf"))
-        # each tile holds at least one valid key (n0 < end), so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        # each tile holds at least one valid key (n0 < end), so the running max is finite
+        acc, m_i, l_i = softmax_accumulate(acc, m_i, l_i, s, v, IEEE)
     return acc, m_i, l_i
 
 

@@ -72,6 +72,20 @@ def mma(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def softmax_accumulate(acc, m_i, l_i, s, v, IEEE: tl.constexpr):
+    """One key tile of the online softmax: rows' scores s [R, BLOCK_N] (log2 domain, masked keys
+    -inf, each row's running max finite afterwards) and values v [BLOCK_N, D] into the running
+    (acc [R, D] unnormalized, m_i [R] max, l_i [R] sum of 2^(s - m_i)). Shared by the prefill and
+    decode kernels."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend_key_range(
     acc, m_i, l_i,  # [BLOCK_M, D_PAD] fp32, [BLOCK_M] fp32, [BLOCK_M] fp32: running state
     q,  # [BLOCK_M, D_PAD] query rows (cache dtype)
@@ -105,12 +119,7 @@ def _attend_key_range(
             causal = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
             s = tl.where(causal, s, float("-inf"))
         # every row sees key 0, which lies in the first tile walked: m_new is finite from then on
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        acc, m_i, l_i = softmax_accumulate(acc, m_i, l_i, s, v, IEEE)
     return acc, m_i, l_i
 
 
