@@ -19,9 +19,10 @@
 # What the single-GPU issues still need (after lease 18, 2026-11-27; a session's 30 minutes count
 # 50-100 % of held time, so order by what closes; issues 18 and 19 are closed). Staging all of
 # vLLM takes ~1.5 minutes of held time; name only the test files (and GPU_TESTS_K) that need a run.
-#   1. GPU_TESTS=tests/gpu/test_quant_kernels.py GPU_TESTS_K=fused_fp8
+#   1. GPU_TESTS=tests/gpu/test_quant_kernels.py GPU_TESTS_K="fused_fp8 or default_model or test_w4a16"
 #      'gpu-tests+profile-awq1+awq-gemv-tiles@0'
-#      (25: the relaxed fused-quantizer test, never run on a GPU; where W11-awq's 3.89 ms a token
+#      (25: the relaxed fused-quantizer test, never run on a GPU, and the W4A16 tests and the
+#      quantized default model with the half2 GEMV as the default; where W11-awq's 3.89 ms a token
 #      go now that the packed half2 GEMV is the default (lease 18: 257 tok/s, 1.08x vLLM, 40.8 % of
 #      the roofline; target 75 %); half2 tiles for o and qkv, whose split-K GEMVs read 0.86-1.36 TB/s)
 #   2. 'ours:W1-bi+vllm:W1-bi+profile-bi@0'  with vLLM staged
