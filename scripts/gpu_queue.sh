@@ -26,7 +26,11 @@
 #      go now that the packed half2 GEMV is the default (lease 18: 257 tok/s, 1.08x vLLM, 40.8 % of
 #      the roofline; target 75 %); half2 tiles for o and qkv, whose split-K GEMVs read 0.86-1.36 TB/s)
 #   2. 'ours:W1-bi+vllm:W1-bi+profile-bi@0'  with vLLM staged
-#      (22: 0.905x vLLM's invariant mode in lease 16, target 1.2x; where the invariant step goes)
+#      (22: 0.905x vLLM's invariant mode in lease 16, target 1.2x; where the invariant step goes.
+#      Not measured yet: W1's tail, when few requests with long contexts remain, is where the
+#      invariant mode should lose most (the default decode kernel splits a context over many
+#      programs; the invariant path walks it in one program per kv head, and the 64-row GEMM tile
+#      idles at a few rows); profile a batch of ~16 with ~1,500-token contexts as well as 256)
 #   3. 'moe-gemv-sweep+ours:W10-decode+vllm:W10-decode+profile-moe1@0'  (21: 3.93 ms, 52.2 % in lease 13,
 #      1.27x vLLM; target 60 %) after the next change to the MoE GEMVs.
 set -u
