@@ -41,11 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import store_kv
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.paged_checks import check_paged_shapes
-from minivllm.kernels.prefill_attention import mma, softmax_accumulate
-from minivllm.kernels.store_kv import kv_scale_args
+from minivllm.kernels.prefill_attention import fp16_query, mma, softmax_accumulate
+from minivllm.kernels.store_kv import fp8_widen_f16, kv_scale_args
 
 LOG2E = math.log2(math.e)
 MIN_CHUNK = 128  # fewest keys per split: below this the merge costs more than it saves
@@ -76,9 +75,8 @@ class DecodeWorkspace:
 
 @triton.jit
 def _attend_chunk(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs, stride_cb, stride_cd,
-                            G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-                            IEEE: tl.constexpr):
+                  G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
     """Online softmax of q [G_PAD, D_PAD] over keys [start, end): S = q K^T, O += P V.
     -> (acc [G_PAD, D_PAD] fp32 unnormalized, m_i [G_PAD], l_i [G_PAD]) in the log2 domain."""
     d = tl.arange(0, D_PAD)
@@ -101,7 +99,6 @@ def _attend_chunk(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs, st
         # each tile holds at least one valid key (n0 < end), so the running max is finite
         acc, m_i, l_i = softmax_accumulate(acc, m_i, l_i, s, v, IEEE)
     return acc, m_i, l_i
-
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # per-step values: one compiled variant
@@ -130,9 +127,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # keys per inner iteration
     MIN_CHUNK_N: tl.constexpr,  # MIN_CHUNK rounded up to a multiple of BLOCK_N
     NUM_SPLITS_IS_ONE: tl.constexpr,
-    KV_FP8: tl.constexpr,  # K/V tiles are float8 e4m3: widened to WIDEN, scales folded in
+    KV_FP8: tl.constexpr,  # K/V tiles are float8 e4m3: widened (WIDEN_F16: to float16, else the query's dtype)
     IEEE: tl.constexpr,  # float32 cache: full-precision products (prefill_attention.mma)
-    WIDEN_F16: tl.constexpr = True,  # FP8 only: products in float16 (else in the query's dtype)
+    WIDEN_F16: tl.constexpr = False,  # FP8 only: the products in float16 (module docstring)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -155,14 +152,14 @@ def _decode_split_kernel(
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)  # s = q . (K / k_scale) * (scale * k_scale)
         if WIDEN_F16:
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            q = fp16_query(q)
     else:
         q = q.to(k_cache_ptr.dtype.element_ty)
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    acc, m_i, l_i = _attend_chunk(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs, stride_cb,
-                                            stride_cd, G_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, KV_FP8, IEEE)
+    acc, m_i, l_i = _attend_chunk(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs, stride_cb, stride_cd,
+                                  G_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, KV_FP8, IEEE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty chunk: acc == 0, keep the partial at 0
     o = acc / l_safe[:, None]
@@ -317,8 +314,7 @@ def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, b
         BLOCK_SIZE=k_cache.shape[1],
         MIN_CHUNK_N=triton.cdiv(MIN_CHUNK, cfg["BLOCK_N"]) * cfg["BLOCK_N"],
         NUM_SPLITS_IS_ONE=one, KV_FP8=fp8,
-        IEEE=k_cache.dtype == torch.float32,
-        WIDEN_F16=store_kv.FP8_WIDEN_F16 and query.dtype != torch.float32, **cfg,
+        IEEE=k_cache.dtype == torch.float32, WIDEN_F16=fp8_widen_f16(query), **cfg,
     )
 
 

@@ -176,7 +176,7 @@ def _rms_norm_kernel(
     y = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty)  # HF: cast back before the weight
     w = tl.load(w_ptr + d, mask=d < H, other=0.0)
     out = y.to(tl.float32) * w.to(tl.float32)
-    if QUANT_FP8:  # exactly what the unfused norm's stored row would get from fp8_gemm's quantizer
+    if QUANT_FP8:  # the unfused norm's stored row, quantized with fp8_gemm's quantizer arithmetic
         o = out.to(x_ptr.dtype.element_ty).to(tl.float32)  # the unfused norm's stored row (weight dtype = x's)
         s = tl.maximum(tl.div_rn(tl.max(tl.abs(o), axis=1), FP8_MAX), MIN_SCALE)  # [ROWS]
         tl.store(scale_ptr + t + tl.arange(0, ROWS), s)

@@ -39,9 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels import store_kv
 from minivllm.kernels.paged_checks import check_paged_shapes
-from minivllm.kernels.store_kv import kv_scale_args
+from minivllm.kernels.store_kv import fp8_widen_f16, kv_scale_args
 
 LOG2E = math.log2(math.e)
 
@@ -69,6 +68,13 @@ def mma(a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
+
+
+@triton.jit
+def fp16_query(q):
+    """A 16-bit query in float16, for products with FP8 K/V tiles widened to float16 (WIDEN_F16),
+    clamped to float16's range."""
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 
 @triton.jit
@@ -178,7 +184,7 @@ def _prefill_kernel(
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
         if WIDEN_F16:
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            q = fp16_query(q)
     else:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
@@ -274,7 +280,7 @@ def prefill_attention(
         *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, SKIP_SINGLE=skip_single_token, ALL_MASKED=invariant, KV_FP8=fp8,
-        IEEE=k_cache.dtype == torch.float32, WIDEN_F16=store_kv.FP8_WIDEN_F16 and query.dtype != torch.float32, **cfg,
+        IEEE=k_cache.dtype == torch.float32, WIDEN_F16=fp8_widen_f16(query), **cfg,
     )
     return out
 

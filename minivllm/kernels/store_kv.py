@@ -21,6 +21,12 @@ import triton.language as tl
 FP8_WIDEN_F16 = os.environ.get("MINIVLLM_FP8_KV_WIDEN", "fp16") != "query"
 
 
+def fp8_widen_f16(query: torch.Tensor) -> bool:
+    """The attention kernels' WIDEN_F16 flag for this query: FP8_WIDEN_F16, for 16-bit queries
+    (a float32 query keeps float32 products)."""
+    return FP8_WIDEN_F16 and query.dtype != torch.float32
+
+
 @triton.jit
 def _store_kv_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]

@@ -116,16 +116,20 @@ HALF2_ASM_BF16: tl.constexpr = tl.constexpr(_HALF2_ASM.format(magic="0x43004300"
 
 
 @triton.jit
+def _load(ptrs, mask, EVEN: tl.constexpr):
+    """tl.load, masked (0 outside) unless EVEN says the tile lies wholly inside the tensor."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
 def _x_pair_bits(x_ptr, row_off, words, kk: tl.constexpr, K, stride_xk, EVEN: tl.constexpr):
     """[BK/8] int32: the activation pair (x[8r + kk], x[8r + kk + 4]) / 16 packed as two 16-bit
     floats (low half first), for _word_dot_half2's pair k = kk of word r."""
     k0 = words * 8 + kk
-    if EVEN:
-        lo = tl.load(x_ptr + row_off + k0 * stride_xk).to(tl.float32) * 0.0625
-        hi = tl.load(x_ptr + row_off + (k0 + 4) * stride_xk).to(tl.float32) * 0.0625
-    else:
-        lo = tl.load(x_ptr + row_off + k0 * stride_xk, mask=k0 < K, other=0.0).to(tl.float32) * 0.0625
-        hi = tl.load(x_ptr + row_off + (k0 + 4) * stride_xk, mask=k0 + 4 < K, other=0.0).to(tl.float32) * 0.0625
+    lo = _load(x_ptr + row_off + k0 * stride_xk, k0 < K, EVEN).to(tl.float32) * 0.0625
+    hi = _load(x_ptr + row_off + (k0 + 4) * stride_xk, k0 + 4 < K, EVEN).to(tl.float32) * 0.0625
     dt = x_ptr.dtype.element_ty
     lo_bits = lo.to(dt).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi_bits = hi.to(dt).to(tl.int16, bitcast=True).to(tl.int32)
@@ -232,17 +236,10 @@ def _w4a16_gemv_kernel(
         w_ok = (words < K // 8)[:, None] & n_ok[None, :]
         w_ptrs = qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn
         g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
-        if EVEN:
-            w = tl.load(w_ptrs)
-            s = tl.load(s_ptr + g_off).to(tl.float32)
-        else:
-            w = tl.load(w_ptrs, mask=w_ok, other=0)
-            s = tl.load(s_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
+        w = _load(w_ptrs, w_ok, EVEN)
+        s = _load(s_ptr + g_off, w_ok, EVEN).to(tl.float32)
         if HALF2:  # 16-bit activations: packed math per word (_word_dot_half2); the 16 once, at the end
-            if EVEN:
-                z = tl.load(z_ptr + g_off)
-            else:
-                z = tl.load(z_ptr + g_off, mask=w_ok, other=0.0)
+            z = _load(z_ptr + g_off, w_ok, EVEN)
             row_off = m * stride_xm
             part = _word_dot_half2(w, z, _x_pair_bits(x_ptr, row_off, words, 0, K, stride_xk, EVEN),
                                    _x_pair_bits(x_ptr, row_off, words, 1, K, stride_xk, EVEN),

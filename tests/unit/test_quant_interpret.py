@@ -51,6 +51,12 @@ for kind in ("norm", "add_norm", "silu"):
     for m, h, dt in [(3, 576, f32), (2, 1000, f16)]:
         act[f"{kind} m{m} h{h} {str(dt)[6:]}"] = checks.check_fp8_act(kind, m, h, dt, "cpu", seed=m)
 res["fp8act"] = act
+# zero rows: no launch, empty rows and scales of the right shapes
+from minivllm.kernels import fp8_act
+e_norm = fp8_act.rms_norm_fp8_triton(torch.empty(0, 64), torch.ones(64), 1e-6, torch.empty(0, 64))
+e_silu = fp8_act.silu_and_mul_fp8_triton(torch.empty(0, 128))
+res["fp8act_empty"] = [list(e_norm[0].q.shape), list(e_norm[0].scale.shape), list(e_norm[1].shape),
+                       list(e_silu.q.shape), list(e_silu.scale.shape)]
 print("RESULT " + json.dumps(res))
 """
 
@@ -76,6 +82,10 @@ def test_fused_fp8_activation_quant_under_interpreter(results: dict) -> None:
     bad = {name: r for name, r in cases.items()
            if not (r["bitwise"] and r["scale_err"] < 1e-6 and r.get("residual_equal", True))}
     assert not bad, bad
+
+
+def test_fused_fp8_activation_quant_of_zero_rows(results: dict) -> None:
+    assert results["fp8act_empty"] == [[0, 64], [0, 1], [0, 64], [0, 64], [0, 1]]
 
 
 def test_w4a16_dequant_is_exact_under_interpreter(results: dict) -> None:
