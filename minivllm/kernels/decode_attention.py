@@ -43,6 +43,7 @@ import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.paged_checks import check_paged_shapes
+from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
 from minivllm.kernels.prefill_attention import fp16_query, mma, softmax_accumulate
 from minivllm.kernels.store_kv import fp8_widen_f16, kv_scale_args
 
@@ -130,7 +131,10 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,  # K/V tiles are float8 e4m3: widened (WIDEN_F16: to float16, else the query's dtype)
     IEEE: tl.constexpr,  # float32 cache: full-precision products (prefill_attention.mma)
     WIDEN_F16: tl.constexpr = False,  # FP8 only: the products in float16 (module docstring)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    let_next_start(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -188,7 +192,10 @@ def _decode_merge_kernel(
     stride_ls, stride_lh, stride_lc,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,  # next_pow2(num_splits)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    let_next_start(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(qsl_ptr + seq)
@@ -314,7 +321,7 @@ def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, b
         BLOCK_SIZE=k_cache.shape[1],
         MIN_CHUNK_N=triton.cdiv(MIN_CHUNK, cfg["BLOCK_N"]) * cfg["BLOCK_N"],
         NUM_SPLITS_IS_ONE=one, KV_FP8=fp8,
-        IEEE=k_cache.dtype == torch.float32, WIDEN_F16=fp8_widen_f16(query), **cfg,
+        IEEE=k_cache.dtype == torch.float32, WIDEN_F16=fp8_widen_f16(query), **cfg, **pdl_args(query),
     )
 
 
@@ -325,6 +332,6 @@ def _launch_merge(out, ws: DecodeWorkspace, query_start_loc, num_seqs: int, num_
         *out.stride(), *ws.part_out.stride(), *ws.part_lse.stride(),
         HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         S_PAD=max(2, triton.next_power_of_2(num_splits)),
-        num_warps=4 if head_dim >= 128 else 2,
+        num_warps=4 if head_dim >= 128 else 2, **pdl_args(out),
     )
 

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
+from minivllm.kernels.pdl import let_next_start, line_elements, pdl_args, prefetch_rows, wait_for_previous
 from minivllm.kernels.split_k import split_buffers, split_count, store_tile
 from minivllm.kernels.tuned_tables import read_table, table_file
 
@@ -39,6 +40,7 @@ GEMV_MAX_ROWS = 2  # batch-1 decode (and 2-row graphs); more rows: cuBLAS reads 
 DEFAULT_TILE = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 PROGRAMS_PER_SM = 4  # split K until about this many programs per SM (as the W4A16 GEMV)
 MAX_SPLIT_K = 16
+PREFETCH_BYTES = 1024  # of each program's weight rows (at most its slice), into L2 before the PDL wait (kernels/pdl.py)
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "dense_gemv")
 
 
@@ -49,9 +51,11 @@ def _dense_gemv_kernel(
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PREFETCH: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (n, m, k): out[m, n-tile] (its K slice k with SPLIT_K > 1). x and W are read
-    with unit stride along K."""
+    with unit stride along K. With PDL (kernels/pdl.py) the first PREFETCH weight elements of the
+    slice are requested into L2 before waiting for the kernel that writes x."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -62,6 +66,9 @@ def _dense_gemv_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_end = tl.minimum((pid_k + 1) * per_split, k_tiles)
+    prefetch_rows(w_rows, pid_k * per_split * BLOCK_K, tl.minimum(t_end * BLOCK_K, K) - 1, PREFETCH, LINE, PDL)
+    wait_for_previous(PDL)
+    let_next_start(PDL)
     for t in range(pid_k * per_split, t_end):
         kk = t * BLOCK_K + rk
         if EVEN_K:
@@ -78,6 +85,12 @@ def _dense_gemv_kernel(
             out += tl.load(b_ptr + rn_safe).to(tl.float32)
     store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn, m * N + rn, M * N, n_ok, pid_k,
                 m * tl.num_programs(0) + pid_n, SPLIT_K)
+
+
+def prefetch_span(dtype: torch.dtype) -> dict:
+    """PREFETCH (elements of a weight row's slice to prefetch) and LINE (elements a line)."""
+    line = line_elements(dtype)
+    return {"PREFETCH": max(line, PREFETCH_BYTES // dtype.itemsize), "LINE": line}
 
 
 def choose_split_k(n: int, k: int, tile: dict, num_sms: int) -> int:
@@ -104,7 +117,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     ws, cnt = split_buffers(split_k, m, n, grid[0] * grid[1], out)
     _dense_gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, out, ws, cnt, m, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % tile["BLOCK_K"] == 0, SPLIT_K=split_k, **tile)
+        out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % tile["BLOCK_K"] == 0, SPLIT_K=split_k,
+        **prefetch_span(weight.dtype), **pdl_args(x), **tile)
     return out
 
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.fp8_gemm import Fp8Rows
+from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
 from minivllm.kernels.fused_ops import (_norm_warps, _rms_norm_kernel, fused_add_rms_norm_torch, rms_norm_torch,
                                         silu_and_mul_torch)
 from minivllm.quant.config import FP8_E4M3_MAX
@@ -48,9 +49,12 @@ def _silu_mul_quant_kernel(
     s_ptr,  # [T] float32
     stride_it, stride_qt, I,
     BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_S: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     """Row t: pass 1 takes max|a| (_silu_mul_chunk), pass 2 recomputes a (the row is in L2)
     and stores clamp(a / s) in e4m3."""
+    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    let_next_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     row = in_ptr + t * stride_it
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -95,7 +99,7 @@ def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x.stride(0), 0, residual.stride(0) if residual is not None else 0, q.stride(0), 0,
             res_out.stride(0) if res_out is not None else 0, 1, eps,
             H=hidden, BLOCK=block, ROWS=1, HAS_RESIDUAL=residual is not None, QUANT_FP8=True, scale_ptr=scale,
-            FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=MIN_SCALE, num_warps=_norm_warps(block),
+            FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=MIN_SCALE, num_warps=_norm_warps(block), **pdl_args(x),
         )
     return Fp8Rows(q, scale, x.dtype), res_out
 
@@ -119,7 +123,7 @@ def silu_and_mul_fp8_triton(gate_up: torch.Tensor) -> Fp8Rows:
         block = min(triton.next_power_of_2(inter), 4096)
         _silu_mul_quant_kernel[(num_tokens,)](gate_up, q, scale, gate_up.stride(0), q.stride(0), inter,
                                               BLOCK=block, FP8_MAX=FP8_E4M3_MAX, MIN_S=MIN_SCALE,
-                                              num_warps=max(1, min(8, block // 512)))
+                                              num_warps=max(1, min(8, block // 512)), **pdl_args(gate_up))
     return Fp8Rows(q, scale, gate_up.dtype)
 
 

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
+
 from minivllm.quant.fp8 import FP8, MIN_SCALE
 from minivllm.quant.config import FP8_E4M3_MAX
 
@@ -40,8 +42,10 @@ class Fp8Rows(NamedTuple):
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, MIN_S: tl.constexpr,
-                       FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
+                       FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Row m: s = max(max|x[m]| / 448, MIN_S); q[m] = clamp(x[m] / s) in e4m3."""
+    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    let_next_start(PDL)
     m = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -66,7 +70,7 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         block = min(2048, triton.next_power_of_2(k))
         _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), MIN_S=MIN_SCALE, FP8_MAX=FP8_E4M3_MAX,
-                                 BLOCK_K=block, num_warps=4 if block >= 1024 else 2)
+                                 BLOCK_K=block, num_warps=4 if block >= 1024 else 2, **pdl_args(x))
     return q, s
 
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from minivllm.kernels.fused_moe_config import pick_config
 from minivllm.kernels.fused_ops import _jit, triton
 from minivllm.kernels.moe_align import moe_align
+from minivllm.kernels.pdl import let_next_start, line_elements, pdl_args, prefetch_rows, wait_for_previous
 
 if triton is not None:
     import triton.language as tl
@@ -59,6 +60,8 @@ DECODE_GEMV = os.environ.get("MINIVLLM_MOE_DECODE_GEMV", "1") != "0"
 # read the experts at ~1.5 TB/s: 2.42 ms a token against 2.05 for the grouped path (lease 12, rebuilt: 1.66)
 DECODE_GEMV_TILES = {"up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4},
                      "down": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
+# of each down-projection row (an expert's [H, I] weight), into L2 before the PDL wait (pdl.py)
+DOWN_PREFETCH_BYTES = 512
 
 
 # ------------------------------------------------------------------ the reference (CPU path)
@@ -150,7 +153,7 @@ def topk_softmax_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> 
         # one warp a token: the reductions over E stay within the warp (shuffles, no barriers)
         _topk_softmax_kernel[(t,)](logits, weights, ids, logits.stride(0), E=e, E_PAD=triton.next_power_of_2(e),
                                    TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), RENORM=renormalize,
-                                   num_warps=1)
+                                   num_warps=1, **pdl_args(logits))
     return weights, ids
 
 
@@ -212,12 +215,14 @@ def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
     _moe_decode_up_kernel[(k, triton.cdiv(inter, up["BLOCK_N"]))](
         x, w13, ids, hmid, stats if has_stats else ids, token_valid if token_valid is not None else ids,
         inter, hidden, w13.stride(0), w13.stride(1), w13.stride(2), HAS_STATS=has_stats,
-        HAS_VALID=token_valid is not None, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], num_warps=up["num_warps"])
+        HAS_VALID=token_valid is not None, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], num_warps=up["num_warps"], **pdl_args(x))
     tiles_n = triton.cdiv(hidden, down["BLOCK_N"])
     ws, cnt = split_buffers(k, 1, hidden, tiles_n, out)  # the k experts' partials are the "K slices"
     _moe_decode_down_kernel[(tiles_n, k)](
         hmid, w2, ids, weights, out, ws, cnt, hidden, inter, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=k,
-        BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], num_warps=down["num_warps"])
+        BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], num_warps=down["num_warps"],
+        PREFETCH=min(triton.next_power_of_2(inter), DOWN_PREFETCH_BYTES // w2.element_size()),
+        LINE=line_elements(w2.dtype), **pdl_args(x))
     return out
 
 
@@ -241,12 +246,14 @@ def _grouped_gemm(a, w, out, weights, sorted_ids, block_expert, num_padded, num_
 @_jit
 def _moe_decode_up_kernel(x_ptr, w_ptr, ids_ptr, hmid_ptr, stats_ptr, valid_ptr, I, H, stride_we, stride_wn, stride_wk,
                           HAS_STATS: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Program (j, n): hmid[j, n..] = silu(w13[e, n..] @ x) * (w13[e, I + n..] @ x), e = ids[j],
     as a GEMV in fp32 (one token: no tensor-core tile to fill). The products accumulate in
     [BLOCK_N, BLOCK_K] registers, reduced once after the K loop (a reduction per K step costs
     cross-thread shuffles that the loads then wait for). e < 0 (an expert of another rank):
     nothing (the down kernel skips the entry)."""
+    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    let_next_start(PDL)
     j = tl.program_id(0)
     n = tl.program_id(1)
     e = tl.load(ids_ptr + j).to(tl.int64)
@@ -279,22 +286,32 @@ def _moe_decode_up_kernel(x_ptr, w_ptr, ids_ptr, hmid_ptr, stats_ptr, valid_ptr,
 @_jit
 def _moe_decode_down_kernel(hmid_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, ws_ptr, cnt_ptr, H, I, stride_we,
                             stride_wn, stride_wk, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = 64, LINE: tl.constexpr = 64,
+                            PDL: tl.constexpr = False):
     """Program (n, j): weights[j] * (w2[ids[j], n..] @ hmid[j]) in fp32, one program per column
     tile and entry so that the GPU has TOP_K times more programs streaming weights than a
     program per column tile looping over the entries (lease 11: 64 such programs, one per SM at
     most, read at 1.4 TB/s). The TOP_K partials of a tile are summed in the fixed order
     j = 0 .. TOP_K - 1 by its last program (kernels/split_k.py) and stored once in out's dtype.
-    Entries with ids[j] < 0 add a zero partial."""
+    Entries with ids[j] < 0 add a zero partial.
+
+    With PDL (kernels/pdl.py) the expert's first PREFETCH weights of each row are requested into
+    L2 while the up kernel finishes. ids may be read before the wait: the top-k kernel wrote them
+    two launches back, and this kernel starts only after every up program passed its own wait,
+    so the top-k grid is complete; the load goes to L2 (.cg), past any stale L1 line."""
     n = tl.program_id(0)
     j = tl.program_id(1)
     cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     part = tl.zeros([BLOCK_N], dtype=tl.float32)
-    e = tl.load(ids_ptr + j).to(tl.int64)
+    e = tl.load(ids_ptr + j, cache_modifier=".cg").to(tl.int64)
+    base = w_ptr + tl.maximum(e, 0) * stride_we + tl.where(col_ok, cols, 0)[:, None].to(tl.int64) * stride_wn
+    if e >= 0:
+        prefetch_rows(base, 0, I - 1, PREFETCH, LINE, PDL)
+    wait_for_previous(PDL)
+    let_next_start(PDL)
     if e >= 0:
         ks = tl.arange(0, BLOCK_K)
-        base = w_ptr + e * stride_we + tl.where(col_ok, cols, 0)[:, None].to(tl.int64) * stride_wn
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             kk = k0 + ks
@@ -308,10 +325,12 @@ def _moe_decode_down_kernel(hmid_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, ws_p
 
 @_jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E: tl.constexpr, E_PAD: tl.constexpr,
-                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr):
+                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
     """One program (one warp) per token: softmax over E logits in fp32, the TOP_K largest by
     repeated argmax (ties: the lowest expert id), kept in registers, optionally renormalised,
     then stored with one vector store each."""
+    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    let_next_start(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
     ks = tl.arange(0, K_PAD)

@@ -29,6 +29,8 @@ try:
 except ImportError:  # CPU-only installs: every wrapper takes the torch path
     triton = tl = None
 
+from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous  # noqa: E402 (needs the triton guard above)
+
 MAX_NORM_BLOCK = 32768  # widest row the norm kernel keeps in registers; wider rows use torch
 
 
@@ -161,7 +163,10 @@ def _rms_norm_kernel(
     QUANT_FP8: tl.constexpr = False,  # (ROWS 1) the row quantized per token for an FP8 linear (kernels/fp8_act.py)
     scale_ptr=None,  # [T] float32 per-token scales (QUANT_FP8)
     FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 0.0,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    let_next_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     d = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
@@ -222,7 +227,10 @@ def _rotary_kernel(
     HALF_PAD: tl.constexpr,  # next_pow2(HALF)
     ROWS: tl.constexpr,  # heads per program
     NORM: tl.constexpr,  # Qwen3: each head RMSNorm-ed (weights qw / kw) before the rotation
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    let_next_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -245,7 +253,10 @@ def _silu_and_mul_kernel(
     stride_it, stride_ot,
     I: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    let_next_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < I
@@ -281,7 +292,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x3, x3, weight, o3, o3,
         x3.stride(0), x3.stride(1), 0, o3.stride(0), o3.stride(1), 0,
         num_heads, eps,
-        H=hidden, BLOCK=block, ROWS=rows, HAS_RESIDUAL=False, num_warps=_norm_warps(rows * block),
+        H=hidden, BLOCK=block, ROWS=rows, HAS_RESIDUAL=False, num_warps=_norm_warps(rows * block), **pdl_args(x),
     )
     return out
 
@@ -311,7 +322,7 @@ def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: t
         x, residual, weight, out, residual_out,
         x.stride(0), 0, residual.stride(0), out.stride(0), 0, residual_out.stride(0),
         1, eps,
-        H=hidden, BLOCK=block, ROWS=1, HAS_RESIDUAL=True, num_warps=_norm_warps(block),
+        H=hidden, BLOCK=block, ROWS=1, HAS_RESIDUAL=True, num_warps=_norm_warps(block), **pdl_args(x),
     )
     return out, residual_out
 
@@ -340,7 +351,7 @@ def apply_rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         positions, q, k, cos_sin, q_weight if norm else q, k_weight if norm else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
         num_q_heads, num_k_heads, q_blocks, eps,
-        HALF=half, HALF_PAD=half_pad, ROWS=rows, NORM=norm, num_warps=_norm_warps(rows * half_pad),
+        HALF=half, HALF_PAD=half_pad, ROWS=rows, NORM=norm, num_warps=_norm_warps(rows * half_pad), **pdl_args(q),
     )
     return q, k
 
@@ -359,7 +370,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) 
     grid = (num_tokens, triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](
         gate_up, out, gate_up.stride(0), out.stride(0),
-        I=inter, BLOCK=block, num_warps=max(1, min(8, block // 512)),
+        I=inter, BLOCK=block, num_warps=max(1, min(8, block // 512)), **pdl_args(gate_up),
     )
     return out
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
+
 # How the attention kernels widen FP8 (e4m3) K/V tiles in registers: to float16 (default: one
 # cvt.rn.f16x2.e4m3x2 per two values on sm89+, widening to bfloat16 takes that and two more
 # conversions) or to the query's dtype (MINIVLLM_FP8_KV_WIDEN=query, the layout before lease 17).
@@ -44,7 +46,10 @@ def _store_kv_kernel(
     H_PAD: tl.constexpr,  # next_pow2(NUM_KV_HEADS)
     D_PAD: tl.constexpr,  # next_pow2(HEAD_DIM)
     KV_FP8: tl.constexpr,  # the cache is float8 e4m3: store x / scale
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    let_next_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, H_PAD)[:, None]
@@ -92,7 +97,7 @@ def store_kv(
         H_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
         KV_FP8=fp8,
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, **pdl_args(key),
     )
 
 

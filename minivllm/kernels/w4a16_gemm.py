@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
+from minivllm.kernels.pdl import let_next_start, pdl_args, prefetch_l2, wait_for_previous
 from minivllm.kernels.split_k import split_buffers, split_count, store_tile
 
 # at this many rows and more: dequantize once, then a dense matmul (cuBLAS)
@@ -214,6 +215,9 @@ def _w4a16_gemv_kernel(
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HALF2: tl.constexpr = False,
     EVEN: tl.constexpr = False,  # K % BLOCK_K == 0 and N % BLOCK_N == 0: the weight tiles need no masks
+    PREFETCH_WORDS: tl.constexpr = 32,  # packed rows of the slice requested into L2 before the PDL wait
+    COL_STEP: tl.constexpr = 32,  # columns a 128-byte line of packed words holds (BLOCK_N if fewer)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     """Few rows (batch-1 decode): no tensor cores, so the dequantized tile never changes layout
     for a tl.dot operand; products accumulate elementwise in a [BLOCK_K/8, BLOCK_N] tile and are
@@ -222,7 +226,10 @@ def _w4a16_gemv_kernel(
     HALF2 (16-bit activations, the default there): each word's 8 products in packed 16-bit math
     (_word_dot_half2): 3.8 instructions a weight in the K loop against 7.0 for the plain path (a
     shift, a LOP3, FADD, FMUL and FFMA a weight, plus the conversions), which issue-bound the
-    kernel at 0.9-1.5 TB/s of int4."""
+    kernel at 0.9-1.5 TB/s of int4.
+
+    PDL (kernels/pdl.py): the slice's first PREFETCH_WORDS packed rows are requested into L2
+    before waiting for the kernel that writes x (the weights stream while it finishes)."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, BLOCK_K // 8)
@@ -231,6 +238,12 @@ def _w4a16_gemv_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_end = tl.minimum((pid_k + 1) * per_split, k_tiles)
+    if PDL:
+        pw = tl.minimum(pid_k * per_split * (BLOCK_K // 8) + tl.arange(0, PREFETCH_WORDS), t_end * (BLOCK_K // 8) - 1)
+        pc = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N // COL_STEP) * COL_STEP, N - 1)
+        prefetch_l2(qw_ptr + pw[:, None] * stride_qk + pc[None, :] * stride_qn, PDL)
+    wait_for_previous(PDL)
+    let_next_start(PDL)
     for t in range(pid_k * per_split, t_end):
         words = t * (BLOCK_K // 8) + rw
         w_ok = (words < K // 8)[:, None] & n_ok[None, :]
@@ -314,7 +327,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         del cfg["BLOCK_M"]
         cfg.setdefault("HALF2", GEMV_HALF2 and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16))
         cfg.setdefault("EVEN", k % cfg["BLOCK_K"] == 0 and n % cfg["BLOCK_N"] == 0)
-        _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)
+        cfg.setdefault("COL_STEP", min(cfg["BLOCK_N"], 32))
+        _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg, **pdl_args(x))
     else:
         _w4a16_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)
     return out

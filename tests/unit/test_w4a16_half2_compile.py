@@ -29,8 +29,9 @@ def _compile(dtype: str, half2: bool, split_k: int = 4):
     types = [f"*{dtype}", "*i32", f"*{dtype}", f"*{dtype}", f"*{dtype}", "*fp32", "*i32"] + ["i32"] * 11
     sig = {n: ("constexpr" if n in ONES else t) for n, t in zip(NAMES, types)}
     consts = {n: 1 for n in ONES}
-    consts.update(GROUP=128, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, HALF2=half2, EVEN=True)
-    sig.update({k: "constexpr" for k in ("GROUP", "BLOCK_N", "BLOCK_K", "SPLIT_K", "HALF2", "EVEN")})
+    consts.update(GROUP=128, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, HALF2=half2, EVEN=True, PREFETCH_WORDS=32,
+                  COL_STEP=32, PDL=False)
+    sig.update({k: "constexpr" for k in consts if k not in ONES})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n not in ONES}
     try:
         src = ASTSource(fn=w._w4a16_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)

@@ -1,0 +1,103 @@
+"""Programmatic dependent launch (PDL, Hopper and newer) for the kernels of a decode step.
+
+Why: a batch-1 decode step is a chain of ~12 small kernels a layer (norm, GEMV, rotary, KV store,
+attention, GEMV, norm, router, top-k, expert GEMVs). Between two kernels of one stream the GPU
+normally drains the first grid, flushes its writes and only then launches the second: about a
+microsecond a boundary even inside a CUDA graph, and the next GEMV starts streaming its weights
+only after that (issue 21: 3.93 ms a token of which ~0.4 ms is not kernel time).
+
+With PDL a kernel is launched with `launch_pdl=True` and may start while its predecessor still
+runs. The contract each such kernel keeps (checked by review, see `wait_for_previous`):
+  - before `wait_for_previous(PDL)` it only computes indices and reads data no kernel of the
+    step writes (weights, scales, via `prefetch_l2`); it stores nothing;
+  - `wait_for_previous` blocks until the previous grid has finished and its writes are visible
+    (griddepcontrol.wait), so everything after it sees the same memory as without PDL, and,
+    because that grid waited for its own predecessor, all earlier kernels too;
+  - `let_next_start(PDL)` right after the wait lets the next kernel's programs be scheduled (they
+    in turn wait before touching anything this kernel writes).
+Results are bit-identical with and without PDL: only when programs start changes.
+
+`pdl_args(tensor)` gives the launch keywords: {"PDL": True, "launch_pdl": True} on a CUDA
+device of compute capability 9.0 or newer, {"PDL": False} elsewhere (Triton's interpreter, older
+GPUs, MINIVLLM_PDL=0). Read at each launch, so a benchmark can flip it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: no kernel launches, pdl_args says no
+    triton = tl = None
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: CUDA, compute capability >= 9.0, and
+    MINIVLLM_PDL not "0"."""
+    if triton is None or device.type != "cuda" or os.environ.get("MINIVLLM_PDL", "1") == "0":
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_args(tensor: torch.Tensor) -> dict:
+    """The launch keywords of a kernel that takes `PDL: tl.constexpr` and runs on tensor's device."""
+    if pdl_enabled(tensor.device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@_jit
+def wait_for_previous(PDL: tl.constexpr):
+    """griddepcontrol.wait: the previous kernel of the stream has finished and its writes are
+    visible. Every kernel launched with PDL calls it before its first read of data another
+    kernel writes and before its first store, on every path."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@_jit
+def let_next_start(PDL: tl.constexpr):
+    """griddepcontrol.launch_dependents: the next kernel may be launched once every program of
+    this one has called it (or exited)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@_jit
+def prefetch_l2(ptrs, PDL: tl.constexpr):
+    """Ask L2 for the lines at `ptrs` (a tensor of pointers, every one valid: the caller
+    clamps out-of-range lanes) without waiting or keeping registers: a GEMV calls it on
+    its first weight tiles before `wait_for_previous`, so that the weights stream from HBM while
+    the previous kernel finishes. Only with PDL (without it nothing runs before the wait)."""
+    if PDL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@_jit
+def prefetch_rows(row_ptrs, k_first, k_last, SPAN: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr):
+    """prefetch_l2 of the elements k_first .. k_first + SPAN - 1 (clamped to k_last) of the rows
+    at row_ptrs ([R, 1] pointers to each row's element 0; unit stride along K), one address per
+    STEP elements (STEP: a 128-byte line's worth, SPAN / STEP a power of two)."""
+    if PDL:
+        offs = tl.minimum(k_first + tl.arange(0, SPAN // STEP) * STEP, k_last)
+        prefetch_l2(row_ptrs + offs[None, :], PDL)
+
+
+def line_elements(dtype: torch.dtype) -> int:
+    """Elements of `dtype` in a 128-byte cache line (prefetch_rows's STEP)."""
+    return 128 // dtype.itemsize
