@@ -35,7 +35,6 @@ class AttentionBackend(Protocol):
         scale: float,
         k_scale: torch.Tensor | None = None,  # an FP8 cache's K is read back as K * k_scale
         v_scale: torch.Tensor | None = None,
-        l2_prefetch: torch.Tensor | None = None,  # a weight read next: a backend may warm L2 with it meanwhile
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

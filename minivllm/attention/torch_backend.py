@@ -126,8 +126,8 @@ class TorchAttentionBackend:
         return self._plan[1]
 
     def attend(self, query: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               k_scale=None, v_scale=None, l2_prefetch=None):
-        """(l2_prefetch: unused here.) An FP8 cache's blocks are read back as K * k_scale, V * v_scale in the query's dtype
+               k_scale=None, v_scale=None):
+        """An FP8 cache's blocks are read back as K * k_scale, V * v_scale in the query's dtype
         (the compiled CPU kernel takes float32 caches only: FP8 steps take the SDPA paths)."""
         plan = self._step_plan(meta, k_cache, query)
         if plan.causal_rows is not None:

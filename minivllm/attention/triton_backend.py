@@ -82,7 +82,6 @@ class TritonAttentionBackend:
         scale: float,
         k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches only
         v_scale: torch.Tensor | None = None,
-        l2_prefetch: torch.Tensor | None = None,  # decode-only steps: warmed into L2 (kernels/decode_attention.py)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if self.invariant:
             group = query.shape[1] // k_cache.shape[2]
@@ -99,7 +98,6 @@ class TritonAttentionBackend:
         out = self._decode(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
             max_seq_len=meta.max_seq_len, num_splits=num_splits, workspace=ws, k_scale=k_scale, v_scale=v_scale,
-            l2_prefetch=l2_prefetch if meta.is_decode_only else None,
         )
         if meta.is_decode_only:
             return out

@@ -27,12 +27,6 @@ Only sequences with exactly one new token are attended; others (zero-length padd
 prompt chunks of a mixed step, which the prefill kernel serves) are left alone, so a mixed
 step runs this kernel for its decode rows and the prefill kernel for the rest.
 
-L2 warm-up (`l2_prefetch`): stage 1 is latency-bound at batch 1 and leaves HBM idle, so a
-caller may name the weight its next GEMV reads (the layer's o_proj): every stage-1 program
-first requests its share of it into L2 (prefetch.global.L2, no registers, nothing waited for),
-so that GEMV reads from L2 (issue 21). At most L2_PREFETCH_MAX_BYTES (the tensor's first bytes);
-MINIVLLM_L2_PREFETCH=0 turns it off.
-
 CUDA graphs: the launch depends only on shapes and on `num_splits`; pass a fixed num_splits
 and preallocated scratch buffers (`DecodeWorkspace`) and nothing host-side changes between
 replays. The reference is `paged_attention_reference` in minivllm/attention/reference.py.
@@ -41,7 +35,6 @@ replays. The reference is `paged_attention_reference` in minivllm/attention/refe
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -50,12 +43,11 @@ import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.paged_checks import check_paged_shapes
-from minivllm.kernels.pdl import let_next_start, line_elements, pdl_args, prefetch_share, wait_for_previous
+from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
 from minivllm.kernels.prefill_attention import fp16_query, mma, softmax_accumulate
 from minivllm.kernels.store_kv import fp8_widen_f16, kv_scale_args
 
 LOG2E = math.log2(math.e)
-L2_PREFETCH_MAX_BYTES = 24 << 20  # about half an H100's L2 (50 MB): the KV tiles and the rest keep room
 MIN_CHUNK = 128  # fewest keys per split: below this the merge costs more than it saves
 MAX_SPLITS = 64  # most chunks per sequence
 PROGRAMS_PER_SM = 4  # split until about this many stage-1 programs per SM
@@ -140,11 +132,7 @@ def _decode_split_kernel(
     IEEE: tl.constexpr,  # float32 cache: full-precision products (prefill_attention.mma)
     WIDEN_F16: tl.constexpr = False,  # FP8 only: the products in float16 (module docstring)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
-    pf_ptr=None, pf_lines=0,  # L2 warm-up: pf_lines 128-byte lines of a weight at pf_ptr (PF)
-    PF: tl.constexpr = False, PF_LINE: tl.constexpr = 64, PF_BLOCK: tl.constexpr = 128,
 ):
-    if PF:  # a weight: no kernel writes it, so before the wait too
-        prefetch_share(pf_ptr, pf_lines, PF_LINE, PF_BLOCK)
     wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     let_next_start(PDL)
     seq = tl.program_id(0)
@@ -276,7 +264,6 @@ def decode_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; allocated if None
     k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches only (None: 1.0)
     v_scale: torch.Tensor | None = None,
-    l2_prefetch: torch.Tensor | None = None,  # a weight to warm L2 with meanwhile (module docstring)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of each sequence's single new token over its whole paged context."""
     num_tokens, num_heads, head_dim = query.shape
@@ -296,7 +283,7 @@ def decode_attention(
         assert workspace.part_lse.shape[0] >= num_seqs and workspace.part_lse.shape[1] == num_heads
         assert workspace.num_splits >= num_splits and workspace.part_out.shape[3] == head_dim
     _launch_split(query, k_cache, v_cache, out, workspace, query_start_loc, seq_lens, block_tables,
-                  scale, num_splits, k_scale, v_scale, l2_prefetch)
+                  scale, num_splits, k_scale, v_scale)
     if num_splits > 1:
         _launch_merge(out, workspace, query_start_loc, num_seqs, num_splits)
     return out
@@ -310,7 +297,7 @@ def _default_splits(query, num_seqs, num_kv_heads, max_seq_len, k_cache, block_t
 
 
 def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, block_tables,
-                  scale, num_splits, k_scale=None, v_scale=None, l2_prefetch=None) -> None:
+                  scale, num_splits, k_scale=None, v_scale=None) -> None:
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -335,18 +322,7 @@ def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, b
         MIN_CHUNK_N=triton.cdiv(MIN_CHUNK, cfg["BLOCK_N"]) * cfg["BLOCK_N"],
         NUM_SPLITS_IS_ONE=one, KV_FP8=fp8,
         IEEE=k_cache.dtype == torch.float32, WIDEN_F16=fp8_widen_f16(query), **cfg, **pdl_args(query),
-        **_prefetch_args(l2_prefetch, query),
     )
-
-
-def _prefetch_args(weight: torch.Tensor | None, query: torch.Tensor) -> dict:
-    """The stage-1 kernel's L2 warm-up arguments for `weight` (None / off: PF False)."""
-    off = os.environ.get("MINIVLLM_L2_PREFETCH", "1") == "0"  # read at each launch: a benchmark may flip it
-    if weight is None or off or not weight.is_cuda or not weight.is_contiguous():
-        return {"PF": False, "pf_ptr": query, "pf_lines": 0}
-    line = line_elements(weight.dtype)
-    lines = triton.cdiv(min(weight.numel(), L2_PREFETCH_MAX_BYTES // weight.element_size()), line)
-    return {"PF": True, "pf_ptr": weight, "pf_lines": lines, "PF_LINE": line}
 
 
 def _launch_merge(out, ws: DecodeWorkspace, query_start_loc, num_seqs: int, num_splits: int) -> None:

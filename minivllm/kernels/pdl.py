@@ -78,13 +78,14 @@ def let_next_start(PDL: tl.constexpr):
 
 
 @_jit
-def prefetch_l2(ptrs):
+def prefetch_l2(ptrs, PDL: tl.constexpr):
     """Ask L2 for the lines at `ptrs` (a tensor of pointers, every one valid: the caller
     clamps out-of-range lanes) without waiting or keeping registers: a GEMV calls it on
     its first weight tiles before `wait_for_previous`, so that the weights stream from HBM while
-    the previous kernel finishes."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    the previous kernel finishes. Only with PDL (without it nothing runs before the wait)."""
+    if PDL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @_jit
@@ -94,21 +95,7 @@ def prefetch_rows(row_ptrs, k_first, k_last, SPAN: tl.constexpr, STEP: tl.conste
     STEP elements (STEP: a 128-byte line's worth, SPAN / STEP a power of two)."""
     if PDL:
         offs = tl.minimum(k_first + tl.arange(0, SPAN // STEP) * STEP, k_last)
-        prefetch_l2(row_ptrs + offs[None, :])
-
-
-@_jit
-def prefetch_share(ptr, lines, LINE: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's share of an L2 prefetch of `lines` 128-byte lines (LINE elements each) at
-    ptr, cut evenly over every program of the grid, BLOCK lines a step. A latency-bound kernel
-    (decode attention) calls it to warm L2 with the weights of the GEMV that follows it."""
-    prog = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    per = tl.cdiv(lines, programs)
-    first = prog * per
-    last = tl.maximum(tl.minimum(first + per, lines) - 1, 0)
-    for i in range(0, per, BLOCK):
-        prefetch_l2(ptr + tl.minimum(first + i + tl.arange(0, BLOCK), last).to(tl.int64) * LINE)
+        prefetch_l2(row_ptrs + offs[None, :], PDL)
 
 
 def line_elements(dtype: torch.dtype) -> int:

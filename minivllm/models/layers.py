@@ -15,21 +15,6 @@ from minivllm.quant.config import QuantConfig
 from minivllm.quant.layer import make_linear
 
 
-# steps of at most this many tokens run their linears as GEMVs (kernels/dense_gemv.GEMV_MAX_ROWS,
-# the W4A16 GEMV): each reads its whole weight, which is worth warming L2 with beforehand
-ONE_TOKEN_ROWS = 2
-
-
-def streamed_weight(linear: nn.Module) -> torch.Tensor | None:
-    """The tensor a few-token step of `linear` mostly reads (packed int4 words, FP8 or 16-bit
-    weights), if it lives on a GPU; None otherwise."""
-    for name in ("qweight", "weight_fp8", "weight"):
-        t = getattr(linear, name, None)
-        if isinstance(t, torch.Tensor):
-            return t if t.is_cuda and t.numel() else None
-    return None
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -154,10 +139,7 @@ class Attention(nn.Module):
         if self.calibrate_kv:
             calibrate_kv_scales(self, k, v)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        # one or two tokens: o_proj streams its weight (a GEMV), so the attention kernel warms L2 with it
-        hint = streamed_weight(self.o_proj) if t <= ONE_TOKEN_ROWS else None
-        o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale,
-                                l2_prefetch=hint)
+        o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 

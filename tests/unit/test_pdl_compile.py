@@ -53,11 +53,6 @@ CASES = {
                                                    KV_FP8=False, IEEE=False),
                      {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
                       "block_tables_ptr": "i32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}, 4),
-    "decode_split_l2": (da._decode_split_kernel, dict(GROUP=8, G_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16,
-                                                      BLOCK_N=32, MIN_CHUNK_N=64, NUM_SPLITS_IS_ONE=False,
-                                                      KV_FP8=False, IEEE=False, PF=True),
-                        {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
-                         "block_tables_ptr": "i32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}, 4),
     "decode_merge": (da._decode_merge_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=8),
                      {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "qsl_ptr": "i32"}, 4),
 }
@@ -111,7 +106,7 @@ def test_memory_access_waits_for_the_previous_kernel(name):
     allowed = EARLY_LOADS.get(name)
     bad = [s for s in early if not (allowed and re.match(rf"(@%p\d+ )?{re.escape(allowed)}", s))]
     assert not bad, f"{name}: memory access before the PDL wait: {bad[:3]}"
-    if name in ("dense_gemv", "w4a16_gemv", "moe_down", "decode_split_l2"):  # weights stream before the wait
+    if name in ("dense_gemv", "w4a16_gemv", "moe_down"):  # the weights stream before the wait
         assert any("prefetch.global.L2" in s for s in body[:waits[0]]), f"{name}: no weight prefetch"
 
 
