@@ -221,7 +221,7 @@ def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
     _moe_decode_down_kernel[(tiles_n, k)](
         hmid, w2, ids, weights, out, ws, cnt, hidden, inter, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=k,
         BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], num_warps=down["num_warps"],
-        PREFETCH=min(triton.next_power_of_2(inter), DOWN_PREFETCH_BYTES // w2.element_size()),
+        PREFETCH=max(line_elements(w2.dtype), min(triton.next_power_of_2(inter), DOWN_PREFETCH_BYTES // w2.element_size())),
         LINE=line_elements(w2.dtype), **pdl_args(x))
     return out
 

@@ -48,7 +48,7 @@ def _layer_chain(x, res, w, pos, layers: int = 3):
         q = qkv[:, :4 * HEAD].view(1, 4, HEAD)
         k = qkv[:, 4 * HEAD:5 * HEAD].view(1, 1, HEAD)
         apply_rotary_triton(pos, q, k, w["cos_sin"], w["qn"], w["kn"], 1e-6)
-        h2 = rms_norm_triton(qkv[:, :H // 2].repeat(1, 2).contiguous() + h, w["norm"], 1e-6)
+        h2 = rms_norm_triton(q.reshape(1, -1).repeat(1, H // (4 * HEAD)) + h, w["norm"], 1e-6)  # reads the rotated q
         weights, ids = topk_softmax_triton(dense_gemv(h2, w["router"]), TOP_K, True)
         moe = fused_moe_triton(h2, w["w13"], w["w2"], weights, ids)
         x = w4a16_gemm(moe.half(), w["qw"], w["s"], w["z"], 128)[:, :H // 2].to(torch.bfloat16).repeat(1, 2)
