@@ -110,6 +110,15 @@ def _jobs() -> list[Job]:
     # issue 25: the W4A16 GEMV's plain path (the packed half2 one off), A/B in one lease
     j += [Job("ours:W11-awq-plain", "ours", OURS + awq, 130, 540, _LAT_TINY + ["--quant-group-size", "32"] + _CPU,
               env={"MINIVLLM_W4A16_GEMV_HALF2": "0"})]
+    # programmatic dependent launch off (kernels/pdl.py; on by default on Hopper): the A/B in one lease
+    nopdl = {"MINIVLLM_PDL": "0"}
+    j += [Job("ours:W10-decode-nopdl", "ours", OURS + lat10, 180, 540,
+              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env=nopdl),
+          Job("ours:W11-awq-nopdl", "ours", OURS + awq, 130, 540, _LAT_TINY + ["--quant-group-size", "32"] + _CPU,
+              env=nopdl),
+          Job("ours:W2-nopdl", "ours", OURS + ["latency", "--model-config", "llama-3.1-8b"], 120, 540,
+              _LAT_TINY + _CPU, env=nopdl),
+          Job("ours:W1-nopdl", "ours", OURS + tp + ["W1"], 120, 540, _TINY + _CPU, env=nopdl)]
     fp8 = tp + ["W1-8B", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
     j += _pair("W11-fp8", fp8, fp8, 180, 260, _TINY)
     # issue 23: W1 with 4 dummy rank-16 LoRA adapters spread over the requests (vs W1 without), and
