@@ -13,8 +13,6 @@ one-token queries' keys ~20 % faster than the prefill kernel's 64-row tiles
 
 from __future__ import annotations
 
-import os
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,6 +44,9 @@ class TritonAttentionBackend:
     # the prefill kernel's launch depends on shapes and max_query_len only (no host reads of
     # the metadata), so mixed steps can be captured in CUDA graphs
     graph_safe_prefill = True
+    # the layer may hand K/V to the rotary launch (kernels/fused_ops.KvStore) instead of calling
+    # store_kv: the same bits in the cache, one kernel fewer a layer
+    store_in_rotary = True
 
     def __init__(self) -> None:
         # lazy: these modules import triton
@@ -62,10 +63,6 @@ class TritonAttentionBackend:
         # one fixed tile size and every key tile through its masked path, so a row's
         # arithmetic never depends on the step's other rows or on how its prompt was chunked
         self.invariant = False
-        # the layer may hand K/V to the rotary launch (kernels/fused_ops.KvStore) instead of
-        # calling store_kv: the same bits in the cache, one kernel fewer a layer
-        # (MINIVLLM_ROTARY_STORE=0: the separate store_kv launch, to compare)
-        self.store_in_rotary = os.environ.get("MINIVLLM_ROTARY_STORE", "1") != "0"
 
     def store_kv(
         self,

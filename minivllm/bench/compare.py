@@ -118,11 +118,7 @@ def _jobs() -> list[Job]:
               env=nopdl),
           Job("ours:W2-nopdl", "ours", OURS + ["latency", "--model-config", "llama-3.1-8b"], 120, 540,
               _LAT_TINY + _CPU, env=nopdl),
-          Job("ours:W1-nopdl", "ours", OURS + tp + ["W1"], 120, 540, _TINY + _CPU, env=nopdl),
-          # PDL on, the router's top-k and the K/V store in launches of their own again
-          Job("ours:W10-decode-unfused", "ours", OURS + lat10, 180, 540,
-              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU,
-              env={"MINIVLLM_ROUTER_TOPK": "0", "MINIVLLM_ROTARY_STORE": "0"})]
+          Job("ours:W1-nopdl", "ours", OURS + tp + ["W1"], 120, 540, _TINY + _CPU, env=nopdl)]
     fp8 = tp + ["W1-8B", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
     j += _pair("W11-fp8", fp8, fp8, 180, 260, _TINY)
     # issue 23: W1 with 4 dummy rank-16 LoRA adapters spread over the requests (vs W1 without), and

@@ -33,15 +33,13 @@ import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.pdl import let_next_start, line_elements, pdl_args, prefetch_rows, wait_for_previous
-from minivllm.kernels.split_k import split_buffers, split_count, store_tile, tile_counters
-from minivllm.kernels.topk import topk_row
+from minivllm.kernels.split_k import split_buffers, split_count, store_tile
 from minivllm.kernels.tuned_tables import read_table, table_file
 
 GEMV_MAX_ROWS = 2  # batch-1 decode (and 2-row graphs); more rows: cuBLAS reads the weight once for all
 DEFAULT_TILE = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 PROGRAMS_PER_SM = 4  # split K until about this many programs per SM (as the W4A16 GEMV)
 MAX_SPLIT_K = 16
-MAX_ROUTER_EXPERTS = 1024  # the top-k keeps a row of logits in one program's registers
 PREFETCH_BYTES = 1024  # of each program's weight rows (at most its slice), into L2 before the PDL wait (kernels/pdl.py)
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "dense_gemv")
 
@@ -54,10 +52,6 @@ def _dense_gemv_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
-    # TOPK > 0 (a MoE router, SPLIT_K 1): the grid's last program of each row also runs the
-    # router's softmax top-k on the finished logits (kernels/topk.topk_row): no top-k launch
-    topk_w_ptr=None, topk_ids_ptr=None, grid_cnt_ptr=None,
-    TOPK: tl.constexpr = 0, K_PAD: tl.constexpr = 1, N_PAD: tl.constexpr = 1, RENORM: tl.constexpr = False,
 ):
     """Program (n, m, k): out[m, n-tile] (its K slice k with SPLIT_K > 1). x and W are read
     with unit stride along K. With PDL (kernels/pdl.py) the first PREFETCH weight elements of the
@@ -91,16 +85,6 @@ def _dense_gemv_kernel(
             out += tl.load(b_ptr + rn_safe).to(tl.float32)
     store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn, m * N + rn, M * N, n_ok, pid_k,
                 m * tl.num_programs(0) + pid_n, SPLIT_K)
-    if TOPK > 0:
-        # as split_k.store_tile's fix-up: the barrier orders the tile's stores before the (acq_rel)
-        # counter increment; the row's last program acquires every tile through the same counter
-        tl.debug_barrier()
-        if tl.atomic_add(grid_cnt_ptr + m, 1) == tl.num_programs(0) - 1:
-            cols = tl.arange(0, N_PAD)
-            logits = tl.load(out_ptr + m * stride_om + cols, mask=cols < N, other=float("-inf"), cache_modifier=".cg")
-            topk_row(logits.to(tl.float32), cols, topk_w_ptr + m * TOPK, topk_ids_ptr + m * TOPK, N, N_PAD, TOPK,
-                     K_PAD, RENORM)
-            tl.store(grid_cnt_ptr + m, 0)  # every tile of the row has counted: reusable (graph replays too)
 
 
 def prefetch_span(dtype: torch.dtype) -> dict:
@@ -136,31 +120,6 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % tile["BLOCK_K"] == 0, SPLIT_K=split_k,
         **prefetch_span(weight.dtype), **pdl_args(x), **tile)
     return out
-
-
-def dense_gemv_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
-                    tile: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A MoE router in one launch: the logits x @ weight.T (x [M, K], M <= GEMV_MAX_ROWS), then
-    per row the softmax top-k of fused_moe.topk_softmax -> (weights float32 [M, k], ids int32
-    [M, k]), the same values as dense_gemv followed by topk_softmax. K is not split (the top-k
-    runs once the row's tiles are all stored: one counter a row)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1 and 0 < top_k <= n, (x.shape, weight.shape)
-    tile = tile or DEFAULT_TILE
-    logits = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    weights = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(m, top_k, dtype=torch.int32, device=x.device)
-    if m == 0:
-        return weights, ids
-    grid = (triton.cdiv(n, tile["BLOCK_N"]), m, 1)
-    cnt = tile_counters(x.device, m)  # one a row (0 between kernels, as every split-K launch leaves them)
-    _dense_gemv_kernel[grid](
-        x, weight, weight, logits, logits, logits, m, n, k, x.stride(0), weight.stride(0), logits.stride(0),
-        HAS_BIAS=False, EVEN_K=k % tile["BLOCK_K"] == 0, SPLIT_K=1, **prefetch_span(weight.dtype),
-        **pdl_args(x), **tile, topk_w_ptr=weights, topk_ids_ptr=ids, grid_cnt_ptr=cnt, TOPK=top_k,
-        K_PAD=triton.next_power_of_2(top_k), N_PAD=triton.next_power_of_2(n), RENORM=renormalize)
-    return weights, ids
 
 
 # ---------------------------------------------------------------- which layers take it
@@ -214,14 +173,6 @@ class GemvLinear(torch.nn.Module):
         if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.stride(1) == 1:
             return dense_gemv(x, self.weight, self.bias, self.tile, self.split_k)
         return F.linear(x, self.weight, self.bias)
-
-    def topk(self, x: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """As a MoE router: (weights, ids) of the softmax top-k in the GEMV's launch
-        (dense_gemv_topk), or None where the GEMV does not serve x (the caller routes itself)."""
-        if (x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.stride(1) == 1 and self.bias is None
-                and self.out_features <= MAX_ROUTER_EXPERTS and os.environ.get("MINIVLLM_ROUTER_TOPK", "1") != "0"):
-            return dense_gemv_topk(x, self.weight, top_k, renormalize, self.tile)
-        return None
 
 
 def make_linears_gemv(layers: torch.nn.Module) -> int:

@@ -41,7 +41,6 @@ from minivllm.kernels.fused_moe_config import pick_config
 from minivllm.kernels.fused_ops import _jit, triton
 from minivllm.kernels.moe_align import moe_align
 from minivllm.kernels.pdl import let_next_start, line_elements, pdl_args, prefetch_rows, wait_for_previous
-from minivllm.kernels.topk import topk_row
 
 if triton is not None:
     import triton.language as tl
@@ -334,8 +333,23 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E: tl.const
     let_next_start(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
+    ks = tl.arange(0, K_PAD)
     x = tl.load(logits_ptr + t * stride_t + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
-    topk_row(x, cols, weights_ptr + t * TOP_K, ids_ptr + t * TOP_K, E, E_PAD, TOP_K, K_PAD, RENORM)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(cols < E, p, -1.0)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    w = tl.zeros([K_PAD], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, cols, E_PAD), axis=0)
+        ids = tl.where(ks == j, idx, ids)
+        w = tl.where(ks == j, best, w)
+        p = tl.where(cols == idx, -1.0, p)
+    if RENORM:
+        w = w / tl.sum(w, axis=0)
+    tl.store(ids_ptr + t * TOP_K + ks, ids, mask=ks < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + ks, w, mask=ks < TOP_K)
 
 
 @_jit

@@ -112,17 +112,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, token_valid: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]; token_valid: bool [T], the tokens counted in token_counts (None: all)."""
-        weights, ids = self._route(x)
+        weights, ids = topk_softmax(self.gate(x), self.top_k, self.renormalize)
         out = self._routed(x, weights, ids, token_valid)
         if self.shared_expert is not None:  # the sigmoid gate is per token: it scales partial sums alike
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
-
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, ids) [T, k]: a GEMV router (kernels/dense_gemv.GemvLinear, batch-1 decode on the
-        GPU) finishes with the top-k in its own launch; otherwise the logits, then topk_softmax."""
-        fused = self.gate.topk(x, self.top_k, self.renormalize) if hasattr(self.gate, "topk") else None
-        return fused if fused is not None else topk_softmax(self.gate(x), self.top_k, self.renormalize)
 
     def _routed(self, x, weights, ids, token_valid) -> torch.Tensor:
         if self.experts.comm is None or self.tp is None:

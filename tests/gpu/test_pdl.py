@@ -2,8 +2,7 @@
 kernels, each reading what the one before wrote, gives the same bits with PDL on as off, eager
 and replayed from a CUDA graph with new inputs; and a whole MoE model's greedy decode is the
 same token for token and logprob for logprob. A kernel that read its input before waiting for
-the kernel that writes it would read the previous replay's (or layer's) values here. The model
-test also switches the router's fused top-k and the K/V store in the rotary launch with PDL."""
+the kernel that writes it would read the previous replay's (or layer's) values here."""
 
 from __future__ import annotations
 
@@ -38,8 +37,8 @@ def _layer_chain(x, res, w, pos, layers: int = 3):
     """Norm -> qkv GEMV -> q/k norm + rotary (in place on the GEMV's output) -> norm -> router
     GEMV -> top-k -> the two expert GEMVs -> W4A16 GEMV, `layers` times: each kernel consumes
     the one before."""
-    from minivllm.kernels.dense_gemv import dense_gemv, dense_gemv_topk
-    from minivllm.kernels.fused_moe import fused_moe_triton
+    from minivllm.kernels.dense_gemv import dense_gemv
+    from minivllm.kernels.fused_moe import fused_moe_triton, topk_softmax_triton
     from minivllm.kernels.fused_ops import apply_rotary_triton, fused_add_rms_norm_triton, rms_norm_triton
     from minivllm.kernels.w4a16_gemm import w4a16_gemm
     outs = []
@@ -50,7 +49,7 @@ def _layer_chain(x, res, w, pos, layers: int = 3):
         k = qkv[:, 4 * HEAD:5 * HEAD].view(1, 1, HEAD)
         apply_rotary_triton(pos, q, k, w["cos_sin"], w["qn"], w["kn"], 1e-6)
         h2 = rms_norm_triton(q.reshape(1, -1).repeat(1, H // (4 * HEAD)) + h, w["norm"], 1e-6)  # reads the rotated q
-        weights, ids = dense_gemv_topk(h2, w["router"], TOP_K, True)  # the router GEMV with its top-k
+        weights, ids = topk_softmax_triton(dense_gemv(h2, w["router"]), TOP_K, True)
         moe = fused_moe_triton(h2, w["w13"], w["w2"], weights, ids)
         x = w4a16_gemm(moe.half(), w["qw"], w["s"], w["z"], 128)[:, :H // 2].to(torch.bfloat16).repeat(1, 2)
         outs += [qkv, weights, ids, moe, x]
@@ -103,11 +102,8 @@ def test_moe_model_decode_same_with_pdl(monkeypatch, eager, tmp_path):
     path = str(tmp_path / "qwen3_moe")
     build("qwen3_moe", path)
     results = {}
-    monkeypatch.setenv("MINIVLLM_DENSE_GEMV", "1")  # every linear a GEMV: the router too, with its fused top-k
-    for pdl in ("0", "1"):  # off: no PDL, router top-k and K/V store in launches of their own
+    for pdl in ("0", "1"):
         monkeypatch.setenv("MINIVLLM_PDL", pdl)
-        monkeypatch.setenv("MINIVLLM_ROUTER_TOPK", pdl)
-        monkeypatch.setenv("MINIVLLM_ROTARY_STORE", pdl)
         llm = LLM(model=path, device="cuda", dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=eager,
                   kv_cache_memory_bytes=1 << 28, max_num_seqs=4, max_num_batched_tokens=256)
         outs = [llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0.0, max_tokens=24, logprobs=1),

@@ -33,10 +33,6 @@ for name, m, n, k, dt, split, bias, xs in [
 # the split-K counters are reset by the last program: a second call with the same grid is right too
 res["again split4"] = checks.check_dense_gemv(1, 40, 128, f32, "cpu", tile, 4, bias=True, seed=3)
 res.update({"linear " + k: v for k, v in checks.check_gemv_linear_rows("cpu", f32).items()})
-# the router GEMV with the top-k in its launch (a second call: its row counters were reset)
-res["router m1 e128 k8 renorm"] = checks.check_router_topk(1, 128, 256, 8, True, f32, "cpu", tile, seed=1)
-res["router m2 e60 k4 ragged"] = checks.check_router_topk(2, 60, 200, 4, False, f32, "cpu", tile, seed=2)
-res["router again"] = checks.check_router_topk(1, 128, 256, 8, True, f32, "cpu", tile, seed=3)
 print("RESULT " + json.dumps(res))
 """
 
@@ -48,7 +44,7 @@ def results() -> dict[str, float]:
 
 @needs_triton
 def test_dense_gemv_matches_reference_under_interpreter(results: dict[str, float]) -> None:
-    assert len(results) == 15
+    assert len(results) == 12
     for name, err in results.items():
         tol = 2e-3 if "fp16" in name else 1e-5
         assert err < tol, (name, err)

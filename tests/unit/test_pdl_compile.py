@@ -30,10 +30,6 @@ from minivllm.kernels.pdl import pdl_args  # noqa: E402
 CASES = {
     "dense_gemv": (dg._dense_gemv_kernel, dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=16, BLOCK_K=256, SPLIT_K=4,
                                                PREFETCH=512, LINE=64), {"ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
-    "dense_gemv_router": (dg._dense_gemv_kernel, dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=8, BLOCK_K=512, SPLIT_K=1,
-                                                      PREFETCH=512, LINE=64, TOPK=8, K_PAD=8, N_PAD=128, RENORM=True),
-                          {"ws_ptr": "fp32", "cnt_ptr": "i32", "topk_w_ptr": "fp32", "topk_ids_ptr": "i32",
-                           "grid_cnt_ptr": "i32"}, 4),
     "w4a16_gemv": (w4._w4a16_gemv_kernel, dict(GROUP=128, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, HALF2=True, EVEN=True),
                    {"x_ptr": "fp16", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "fp16",
                     "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
@@ -110,7 +106,7 @@ def test_memory_access_waits_for_the_previous_kernel(name):
     allowed = EARLY_LOADS.get(name)
     bad = [s for s in early if not (allowed and re.match(rf"(@%p\d+ )?{re.escape(allowed)}", s))]
     assert not bad, f"{name}: memory access before the PDL wait: {bad[:3]}"
-    if name in ("dense_gemv", "dense_gemv_router", "w4a16_gemv", "moe_down"):  # weights stream before the wait
+    if name in ("dense_gemv", "w4a16_gemv", "moe_down"):  # the weights stream before the wait
         assert any("prefetch.global.L2" in s for s in body[:waits[0]]), f"{name}: no weight prefetch"
 
 
