@@ -44,9 +44,6 @@ class TritonAttentionBackend:
     # the prefill kernel's launch depends on shapes and max_query_len only (no host reads of
     # the metadata), so mixed steps can be captured in CUDA graphs
     graph_safe_prefill = True
-    # the layer may hand K/V to the rotary launch (kernels/fused_ops.KvStore) instead of calling
-    # store_kv: the same bits in the cache, one kernel fewer a layer
-    store_in_rotary = True
 
     def __init__(self) -> None:
         # lazy: these modules import triton

@@ -20,8 +20,6 @@ views of the fused qkv matmul output are processed without a copy.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
@@ -108,47 +106,30 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 cos_sin: torch.Tensor, kv_store: KvStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [T] int; q: [T, Hq, D]; k: [T, Hk, D]; cos_sin: [max_pos, D] fp32 = cat(cos, sin).
 
     Returns the rotated (q, k). On the GPU q and k are rotated IN PLACE (one launch for both)
     and returned; on the CPU new tensors are returned. Either way: use the return values and
-    treat the inputs as consumed. Positions must be < max_pos (not checked on the GPU).
-    kv_store: the rotated K and kv_store.value are also written into that paged cache (on the
-    GPU in the same launch)."""
+    treat the inputs as consumed. Positions must be < max_pos (not checked on the GPU)."""
     if (_on_triton(positions, q, k, cos_sin) and q.stride(-1) == 1 and k.stride(-1) == 1
             and q.dtype == k.dtype and cos_sin.stride(-1) == 1 and cos_sin.dtype == torch.float32):
-        return apply_rotary_triton(positions, q, k, cos_sin, kv_store=kv_store)
-    return _store_after(kv_store, *apply_rotary_torch(positions, q, k, cos_sin))
+        return apply_rotary_triton(positions, q, k, cos_sin)
+    return apply_rotary_torch(positions, q, k, cos_sin)
 
 
 def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                   k_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor,
-                   kv_store: KvStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   k_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head q/k RMSNorm, then rotary: rms_norm(q), rms_norm(k), then apply_rotary,
     with their roundings (the normed values in q's dtype, as the norm stores them). On the GPU
     one launch that rotates q and k IN PLACE (issue 21: the two norm launches a layer were 96 of
-    a batch-1 Qwen3-30B-A3B token's ~900 kernels); elsewhere the three ops. Use the return values.
-    kv_store: as in apply_rotary."""
+    a batch-1 Qwen3-30B-A3B token's ~900 kernels); elsewhere the three ops. Use the return values."""
     if (_on_triton(positions, q, k, q_weight, k_weight, cos_sin) and q.stride(-1) == 1 and k.stride(-1) == 1
             and q.dtype == k.dtype == q_weight.dtype == k_weight.dtype and q_weight.is_contiguous()
             and k_weight.is_contiguous() and cos_sin.stride(-1) == 1 and cos_sin.dtype == torch.float32
             and q.shape[-1] % 2 == 0 and q.shape[-1] <= MAX_NORM_BLOCK):
-        return apply_rotary_triton(positions, q, k, cos_sin, q_weight, k_weight, eps, kv_store)
-    return apply_rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos_sin, kv_store)
-
-
-def _store_after(kv: KvStore | None, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unfused path's K/V store (kv_store given but the launch could not take it)."""
-    if kv is not None:
-        if _on_triton(k, kv.value, kv.k_cache):
-            from minivllm.kernels.store_kv import store_kv
-            store_kv(k, kv.value, kv.k_cache, kv.v_cache, kv.slot_mapping, kv.k_scale, kv.v_scale)
-        else:
-            from minivllm.attention.reference import store_kv_reference
-            store_kv_reference(k, kv.value, kv.k_cache, kv.v_cache, kv.slot_mapping[:k.shape[0]], kv.k_scale,
-                               kv.v_scale)
-    return q, k
+        return apply_rotary_triton(positions, q, k, cos_sin, q_weight, k_weight, eps)
+    return apply_rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos_sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -226,23 +207,10 @@ def _rotate_heads(base_ptr, stride_h, num_heads, blk, w_ptr, eps, cos, sin, d, d
         w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
         x1 = ((x1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    o1 = (x1 * cos - x2 * sin).to(base_ptr.dtype.element_ty)
-    o2 = (x2 * cos + x1 * sin).to(base_ptr.dtype.element_ty)
-    tl.store(p1, o1, mask=mask)
-    tl.store(p1 + HALF, o2, mask=mask)
-    return h, mask, o1, o2
-
-
-@_jit
-def _store_cache_rows(cache_ptr, dst, mask, x1, x2, scale_ptr, HALF: tl.constexpr, KV_FP8: tl.constexpr):
-    # x1 | x2 (two halves of [ROWS, D] head rows, in the model's dtype) into cache rows at dst,
-    # as kernels/store_kv.py stores them (an FP8 cache: x / scale, saturated at +-448)
-    if KV_FP8:
-        s = tl.load(scale_ptr)
-        x1 = tl.clamp(x1.to(tl.float32) / s, -448.0, 448.0)
-        x2 = tl.clamp(x2.to(tl.float32) / s, -448.0, 448.0)
-    tl.store(cache_ptr + dst, x1.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(cache_ptr + dst + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    tl.store(p1, o1.to(base_ptr.dtype.element_ty), mask=mask)
+    tl.store(p1 + HALF, o2.to(base_ptr.dtype.element_ty), mask=mask)
 
 
 @_jit
@@ -260,11 +228,6 @@ def _rotary_kernel(
     ROWS: tl.constexpr,  # heads per program
     NORM: tl.constexpr,  # Qwen3: each head RMSNorm-ed (weights qw / kw) before the rotation
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
-    # STORE: the k programs also write the token's rotated K and its V rows into the paged cache
-    # (kernels/store_kv.py's job, one launch fewer a layer); slot -1 (graph padding) stores nothing
-    v_ptr=None, k_cache_ptr=None, v_cache_ptr=None, slot_ptr=None, k_scale_ptr=None, v_scale_ptr=None,
-    stride_vt=0, stride_vh=0, stride_kvb=0, stride_kvs=0, stride_kvh=0,  # the caches' block / slot / head strides
-    BLOCK_SIZE: tl.constexpr = 16, STORE: tl.constexpr = False, KV_FP8: tl.constexpr = False,
 ):
     wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     let_next_start(PDL)
@@ -279,16 +242,8 @@ def _rotary_kernel(
         _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, qw_ptr, eps, cos, sin, d, d_mask,
                       HALF, ROWS, NORM)
     else:
-        h, mask, k1, k2 = _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, kw_ptr, eps,
-                                        cos, sin, d, d_mask, HALF, ROWS, NORM)
-        if STORE:
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            mask = mask & ((h * 0 + slot) >= 0)  # (tensor & tensor: the interpreter mishandles a scalar bool)
-            dst = (slot // BLOCK_SIZE) * stride_kvb + (slot % BLOCK_SIZE) * stride_kvs + h * stride_kvh + d
-            _store_cache_rows(k_cache_ptr, dst, mask, k1, k2, k_scale_ptr, HALF, KV_FP8)
-            v_row = v_ptr + t * stride_vt + h * stride_vh + d
-            _store_cache_rows(v_cache_ptr, dst, mask, tl.load(v_row, mask=mask, other=0.0),
-                              tl.load(v_row + HALF, mask=mask, other=0.0), v_scale_ptr, HALF, KV_FP8)
+        _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, kw_ptr, eps, cos, sin, d,
+                      d_mask, HALF, ROWS, NORM)
 
 
 @_jit
@@ -374,11 +329,9 @@ def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: t
 
 def apply_rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
                         q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                        eps: float = 0.0, kv_store: KvStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel path of `apply_rotary`: rotates q and k in place and returns them; with q_weight and
-    k_weight (`qk_norm_rotary`'s path) each head is RMSNorm-ed first, in the same launch. With
-    kv_store the same launch also writes each token's rotated K and its V into the paged cache
-    (what kernels/store_kv.store_kv would write after it)."""
+    k_weight (`qk_norm_rotary`'s path) each head is RMSNorm-ed first, in the same launch."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     norm = q_weight is not None
@@ -399,33 +352,8 @@ def apply_rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
         num_q_heads, num_k_heads, q_blocks, eps,
         HALF=half, HALF_PAD=half_pad, ROWS=rows, NORM=norm, num_warps=_norm_warps(rows * half_pad), **pdl_args(q),
-        **(_store_args(kv_store, k) if kv_store is not None else {}),
     )
     return q, k
-
-
-class KvStore(NamedTuple):
-    """Where the rotary launch also stores K/V (kernels/store_kv.store_kv's arguments)."""
-
-    value: torch.Tensor  # [T, Hk, D], last dim contiguous
-    k_cache: torch.Tensor  # [num_blocks, block_size, Hk, D]
-    v_cache: torch.Tensor  # same shape and strides
-    slot_mapping: torch.Tensor  # [>= T] int, -1 = skip
-    k_scale: torch.Tensor | None = None  # [1] float32, FP8 caches only (None: 1.0)
-    v_scale: torch.Tensor | None = None
-
-
-def _store_args(kv: KvStore, k: torch.Tensor) -> dict:
-    from minivllm.kernels.store_kv import kv_scale_args
-    v, kc, vc = kv.value, kv.k_cache, kv.v_cache
-    assert v.shape == k.shape and v.stride(-1) == 1 and v.dtype == k.dtype, (v.shape, k.shape)
-    assert kc.shape == vc.shape and kc.stride() == vc.stride() and kc.shape[2:] == k.shape[1:], (kc.shape, k.shape)
-    assert kc.stride(3) == 1 and kv.slot_mapping.shape[0] >= k.shape[0]
-    fp8 = kc.dtype == torch.float8_e4m3fn
-    k_scale, v_scale = kv_scale_args(fp8, kv.k_scale, kv.v_scale, kc)
-    return dict(v_ptr=v, k_cache_ptr=kc, v_cache_ptr=vc, slot_ptr=kv.slot_mapping, k_scale_ptr=k_scale,
-                v_scale_ptr=v_scale, stride_vt=v.stride(0), stride_vh=v.stride(1), stride_kvb=kc.stride(0),
-                stride_kvs=kc.stride(1), stride_kvh=kc.stride(2), BLOCK_SIZE=kc.shape[1], STORE=True, KV_FP8=fp8)
 
 
 def silu_and_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,8 +10,7 @@ from torch import nn
 from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.distributed.communication import TensorParallelGroup
-from minivllm.kernels.fused_ops import (KvStore, apply_rotary, fused_add_rms_norm, qk_norm_rotary, rms_norm,
-                                        silu_and_mul)
+from minivllm.kernels.fused_ops import apply_rotary, fused_add_rms_norm, qk_norm_rotary, rms_norm, silu_and_mul
 from minivllm.quant.config import QuantConfig
 from minivllm.quant.layer import make_linear
 
@@ -68,10 +67,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
         self._step_cos_sin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, kv_store: KvStore | None = None):
-        # q: [T, Hq, D], k: [T, Hk, D]; on CUDA rotated in place: use the returned tensors.
-        # kv_store: K (rotated) and V also go into that paged cache (fused_ops.apply_rotary)
-        return apply_rotary(positions, q, k, self.cos_sin, kv_store)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [T, Hq, D], k: [T, Hk, D]; on CUDA rotated in place: use the returned tensors
+        return apply_rotary(positions, q, k, self.cos_sin)
 
     def rotate_qk_cpu(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         """CPU float32: q and k heads side by side, qk: [T, Hq + Hk, D] -> rotated, a new tensor.
@@ -133,23 +131,14 @@ class Attention(nn.Module):
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)
             v = v.view(t, self.num_kv_heads, self.head_dim)
-            # the Triton backend's K/V store rides in the rotary launch (one kernel fewer a layer),
-            # unless this step first calibrates the FP8 scales from K and V
-            store = (KvStore(v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-                     if getattr(self.backend, "store_in_rotary", False) and not self.calibrate_kv else None)
             if self.q_norm is not None:  # (one launch on the GPU; the three ops elsewhere)
                 q, k = qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                      self.rotary.cos_sin, store)
+                                      self.rotary.cos_sin)
             else:
-                q, k = self.rotary(positions, q, k, store)
-            if store is not None:
-                return self._attend_and_project(q, meta, t)
+                q, k = self.rotary(positions, q, k)
         if self.calibrate_kv:
             calibrate_kv_scales(self, k, v)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        return self._attend_and_project(q, meta, t)
-
-    def _attend_and_project(self, q: torch.Tensor, meta: AttentionMetadata, t: int) -> torch.Tensor:
         o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -174,46 +174,6 @@ def check_qk_norm_rotary(tokens: int, num_q: int, num_k: int, head_dim: int, dty
     return fails
 
 
-def check_rotary_store(tokens: int, num_q: int, num_k: int, head_dim: int, dtype: torch.dtype, device: str,
-                       seed: int = 0, norm: bool = False, fp8: bool = False, max_pos: int = 64) -> list[str]:
-    """The rotary launch that also stores K/V (kv_store) against the rotary launch followed by
-    kernels/store_kv.store_kv: the same q, k and the same cache bytes, bit for bit, slots of -1
-    (graph padding) untouched; an FP8 cache with its per-tensor scales."""
-    from minivllm.kernels.store_kv import store_kv
-    gen = torch.Generator().manual_seed(seed)
-    qkv, q, k = _qkv(tokens, num_q, num_k, head_dim, dtype, device, gen)
-    kv_size = num_k * head_dim
-    qkv[:, num_q * head_dim + kv_size:-8] = _rand((tokens, kv_size), dtype, device, gen)
-    v = qkv[:, num_q * head_dim + kv_size:-8].view(tokens, num_k, head_dim)
-    qw, kw = (_rand((head_dim,), dtype, device, gen) for _ in range(2)) if norm else (None, None)
-    cos_sin = _rand((max_pos, head_dim), torch.float32, device, gen)
-    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
-    block_size, blocks = 4, tokens + 2
-    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
-    slots[::3] = -1  # padding rows store nothing
-    slots = slots.to(device)
-    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
-    scales = (torch.tensor([0.05], device=device), torch.tensor([0.03], device=device)) if fp8 else (None, None)
-    caches = []
-    for _ in range(2):
-        c = torch.randn(2, blocks, block_size, num_k, head_dim, generator=gen).to(device=device, dtype=cache_dtype)
-        caches.append(c)
-    caches[1].copy_(caches[0])
-    qkv2 = qkv.clone()
-    q2 = qkv2[:, :q.shape[1] * head_dim].view_as(q)
-    k2 = qkv2[:, q.shape[1] * head_dim:q.shape[1] * head_dim + kv_size].view_as(k)
-    F.apply_rotary_triton(positions, q, k, cos_sin, qw, kw, EPS)
-    store_kv(k, v, caches[0][0], caches[0][1], slots, *scales)
-    F.apply_rotary_triton(positions, q2, k2, cos_sin, qw, kw, EPS,
-                          F.KvStore(v, caches[1][0], caches[1][1], slots, *scales))
-    fails = []
-    if not torch.equal(qkv.view(torch.uint8), qkv2.view(torch.uint8)):  # bitwise (the spare columns are NaN)
-        fails.append("rotary_store: q/k/v buffer differs from the unfused launch")
-    if not torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8)):
-        fails.append("rotary_store: cache bytes differ from store_kv's")
-    return fails
-
-
 def _rotation_terms(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """|x1 cos| + |x2 sin| and |x2 cos| + |x1 sin|: the magnitude of the terms each rotated element
     sums (x [T, heads, D], the halves as apply_rotary_torch splits them)."""
@@ -304,17 +264,6 @@ def test_rotary(tokens: int, num_q: int, num_k: int, head_dim: int, dtype: torch
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_qk_norm_rotary(tokens: int, num_q: int, num_k: int, head_dim: int, dtype: torch.dtype) -> None:
     assert not check_qk_norm_rotary(tokens, num_q, num_k, head_dim, dtype, "cuda", seed=tokens + num_k)
-
-
-@cuda
-@pytest.mark.parametrize("fp8", [False, True], ids=["cache16", "cache_fp8"])
-@pytest.mark.parametrize("norm", [False, True], ids=["rope", "qk_norm"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_q,num_k,head_dim", [(32, 4, 128), (9, 3, 64)])
-@pytest.mark.parametrize("tokens", [1, 2, 37])
-def test_rotary_store(tokens: int, num_q: int, num_k: int, head_dim: int, dtype: torch.dtype, norm: bool,
-                      fp8: bool) -> None:
-    assert not check_rotary_store(tokens, num_q, num_k, head_dim, dtype, "cuda", seed=tokens, norm=norm, fp8=fp8)
 
 
 @cuda
