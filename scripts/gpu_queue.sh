@@ -16,23 +16,17 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 18, 2026-11-27; a session's 30 minutes count
-# 50-100 % of held time, so order by what closes; issues 18 and 19 are closed). Staging all of
-# vLLM takes ~1.5 minutes of held time; name only the test files (and GPU_TESTS_K) that need a run.
-#   1. GPU_TESTS=tests/gpu/test_quant_kernels.py GPU_TESTS_K="fused_fp8 or default_model or test_w4a16"
-#      'gpu-tests+profile-awq1+awq-gemv-tiles@0'
-#      (25: the relaxed fused-quantizer test, never run on a GPU, and the W4A16 tests and the
-#      quantized default model with the half2 GEMV as the default; where W11-awq's 3.89 ms a token
-#      go now that the packed half2 GEMV is the default (lease 18: 257 tok/s, 1.08x vLLM, 40.8 % of
-#      the roofline; target 75 %); half2 tiles for o and qkv, whose split-K GEMVs read 0.86-1.36 TB/s)
-#   2. 'ours:W1-bi+vllm:W1-bi+profile-bi@0'  with vLLM staged
-#      (22: 0.905x vLLM's invariant mode in lease 16, target 1.2x; where the invariant step goes.
-#      Not measured yet: W1's tail, when few requests with long contexts remain, is where the
-#      invariant mode should lose most (the default decode kernel splits a context over many
-#      programs; the invariant path walks it in one program per kv head, and the 64-row GEMM tile
-#      idles at a few rows); profile a batch of ~16 with ~1,500-token contexts as well as 256)
-#   3. 'moe-gemv-sweep+ours:W10-decode+vllm:W10-decode+profile-moe1@0'  (21: 3.93 ms, 52.2 % in lease 13,
-#      1.27x vLLM; target 60 %) after the next change to the MoE GEMVs.
+# What the single-GPU issues still need (after lease 21, 2026-11-27; a session's 30 minutes count
+# 50-100 % of held time, so order by what closes). Staging all of vLLM takes ~1.5 minutes of held
+# time; name only the test files (and GPU_TESTS_K) that need a run.
+#   1. GPU_TESTS=tests/gpu/test_quant_kernels.py GPU_TESTS_K="default_model" GPU_TEST_TIMEOUT=400
+#      'gpu-tests+profile-awq1@0'  (25: the quantized default model with PDL on, cut by the step's
+#      limit in lease 19; where W11-awq's 3.72 ms a token go with PDL: 42.5 % of the roofline, target 75 %)
+#   2. 'ours:W10-decode+vllm:W10-decode+profile-moe1@0' with vLLM staged (21: 3.71-3.82 ms, 55-57 %
+#      with PDL, target 60 %; a same-lease vLLM figure; the profile is eager, so under PDL its kernel
+#      times include the waits: read it with MINIVLLM_PDL=0)
+#   3. 'ours:W1-bi+vllm:W1-bi+profile-bi@0' with vLLM staged (22: 0.905x vLLM's invariant mode in
+#      lease 16, target 1.2x; profile a batch of ~16 with ~1,500-token contexts as well as 256)
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue

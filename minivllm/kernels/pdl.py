@@ -15,7 +15,14 @@ runs. The contract each such kernel keeps (checked by review, see `wait_for_prev
     because that grid waited for its own predecessor, all earlier kernels too;
   - `let_next_start(PDL)` right after the wait lets the next kernel's programs be scheduled (they
     in turn wait before touching anything this kernel writes).
-Results are bit-identical with and without PDL: only when programs start changes.
+Results are bit-identical with and without PDL: only when programs start changes
+(tests/gpu/test_pdl.py; the contract on the PTX: tests/unit/test_pdl_compile.py). One
+documented exception reads a kernel's output before the wait: the MoE down GEMV reads the
+expert ids written two launches back (fused_moe._moe_decode_down_kernel says why that is safe).
+
+Measured (H100, docs/perf.md, 2026-11-27 leases 19-21, same lease with MINIVLLM_PDL=0):
+W10-decode (Qwen3-30B-A3B shapes, batch 1) 4.10-4.21 -> 3.71-3.82 ms a token, W2 (Llama-3.1-8B)
+5.98 -> 5.73, W11-awq 3.89 -> 3.72; W1 (batch up to 256) unchanged.
 
 `pdl_args(tensor)` gives the launch keywords: {"PDL": True, "launch_pdl": True} on a CUDA
 device of compute capability 9.0 or newer, {"PDL": False} elsewhere (Triton's interpreter, older
