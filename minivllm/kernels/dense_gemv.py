@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
-from minivllm.kernels.pdl import let_next_start, line_elements, pdl_args, prefetch_rows, wait_for_previous
+from minivllm.kernels.pdl import let_next_start, pdl_args, prefetch_rows, prefetch_span, wait_for_previous
 from minivllm.kernels.split_k import split_buffers, split_count, store_tile
 from minivllm.kernels.tuned_tables import read_table, table_file
 
@@ -87,12 +87,6 @@ def _dense_gemv_kernel(
                 m * tl.num_programs(0) + pid_n, SPLIT_K)
 
 
-def prefetch_span(dtype: torch.dtype) -> dict:
-    """PREFETCH (elements of a weight row's slice to prefetch) and LINE (elements a line)."""
-    line = line_elements(dtype)
-    return {"PREFETCH": max(line, PREFETCH_BYTES // dtype.itemsize), "LINE": line}
-
-
 def choose_split_k(n: int, k: int, tile: dict, num_sms: int) -> int:
     """Cut K until about PROGRAMS_PER_SM programs per SM (a power of two, at most MAX_SPLIT_K and
     the number of K tiles)."""
@@ -118,7 +112,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     _dense_gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, out, ws, cnt, m, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % tile["BLOCK_K"] == 0, SPLIT_K=split_k,
-        **prefetch_span(weight.dtype), **pdl_args(x), **tile)
+        **prefetch_span(weight.dtype, PREFETCH_BYTES), **pdl_args(x), **tile)
     return out
 
 

@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.fp8_gemm import Fp8Rows
-from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
 from minivllm.kernels.fused_ops import (_norm_warps, _rms_norm_kernel, fused_add_rms_norm_torch, rms_norm_torch,
                                         silu_and_mul_torch)
+from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
 from minivllm.quant.config import FP8_E4M3_MAX
 from minivllm.quant.fp8 import FP8, MIN_SCALE, quantize_rows
 

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
-
 from minivllm.quant.fp8 import FP8, MIN_SCALE
 from minivllm.quant.config import FP8_E4M3_MAX
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from minivllm.kernels.fused_moe_config import pick_config
 from minivllm.kernels.fused_ops import _jit, triton
 from minivllm.kernels.moe_align import moe_align
-from minivllm.kernels.pdl import let_next_start, line_elements, pdl_args, prefetch_rows, wait_for_previous
+from minivllm.kernels.pdl import let_next_start, pdl_args, prefetch_rows, prefetch_span, wait_for_previous
 
 if triton is not None:
     import triton.language as tl
@@ -221,8 +221,7 @@ def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
     _moe_decode_down_kernel[(tiles_n, k)](
         hmid, w2, ids, weights, out, ws, cnt, hidden, inter, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=k,
         BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], num_warps=down["num_warps"],
-        PREFETCH=max(line_elements(w2.dtype), min(triton.next_power_of_2(inter), DOWN_PREFETCH_BYTES // w2.element_size())),
-        LINE=line_elements(w2.dtype), **pdl_args(x))
+        **prefetch_span(w2.dtype, DOWN_PREFETCH_BYTES, inter), **pdl_args(x))
     return out
 
 

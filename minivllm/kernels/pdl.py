@@ -85,14 +85,14 @@ def let_next_start(PDL: tl.constexpr):
 
 
 @_jit
-def prefetch_l2(ptrs, PDL: tl.constexpr):
+def prefetch_l2(ptrs):
     """Ask L2 for the lines at `ptrs` (a tensor of pointers, every one valid: the caller
     clamps out-of-range lanes) without waiting or keeping registers: a GEMV calls it on
     its first weight tiles before `wait_for_previous`, so that the weights stream from HBM while
-    the previous kernel finishes. Only with PDL (without it nothing runs before the wait)."""
-    if PDL:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+    the previous kernel finishes. Callers call it only with PDL (without it nothing runs before
+    the wait, so there is nothing to overlap)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @_jit
@@ -102,9 +102,15 @@ def prefetch_rows(row_ptrs, k_first, k_last, SPAN: tl.constexpr, STEP: tl.conste
     STEP elements (STEP: a 128-byte line's worth, SPAN / STEP a power of two)."""
     if PDL:
         offs = tl.minimum(k_first + tl.arange(0, SPAN // STEP) * STEP, k_last)
-        prefetch_l2(row_ptrs + offs[None, :], PDL)
+        prefetch_l2(row_ptrs + offs[None, :])
 
 
-def line_elements(dtype: torch.dtype) -> int:
-    """Elements of `dtype` in a 128-byte cache line (prefetch_rows's STEP)."""
-    return 128 // dtype.itemsize
+def prefetch_span(dtype: torch.dtype, row_bytes: int, row_elements: int | None = None) -> dict:
+    """A GEMV's prefetch_rows constexprs for weights of `dtype`: PREFETCH, the elements of each
+    row to request (row_bytes' worth, at most the row rounded up to a power of two, at least a
+    line), and LINE, the elements of a 128-byte cache line."""
+    line = 128 // dtype.itemsize
+    span = row_bytes // dtype.itemsize
+    if row_elements is not None:
+        span = min(span, triton.next_power_of_2(row_elements))
+    return {"PREFETCH": max(line, span), "LINE": line}

@@ -19,7 +19,8 @@ from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
 # How the attention kernels widen FP8 (e4m3) K/V tiles in registers: to float16 (default: one
 # cvt.rn.f16x2.e4m3x2 per two values on sm89+, widening to bfloat16 takes that and two more
 # conversions) or to the query's dtype (MINIVLLM_FP8_KV_WIDEN=query, the layout before lease 17).
-# Read at each launch, so a benchmark can flip it.
+# The environment is read once, at import; the module attribute at each launch, so a benchmark or
+# test may set it.
 FP8_WIDEN_F16 = os.environ.get("MINIVLLM_FP8_KV_WIDEN", "fp16") != "query"
 
 

@@ -241,7 +241,7 @@ def _w4a16_gemv_kernel(
     if PDL:
         pw = tl.minimum(pid_k * per_split * (BLOCK_K // 8) + tl.arange(0, PREFETCH_WORDS), t_end * (BLOCK_K // 8) - 1)
         pc = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N // COL_STEP) * COL_STEP, N - 1)
-        prefetch_l2(qw_ptr + pw[:, None] * stride_qk + pc[None, :] * stride_qn, PDL)
+        prefetch_l2(qw_ptr + pw[:, None] * stride_qk + pc[None, :] * stride_qn)
     wait_for_previous(PDL)
     let_next_start(PDL)
     for t in range(pid_k * per_split, t_end):
