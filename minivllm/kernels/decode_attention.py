@@ -43,7 +43,7 @@ import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.paged_checks import check_paged_shapes
-from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
+from minivllm.kernels.pdl import enter_after_previous, pdl_args
 from minivllm.kernels.prefill_attention import fp16_query, mma, softmax_accumulate
 from minivllm.kernels.store_kv import fp8_widen_f16, kv_scale_args
 
@@ -133,8 +133,7 @@ def _decode_split_kernel(
     WIDEN_F16: tl.constexpr = False,  # FP8 only: the products in float16 (module docstring)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
-    let_next_start(PDL)
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -194,8 +193,7 @@ def _decode_merge_kernel(
     S_PAD: tl.constexpr,  # next_pow2(num_splits)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
-    let_next_start(PDL)
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(qsl_ptr + seq)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
-from minivllm.kernels.pdl import let_next_start, pdl_args, prefetch_rows, prefetch_span, wait_for_previous
+from minivllm.kernels.pdl import enter_after_previous, pdl_args, prefetch_rows, prefetch_span
 from minivllm.kernels.split_k import split_buffers, split_count, store_tile
 from minivllm.kernels.tuned_tables import read_table, table_file
 
@@ -67,8 +67,7 @@ def _dense_gemv_kernel(
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_end = tl.minimum((pid_k + 1) * per_split, k_tiles)
     prefetch_rows(w_rows, pid_k * per_split * BLOCK_K, tl.minimum(t_end * BLOCK_K, K) - 1, PREFETCH, LINE, PDL)
-    wait_for_previous(PDL)
-    let_next_start(PDL)
+    enter_after_previous(PDL)
     for t in range(pid_k * per_split, t_end):
         kk = t * BLOCK_K + rk
         if EVEN_K:

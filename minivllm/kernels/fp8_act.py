@@ -25,7 +25,7 @@ import triton.language as tl
 from minivllm.kernels.fp8_gemm import Fp8Rows
 from minivllm.kernels.fused_ops import (_norm_warps, _rms_norm_kernel, fused_add_rms_norm_torch, rms_norm_torch,
                                         silu_and_mul_torch)
-from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
+from minivllm.kernels.pdl import enter_after_previous, pdl_args
 from minivllm.quant.config import FP8_E4M3_MAX
 from minivllm.quant.fp8 import FP8, MIN_SCALE, quantize_rows
 
@@ -53,8 +53,7 @@ def _silu_mul_quant_kernel(
 ):
     """Row t: pass 1 takes max|a| (_silu_mul_chunk), pass 2 recomputes a (the row is in L2)
     and stores clamp(a / s) in e4m3."""
-    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
-    let_next_start(PDL)
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     row = in_ptr + t * stride_it
     amax = tl.zeros([BLOCK], dtype=tl.float32)

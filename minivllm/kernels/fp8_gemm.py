@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
+from minivllm.kernels.pdl import enter_after_previous, pdl_args
 from minivllm.quant.fp8 import FP8, MIN_SCALE
 from minivllm.quant.config import FP8_E4M3_MAX
 
@@ -43,8 +43,7 @@ class Fp8Rows(NamedTuple):
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, MIN_S: tl.constexpr,
                        FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Row m: s = max(max|x[m]| / 448, MIN_S); q[m] = clamp(x[m] / s) in e4m3."""
-    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
-    let_next_start(PDL)
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     m = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from minivllm.kernels.fused_moe_config import pick_config
 from minivllm.kernels.fused_ops import _jit, triton
 from minivllm.kernels.moe_align import moe_align
-from minivllm.kernels.pdl import let_next_start, pdl_args, prefetch_rows, prefetch_span, wait_for_previous
+from minivllm.kernels.pdl import enter_after_previous, pdl_args, prefetch_rows, prefetch_span
 
 if triton is not None:
     import triton.language as tl
@@ -251,8 +251,7 @@ def _moe_decode_up_kernel(x_ptr, w_ptr, ids_ptr, hmid_ptr, stats_ptr, valid_ptr,
     [BLOCK_N, BLOCK_K] registers, reduced once after the K loop (a reduction per K step costs
     cross-thread shuffles that the loads then wait for). e < 0 (an expert of another rank):
     nothing (the down kernel skips the entry)."""
-    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
-    let_next_start(PDL)
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     j = tl.program_id(0)
     n = tl.program_id(1)
     e = tl.load(ids_ptr + j).to(tl.int64)
@@ -307,8 +306,7 @@ def _moe_decode_down_kernel(hmid_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, ws_p
     base = w_ptr + tl.maximum(e, 0) * stride_we + tl.where(col_ok, cols, 0)[:, None].to(tl.int64) * stride_wn
     if e >= 0:
         prefetch_rows(base, 0, I - 1, PREFETCH, LINE, PDL)
-    wait_for_previous(PDL)
-    let_next_start(PDL)
+    enter_after_previous(PDL)
     if e >= 0:
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -328,8 +326,7 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E: tl.const
     """One program (one warp) per token: softmax over E logits in fp32, the TOP_K largest by
     repeated argmax (ties: the lowest expert id), kept in registers, optionally renormalised,
     then stored with one vector store each."""
-    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
-    let_next_start(PDL)
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     t = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
     ks = tl.arange(0, K_PAD)

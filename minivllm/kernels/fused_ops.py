@@ -29,7 +29,7 @@ try:
 except ImportError:  # CPU-only installs: every wrapper takes the torch path
     triton = tl = None
 
-from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous  # noqa: E402 (needs the triton guard above)
+from minivllm.kernels.pdl import enter_after_previous, pdl_args  # noqa: E402 (needs the triton guard above)
 
 MAX_NORM_BLOCK = 32768  # widest row the norm kernel keeps in registers; wider rows use torch
 
@@ -165,8 +165,7 @@ def _rms_norm_kernel(
     FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 0.0,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
-    let_next_start(PDL)
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     d = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
@@ -229,8 +228,7 @@ def _rotary_kernel(
     NORM: tl.constexpr,  # Qwen3: each head RMSNorm-ed (weights qw / kw) before the rotation
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
-    let_next_start(PDL)
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -255,8 +253,7 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
-    let_next_start(PDL)
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < I

@@ -7,14 +7,14 @@ microsecond a boundary even inside a CUDA graph, and the next GEMV starts stream
 only after that (issue 21: 3.93 ms a token of which ~0.4 ms is not kernel time).
 
 With PDL a kernel is launched with `launch_pdl=True` and may start while its predecessor still
-runs. The contract each such kernel keeps (checked by review, see `wait_for_previous`):
-  - before `wait_for_previous(PDL)` it only computes indices and reads data no kernel of the
+runs. The contract each such kernel keeps (checked on the PTX, see `enter_after_previous`):
+  - before `enter_after_previous(PDL)` it only computes indices and reads data no kernel of the
     step writes (weights, scales, via `prefetch_l2`); it stores nothing;
-  - `wait_for_previous` blocks until the previous grid has finished and its writes are visible
-    (griddepcontrol.wait), so everything after it sees the same memory as without PDL, and,
-    because that grid waited for its own predecessor, all earlier kernels too;
-  - `let_next_start(PDL)` right after the wait lets the next kernel's programs be scheduled (they
-    in turn wait before touching anything this kernel writes).
+  - `enter_after_previous` first blocks until the previous grid has finished and its writes are
+    visible (griddepcontrol.wait), so everything after it sees the same memory as without PDL,
+    and, because that grid waited for its own predecessor, all earlier kernels too; then it lets
+    the next kernel's programs be scheduled (griddepcontrol.launch_dependents: they in turn wait
+    before touching anything this kernel writes).
 Results are bit-identical with and without PDL: only when programs start changes
 (tests/gpu/test_pdl.py; the contract on the PTX: tests/unit/test_pdl_compile.py). One
 documented exception reads a kernel's output before the wait: the MoE down GEMV reads the
@@ -68,19 +68,14 @@ def pdl_args(tensor: torch.Tensor) -> dict:
 
 
 @_jit
-def wait_for_previous(PDL: tl.constexpr):
+def enter_after_previous(PDL: tl.constexpr):
     """griddepcontrol.wait: the previous kernel of the stream has finished and its writes are
-    visible. Every kernel launched with PDL calls it before its first read of data another
-    kernel writes and before its first store, on every path."""
+    visible; then griddepcontrol.launch_dependents: the next kernel may be launched once every
+    program of this one has passed here (or exited). Every kernel launched with PDL calls it
+    before its first read of data another kernel writes and before its first store, on every
+    path."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-
-
-@_jit
-def let_next_start(PDL: tl.constexpr):
-    """griddepcontrol.launch_dependents: the next kernel may be launched once every program of
-    this one has called it (or exited)."""
-    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -88,7 +83,7 @@ def let_next_start(PDL: tl.constexpr):
 def prefetch_l2(ptrs):
     """Ask L2 for the lines at `ptrs` (a tensor of pointers, every one valid: the caller
     clamps out-of-range lanes) without waiting or keeping registers: a GEMV calls it on
-    its first weight tiles before `wait_for_previous`, so that the weights stream from HBM while
+    its first weight tiles before `enter_after_previous`, so that the weights stream from HBM while
     the previous kernel finishes. Callers call it only with PDL (without it nothing runs before
     the wait, so there is nothing to overlap)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64, bitcast=True)],

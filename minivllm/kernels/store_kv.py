@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.pdl import let_next_start, pdl_args, wait_for_previous
+from minivllm.kernels.pdl import enter_after_previous, pdl_args
 
 # How the attention kernels widen FP8 (e4m3) K/V tiles in registers: to float16 (default: one
 # cvt.rn.f16x2.e4m3x2 per two values on sm89+, widening to bfloat16 takes that and two more
@@ -49,8 +49,7 @@ def _store_kv_kernel(
     KV_FP8: tl.constexpr,  # the cache is float8 e4m3: store x / scale
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    wait_for_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
-    let_next_start(PDL)
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, H_PAD)[:, None]

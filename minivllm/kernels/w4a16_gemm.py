@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
-from minivllm.kernels.pdl import let_next_start, pdl_args, prefetch_l2, wait_for_previous
+from minivllm.kernels.pdl import enter_after_previous, pdl_args, prefetch_l2
 from minivllm.kernels.split_k import split_buffers, split_count, store_tile
 
 # at this many rows and more: dequantize once, then a dense matmul (cuBLAS)
@@ -242,8 +242,7 @@ def _w4a16_gemv_kernel(
         pw = tl.minimum(pid_k * per_split * (BLOCK_K // 8) + tl.arange(0, PREFETCH_WORDS), t_end * (BLOCK_K // 8) - 1)
         pc = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N // COL_STEP) * COL_STEP, N - 1)
         prefetch_l2(qw_ptr + pw[:, None] * stride_qk + pc[None, :] * stride_qn)
-    wait_for_previous(PDL)
-    let_next_start(PDL)
+    enter_after_previous(PDL)
     for t in range(pid_k * per_split, t_end):
         words = t * (BLOCK_K // 8) + rw
         w_ok = (words < K // 8)[:, None] & n_ok[None, :]
