@@ -24,6 +24,8 @@
 #   moe-sweep-decode    scripts/sweep_fused_moe.py at M = 1-16; later steps of the lease use the file
 #   dense-gemv          scripts/bench_dense_gemv.py --write: the batch-1 GEMV vs cuBLAS; later steps use the table
 #   profile-bi / profile-moe1 / profile-fp8  scripts/kernel_profile.py: kernel times (issues 22 / 21 / 25)
+#   profile-graphs      kernel_profile.py in CUDA graphs with PDL, critical-path times (W10, W11-awq, W1-bi-like)
+#   moe-decode          scripts/bench_moe_decode.py: one-token MoE GEMVs, streaming variant sweep, plain read
 #   spec-profile-32     scripts/spec_profile.py --batch 32: W8 batch 32, none vs n-gram (issue 19)
 #   w8-32first          bench spec none,ngram with batch 32 timed before batch 1 (issue 19)
 #   w8-warm             bench spec none,ngram --warm-each-phase, with the SM clock logged (issue 19)
@@ -189,6 +191,23 @@ run_step() {  # run_step STEP LANE_DIR PORT
     moe-gemv-sweep)  # issue 21: only the one-token MoE GEMV tiles (M = 1's "gemv" entry), kept for later steps
       python3 scripts/sweep_fused_moe.py --decode-gemv
       cp minivllm/kernels/configs/fused_moe/*.json "$dir"/ ;;
+    moe-decode)  # issue 21: the one-token MoE GEMVs vs the streaming variant (tile sweep) vs a plain read
+      python3 scripts/bench_moe_decode.py --out "$dir/moe-decode.json" ;;
+    profile-graphs)  # issues 21/25/22: critical-path kernel times in CUDA graphs with PDL (W10, W11-awq, W1-bi-like)
+      python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --graphs --batch 1 --prompt-len 128 --max-tokens 64 \
+        --out "$dir/profile-moe1-graphs.json"
+      MINIVLLM_MOE_DECODE_STREAM=1 python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --graphs --batch 1 \
+        --prompt-len 128 --max-tokens 64 --out "$dir/profile-moe1-graphs-stream.json"
+      python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128 \
+        --max-tokens 64 --out "$dir/profile-awq1-graphs.json"
+      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 16 --prompt-len 1500 --max-tokens 32 \
+        --batch-invariant --out "$dir/profile-bi16-graphs.json"
+      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 16 --prompt-len 1500 --max-tokens 32 \
+        --out "$dir/profile-default16-graphs.json"
+      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 256 --prompt-len 256 --max-tokens 32 \
+        --batch-invariant --out "$dir/profile-bi256-graphs.json"
+      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 256 --prompt-len 256 --max-tokens 32 \
+        --out "$dir/profile-default256-graphs.json" ;;
     profile-bi)  # issue 22: kernel times of W1-like decode at batch 256, invariant mode vs default
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --batch-invariant --out "$dir/profile-bi.json"
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --out "$dir/profile-default.json" ;;

@@ -12,12 +12,17 @@ weights). --graphs: decode through the CUDA graphs, as the engine runs by defaul
 still sees each kernel of a replayed graph), for the share of each kernel in the real step.
 
 Prints the top kernels (total ms over the profiled steps, share of GPU time, calls) and writes
-them as JSON with the profiled decode steps' wall time."""
+them as JSON with the profiled decode steps' wall time. With programmatic dependent launch
+(kernels/pdl.py) a kernel starts while its predecessor runs and its duration includes the wait,
+so the sums overlap; the JSON's "critical_path" charges each kernel only the time from the end
+of everything before it to its own end, plus the device's idle time between kernels
+(engine/profiler.critical_path): that is where the wall time of a step goes."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -40,7 +45,7 @@ def main() -> None:
 
     from minivllm import LLM, SamplingParams
     from minivllm.bench import model_dirs
-    from minivllm.engine.profiler import kernel_times
+    from minivllm.engine.profiler import critical_path, device_events, export_trace, kernel_times
     quant = model_dirs.awq_quantization_config(args.group_size) if args.awq else None
     model_dir = model_dirs.write_model_dir(args.model_config, quantization_config=quant)
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=not args.graphs,
@@ -60,14 +65,21 @@ def main() -> None:
         wall = time.perf_counter() - t
     rows = kernel_times(prof)
     total = sum(r["ms"] for r in rows)
+    trace = (args.out or "kernel_profile.json") + ".trace.json"
+    export_trace(prof, trace)
+    crit = critical_path(device_events(trace))
+    os.remove(trace)
     print(f"{args.model_config} batch {args.batch} bi={args.batch_invariant}: wall {wall * 1000:.1f} ms for "
           f"prefill + {args.max_tokens} decode steps, GPU kernel time {total:.1f} ms")
     for r in rows[:args.top]:
         print(f"{r['ms']:10.2f} ms {100 * r['share']:5.1f} % {r['calls']:7d}  {r['kernel']}")
+    print(f"critical path: span {crit['span_ms']:.2f} ms, device idle {crit['idle_ms']:.2f} ms; exclusive time:")
+    for r in crit["kernels"][:args.top]:
+        print(f"{r['ms']:10.2f} ms {100 * r['share']:5.1f} % {r['calls']:7d}  {r['kernel']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "wall_ms": round(wall * 1000, 2), "kernel_ms": round(total, 2),
-                       "device": torch.cuda.get_device_name() if cuda else "cpu", "kernels": rows}, f, indent=1)
+                       "device": torch.cuda.get_device_name() if cuda else "cpu", "kernels": rows, "critical_path": crit}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -118,7 +118,9 @@ def _jobs() -> list[Job]:
               env=nopdl),
           Job("ours:W2-nopdl", "ours", OURS + ["latency", "--model-config", "llama-3.1-8b"], 120, 540,
               _LAT_TINY + _CPU, env=nopdl),
-          Job("ours:W1-nopdl", "ours", OURS + tp + ["W1"], 120, 540, _TINY + _CPU, env=nopdl)]
+          Job("ours:W1-nopdl", "ours", OURS + tp + ["W1"], 120, 540, _TINY + _CPU, env=nopdl),
+          Job("ours:W10-decode-stream", "ours", OURS + lat10, 180, 540,
+              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_MOE_DECODE_STREAM": "1"})]
     fp8 = tp + ["W1-8B", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
     j += _pair("W11-fp8", fp8, fp8, 180, 260, _TINY)
     # issue 23: W1 with 4 dummy rank-16 LoRA adapters spread over the requests (vs W1 without), and

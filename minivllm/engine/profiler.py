@@ -116,6 +116,42 @@ def kernel_times(prof) -> list[dict]:
     return rows
 
 
+def device_events(trace_path: str) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every GPU kernel, memcpy and memset of an exported Chrome
+    trace, in start order."""
+    import json
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    rows = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "?")[:120])
+            for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    rows.sort()
+    return rows
+
+
+def critical_path(events: list[tuple[float, float, str]]) -> dict:
+    """Where the device's wall time goes when kernels overlap (programmatic dependent launch
+    starts a kernel while its predecessor runs, and its own duration then includes waiting):
+    each kernel is charged only the time from the later of its start and the end of everything
+    before it, to its end ("exclusive" time); time when no kernel runs is "idle". Exclusive
+    times plus idle add up to the span from the first start to the last end. events: in start
+    order (device_events). Returns {"span_ms", "idle_ms", "kernels": [{"kernel", "ms",
+    "calls", "share"}], most exclusive time first}."""
+    by_name: dict[str, list] = {}
+    frontier = events[0][0] if events else 0.0
+    idle = 0.0
+    for start, end, name in events:
+        idle += max(0.0, start - frontier)
+        row = by_name.setdefault(name, [0.0, 0])
+        row[0] += max(0.0, end - max(start, frontier))
+        row[1] += 1
+        frontier = max(frontier, end)
+    span = (frontier - events[0][0]) if events else 0.0
+    rows = [{"kernel": k, "ms": round(v[0] / 1000, 3), "calls": v[1],
+             "share": round(v[0] / span, 4) if span else 0.0} for k, v in by_name.items()]
+    rows.sort(key=lambda r: -r["ms"])
+    return {"span_ms": round(span / 1000, 3), "idle_ms": round(idle / 1000, 3), "kernels": rows}
+
+
 def _on_ranks(call, *args) -> bool:
     """A profile command to an executor's ranks; a dead executor is logged here (the engine's
     next step reports it), not raised into the command loop."""

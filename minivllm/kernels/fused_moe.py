@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from minivllm.kernels.fused_moe_config import pick_config
 from minivllm.kernels.fused_ops import _jit, triton
+from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.moe_align import moe_align
 from minivllm.kernels.pdl import enter_after_previous, pdl_args, prefetch_rows, prefetch_span
 
@@ -62,6 +63,15 @@ DECODE_GEMV_TILES = {"up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4},
                      "down": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
 # of each down-projection row (an expert's [H, I] weight), into L2 before the PDL wait (pdl.py)
 DOWN_PREFETCH_BYTES = 512
+# The streaming variant of the two GEMVs (MINIVLLM_MOE_DECODE_STREAM=1, `_fused_moe_one_token_stream`):
+# a persistent grid of PROGRAMS_PER_SM programs a SM, each walking its share of the tiles and
+# loading tile t + 1's weights before it computes tile t, so every thread keeps two tiles of loads
+# in flight and no program pays a launch prologue per tile. Whole rows per tile: used when H and
+# I (rounded up to a power of two) are at most STREAM_MAX_ROW.
+DECODE_STREAM = os.environ.get("MINIVLLM_MOE_DECODE_STREAM", "0") == "1"
+STREAM_TILES = {"up": {"BLOCK_N": 2, "num_warps": 8, "programs_per_sm": 4},
+                "down": {"BLOCK_N": 4, "num_warps": 4, "programs_per_sm": 4}}
+STREAM_MAX_ROW = 4096
 
 
 # ------------------------------------------------------------------ the reference (CPU path)
@@ -179,6 +189,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if t == 0:
         return x.new_empty(0, hidden)
     x = x.contiguous()
+    if t == 1 and DECODE_GEMV and DECODE_STREAM and streamable(hidden, inter):
+        return _fused_moe_one_token_stream(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
+                                           config.get("stream", STREAM_TILES))
     if t == 1 and DECODE_GEMV:
         return _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
                                     config.get("gemv", DECODE_GEMV_TILES))
@@ -222,6 +235,38 @@ def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
         hmid, w2, ids, weights, out, ws, cnt, hidden, inter, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=k,
         BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], num_warps=down["num_warps"],
         **prefetch_span(w2.dtype, DOWN_PREFETCH_BYTES, inter), **pdl_args(x))
+    return out
+
+
+def streamable(hidden: int, inter: int) -> bool:
+    """Whether the streaming one-token kernels hold whole rows of this shape in registers."""
+    return max(triton.next_power_of_2(hidden), triton.next_power_of_2(inter)) <= STREAM_MAX_ROW
+
+
+def _fused_moe_one_token_stream(x, w13, w2, topk_weights, topk_ids, stats, token_valid, tiles: dict) -> torch.Tensor:
+    """The one-token path with persistent, double-buffered GEMVs (see the kernels): the same
+    result as `_fused_moe_one_token` up to the order of the fp32 sums. tiles: BLOCK_N, num_warps
+    and programs_per_sm of each part ("programs": a fixed program count instead, for tests)."""
+    k = topk_ids.shape[1]
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    ids = topk_ids.reshape(-1)
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    hmid = x.new_empty(k, inter)
+    out = x.new_empty(1, hidden)
+    up, down = tiles["up"], tiles["down"]
+    sms = num_sms_of(x.device)
+    up_tiles = k * triton.cdiv(inter, up["BLOCK_N"])
+    has_stats = stats is not None
+    _moe_up_stream_kernel[(min(up_tiles, up.get("programs") or sms * up["programs_per_sm"]),)](
+        x, w13, ids, hmid, stats if has_stats else ids, token_valid if token_valid is not None else ids,
+        inter, hidden, w13.stride(0), w13.stride(1), w13.stride(2), TOP_K=k, K_PAD=triton.next_power_of_2(k),
+        HAS_STATS=has_stats, HAS_VALID=token_valid is not None, BLOCK_N=up["BLOCK_N"],
+        H_PAD=triton.next_power_of_2(hidden), num_warps=up["num_warps"], **pdl_args(x))
+    down_tiles = triton.cdiv(hidden, down["BLOCK_N"])
+    _moe_down_stream_kernel[(min(down_tiles, down.get("programs") or sms * down["programs_per_sm"]),)](
+        hmid, w2, ids, weights, out, hidden, inter, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=k,
+        K_PAD=triton.next_power_of_2(k), BLOCK_N=down["BLOCK_N"], I_PAD=triton.next_power_of_2(inter), num_warps=down["num_warps"], **pdl_args(x))
     return out
 
 
@@ -318,6 +363,123 @@ def _moe_decode_down_kernel(hmid_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, ws_p
             acc += w.to(tl.float32) * hv[None, :]
         part = tl.sum(acc, axis=1) * tl.load(weights_ptr + j)
     store_tile(part, out_ptr, ws_ptr, cnt_ptr, cols, cols, H, col_ok, j, n, TOP_K)
+
+
+@_jit
+def _expert_of(ids, jj, j):
+    """ids[j] of the [K_PAD] register vector ids (jj = arange(K_PAD)), as int64; -1 past it."""
+    return tl.sum(tl.where(jj == j, ids, 0), axis=0).to(tl.int64)
+
+
+@_jit
+def _load_up_tile(w_ptr, ids, jj, t, total, tiles_n, I, H, stride_we, stride_wn, stride_wk, rows, ks,
+                  BLOCK_N: tl.constexpr):
+    """Tile t of the up GEMV (entry j = t // tiles_n, rows n * BLOCK_N .. of its expert's gate
+    and up halves, whole rows): ([BLOCK_N, H_PAD] gate, the same of up) in the weights' dtype,
+    zeros where t >= total, the expert is another rank's (id < 0), or past I / H."""
+    j = t // tiles_n
+    e = _expert_of(ids, jj, j)
+    cols = (t % tiles_n) * BLOCK_N + rows
+    rows_left = tl.where((t < total) & (e >= 0), I, 0)  # a dead tile loads nothing
+    ok = (cols < rows_left)[:, None] & (ks < H)[None, :]
+    ptrs = (w_ptr + tl.maximum(e, 0) * stride_we + tl.where(cols < I, cols, 0)[:, None].to(tl.int64) * stride_wn
+            + ks[None, :] * stride_wk)
+    return tl.load(ptrs, mask=ok, other=0.0), tl.load(ptrs + I * stride_wn, mask=ok, other=0.0)
+
+
+@_jit
+def _moe_up_stream_kernel(x_ptr, w_ptr, ids_ptr, hmid_ptr, stats_ptr, valid_ptr, I, H, stride_we, stride_wn,
+                          stride_wk, TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_STATS: tl.constexpr,
+                          HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr, H_PAD: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """Persistent up GEMV of one token: program p computes tiles p, p + P, p + 2P, ... of the
+    TOP_K * cdiv(I, BLOCK_N) tiles (tile t: entry j = t // tiles_n, hmid[j, n * BLOCK_N ..] =
+    silu(gate rows @ x) * (up rows @ x) over whole rows of H, in fp32). Tile t + P's weights are
+    loaded before tile t is computed: two tiles of loads in flight per thread, one prologue per
+    program. Entries of another rank's experts (id < 0) store nothing (the down kernel skips
+    them). Program 0 counts the token once for each of its experts."""
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    p = tl.program_id(0)
+    P = tl.num_programs(0)
+    jj = tl.arange(0, K_PAD)
+    ids = tl.load(ids_ptr + jj, mask=jj < TOP_K, other=-1).to(tl.int32)
+    if HAS_STATS:
+        if p == 0:
+            if HAS_VALID:
+                inc = tl.load(valid_ptr).to(tl.int64)
+            else:
+                inc = 1
+            tl.atomic_add(stats_ptr + tl.maximum(ids, 0), tl.zeros([K_PAD], tl.int64) + inc, mask=ids >= 0)
+    tiles_n = tl.cdiv(I, BLOCK_N)
+    total = TOP_K * tiles_n
+    rows = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, H_PAD)
+    xv = tl.load(x_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)[None, :]
+    wg, wu = _load_up_tile(w_ptr, ids, jj, p, total, tiles_n, I, H, stride_we, stride_wn, stride_wk, rows, ks,
+                           BLOCK_N)
+    for t in range(p, total, P):
+        wg_next, wu_next = _load_up_tile(w_ptr, ids, jj, t + P, total, tiles_n, I, H, stride_we, stride_wn,
+                                         stride_wk, rows, ks, BLOCK_N)
+        g = tl.sum(wg.to(tl.float32) * xv, axis=1)
+        h = g / (1.0 + tl.exp(-g)) * tl.sum(wu.to(tl.float32) * xv, axis=1)
+        j = t // tiles_n
+        cols = (t % tiles_n) * BLOCK_N + rows
+        rows_left = tl.where(_expert_of(ids, jj, j) >= 0, I, 0)  # another rank's expert: no store
+        tl.store(hmid_ptr + j * I + cols, h.to(hmid_ptr.dtype.element_ty), mask=cols < rows_left)
+        wg, wu = wg_next, wu_next
+
+
+@_jit
+def _load_down_step(w_ptr, hmid_ptr, ids, jj, u, steps, TOP_K: tl.constexpr, n, H, I, stride_we, stride_wn,
+                    stride_wk, rows, ks, BLOCK_N: tl.constexpr):
+    """Step u of a down program (entry j = u % TOP_K of its column tile): ([BLOCK_N, I_PAD]
+    weight rows of expert ids[j], [I_PAD] hmid[j]); zeros past the program's steps, for
+    another rank's expert, or past H / I."""
+    j = u % TOP_K
+    e = _expert_of(ids, jj, j)
+    cols = n * BLOCK_N + rows
+    width = tl.where((u < steps) & (e >= 0), I, 0)  # a dead step loads nothing
+    ok = (cols < H)[:, None] & (ks < width)[None, :]
+    ptrs = (w_ptr + tl.maximum(e, 0) * stride_we + tl.where(cols < H, cols, 0)[:, None].to(tl.int64) * stride_wn
+            + ks[None, :] * stride_wk)
+    return tl.load(ptrs, mask=ok, other=0.0), tl.load(hmid_ptr + j * I + ks, mask=ks < width, other=0.0)
+
+
+@_jit
+def _moe_down_stream_kernel(hmid_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, H, I, stride_we, stride_wn, stride_wk,
+                            TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                            I_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    """Persistent down GEMV of one token with the weighted k-sum: program p owns column tiles
+    n = p, p + P, ... of out [1, H]; for each it adds weights[j] * (w2[ids[j], n-tile] @ hmid[j])
+    for j = 0 .. TOP_K - 1 in that fixed order in fp32 and stores the tile once (no workspace,
+    no cross-program fix-up). Its (tile, j) steps run as one loop that loads step u + 1's rows
+    before computing step u. Entries with ids[j] < 0 add zero."""
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    p = tl.program_id(0)
+    P = tl.num_programs(0)
+    jj = tl.arange(0, K_PAD)
+    ids = tl.load(ids_ptr + jj, mask=jj < TOP_K, other=-1).to(tl.int32)
+    wts = tl.load(weights_ptr + jj, mask=jj < TOP_K, other=0.0)
+    tiles_n = tl.cdiv(H, BLOCK_N)
+    my_tiles = tl.cdiv(tiles_n - p, P)
+    steps = my_tiles * TOP_K
+    rows = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, I_PAD)
+    w, hv = _load_down_step(w_ptr, hmid_ptr, ids, jj, 0, steps, TOP_K, p, H, I, stride_we, stride_wn, stride_wk,
+                            rows, ks, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for u in range(0, steps):
+        un = u + 1
+        w_next, hv_next = _load_down_step(w_ptr, hmid_ptr, ids, jj, un, steps, TOP_K, p + (un // TOP_K) * P, H, I,
+                                          stride_we, stride_wn, stride_wk, rows, ks, BLOCK_N)
+        j = u % TOP_K
+        wj = tl.sum(tl.where(jj == j, wts, 0.0), axis=0)
+        acc += tl.sum(w.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1) * wj
+        if j == TOP_K - 1:
+            cols = (p + (u // TOP_K) * P) * BLOCK_N + rows
+            tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        w, hv = w_next, hv_next
 
 
 @_jit

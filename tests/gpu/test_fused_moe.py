@@ -127,11 +127,15 @@ def test_fused_moe_tiles(tile):
         assert err < TOL[torch.bfloat16], (case, err)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["gemv", "stream"])
 @pytest.mark.parametrize("shape", [(128, 8, 2048, 768), (8, 2, 4096, 14336), (60, 4, 2048, 1408), (4, 4, 100, 40)],
                          ids=lambda s: "e{}_k{}_h{}_i{}".format(*s))
-def test_one_token_path_bf16(shape):
-    """Batch-1 decode's two GEMV kernels: bf16 against the fp32 reference, the expert counters,
-    a padding token, and entries of another rank's experts."""
+def test_one_token_path_bf16(shape, stream, monkeypatch):
+    """Batch-1 decode's two GEMV kernels (and their streaming variant, where the shape fits it):
+    bf16 against the fp32 reference, the expert counters, a padding token, and entries of
+    another rank's experts."""
+    import minivllm.kernels.fused_moe as fm
+    monkeypatch.setattr(fm, "DECODE_STREAM", stream)
     for seed, (valid, elsewhere) in enumerate([(True, 0), (False, 0), (True, shape[1] // 2)]):
         err, counted = check_one_token(*shape, torch.bfloat16, "cuda", seed=seed, valid=valid, elsewhere=elsewhere)
         assert err < TOL[torch.bfloat16] and counted, (shape, valid, elsewhere, err, counted)

@@ -7,7 +7,8 @@ interpreter mis-multiplies bf16 in tl.dot (bf16 is covered on the GPU). Cases in
 that get no token (skewed routing, more experts than entries), top_k == num_experts, a block
 size larger than every expert's run, tails of K and N that are not tile multiples, and the
 multi-chunk alignment path (more than SINGLE_MAX entries); one token through the GEMV path, with
-its expert counters, a padding token and another rank's experts.
+its expert counters, a padding token and another rank's experts, and through the streaming GEMVs
+(a program per tile, and 3 persistent programs walking several tiles each).
 """
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ for dt, dname in ((f32, "fp32"), (f16, "fp16")):  # one token: the two GEMV kern
         err, counted = checks.check_one_token(e, k, h, i, dt, "cpu", seed=e + k, valid=valid, elsewhere=elsewhere)
         res[f"one_token {dname} e{e} k{k} h{h} i{i} valid={valid} elsewhere={elsewhere}"] = [
             err, err < checks.TOL[dt] and counted]
+import minivllm.kernels.fused_moe as fm  # the streaming one-token kernels: a full grid, and 3 persistent programs
+fm.DECODE_STREAM = True
+for programs in (None, 3):
+    fm.STREAM_TILES = {part: dict(t, programs=programs) for part, t in fm.STREAM_TILES.items()}
+    for dt, dname in ((f32, "fp32"), (f16, "fp16")):
+        for e, k, h, i, valid, elsewhere in [(16, 4, 64, 48, True, 0), (8, 3, 40, 24, True, 2), (4, 4, 300, 20, True, 0),
+                                             (8, 1, 64, 32, False, 0)]:
+            err, counted = checks.check_one_token(e, k, h, i, dt, "cpu", seed=e + k, valid=valid, elsewhere=elsewhere)
+            res[f"one_token_stream {dname} programs={programs} e{e} k{k} h{h} i{i} valid={valid} "
+                f"elsewhere={elsewhere}"] = [err, err < checks.TOL[dt] and counted]
+fm.DECODE_STREAM = False
 err = checks.check_fused_moe(checks.make_case(5, 8, 2, 32, 16, f32, "cpu", seed=9))  # the default config
 res["fused_moe fp32 default config"] = [err, err < checks.TOL[f32]]
 for t, e, k, bm in [(1, 16, 4, 16), (3, 4, 4, 4), (9, 64, 2, 16), (700, 8, 2, 16), (1500, 5, 2, 32)]:
@@ -64,7 +76,7 @@ def interpreter_results() -> dict[str, list]:
     return run_under_interpreter(CHILD, CHECKS, timeout_s=600)
 
 
-@pytest.mark.parametrize("kernel", ["fused_moe", "one_token", "align", "topk_softmax"])
+@pytest.mark.parametrize("kernel", ["fused_moe", "one_token", "one_token_stream", "align", "topk_softmax"])
 def test_moe_kernel_matches_reference_under_interpreter(interpreter_results: dict[str, list], kernel: str) -> None:
     cases = {name: r for name, r in interpreter_results.items() if name.startswith(kernel + " ")}
     assert cases, f"no {kernel} cases ran"
