@@ -88,6 +88,9 @@ def _jobs() -> list[Job]:
     # which both engines honour
     bi = {"VLLM_BATCH_INVARIANT": "1"}
     j += _pair("W1-bi", tp + ["W1"], tp + ["W1"], 150, 180, _TINY, ["W1-bi"], bi)
+    # the seeded rows' exponential race in torch ops instead of kernels/seeded_race.py: the A/B in one lease
+    j += [Job("ours:W1-bi-torchrace", "ours", OURS + tp + ["W1"], 150, 540, _TINY + _CPU, ["ours:W1-bi-torchrace"],
+              dict(bi, MINIVLLM_SEEDED_RACE_KERNEL="0"))]
     j += _pair("W2-0.6b-bi", ["latency", "--model-config", "qwen3-0.6b"], ["latency", "--model-config", "qwen3-0.6b"],
                70, 120, _LAT_TINY, ["W2-0.6b-bi"], bi)
     # W10: Qwen3-30B-A3B (~61 GB of bf16 weights); one timed run each, so that both engines fit
@@ -119,8 +122,12 @@ def _jobs() -> list[Job]:
           Job("ours:W2-nopdl", "ours", OURS + ["latency", "--model-config", "llama-3.1-8b"], 120, 540,
               _LAT_TINY + _CPU, env=nopdl),
           Job("ours:W1-nopdl", "ours", OURS + tp + ["W1"], 120, 540, _TINY + _CPU, env=nopdl),
-          Job("ours:W10-decode-stream", "ours", OURS + lat10, 180, 540,
-              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_MOE_DECODE_STREAM": "1"})]
+          # the one-token MoE GEMVs instead of the streaming kernels (fused_moe.DECODE_STREAM), and the
+          # streaming down kernel with 512 bytes of each row prefetched before its PDL wait
+          Job("ours:W10-decode-nostream", "ours", OURS + lat10, 180, 540,
+              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_MOE_DECODE_STREAM": "0"}),
+          Job("ours:W10-decode-streampf", "ours", OURS + lat10, 180, 540,
+              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_MOE_STREAM_PREFETCH": "512"})]
     fp8 = tp + ["W1-8B", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
     j += _pair("W11-fp8", fp8, fp8, 180, 260, _TINY)
     # issue 23: W1 with 4 dummy rank-16 LoRA adapters spread over the requests (vs W1 without), and

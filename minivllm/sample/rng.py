@@ -59,12 +59,17 @@ def _mix_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """The per-row key k = mix(mix(seed) ^ counter) of seeded_exponentials: [R] int64."""
+    return _mix_(_mix_(seeds.clone()) ^ counters)
+
+
 def seeded_exponentials(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise that depends only on (seed, counter, token index).
 
     seeds, counters: [R] int64 on the target device. Returns E: [R, vocab_size] float32.
     """
-    row_key = _mix_(_mix_(seeds.clone()) ^ counters)  # [R]
+    row_key = row_keys(seeds, counters)  # [R]
     steps = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device).mul_(_GAMMA)
     out = torch.empty(seeds.shape[0], vocab_size, dtype=torch.float32, device=seeds.device)
     chunk = max(1, _CHUNK_ELEMENTS // max(vocab_size, 1))
@@ -98,6 +103,8 @@ def exponential_race(
 ) -> torch.Tensor:  # [B] int64
     """Sample one token per row by the exponential race. ``probs`` is overwritten."""
     num_rows, vocab = probs.shape
+    if seeds is not None and _race_kernel_on(probs):
+        return _exponential_race_gpu(probs, generator, seeded_rows, row_keys(seeds, counters))
     if seeds is None:  # no seeded row: one fast draw for the whole batch
         noise = _generator_exponentials(probs, generator)
     elif seeded_rows is None:  # every row seeded: no generator draw at all
@@ -119,3 +126,23 @@ def _generator_exponentials(probs: torch.Tensor, generator: torch.Generator | No
     if probs.device.type != "cpu":
         return torch.empty_like(probs).exponential_(generator=generator)
     return torch.rand(probs.shape, generator=generator, dtype=probs.dtype).log_().neg_()
+
+
+def _race_kernel_on(probs: torch.Tensor) -> bool:
+    """Seeded rows on a CUDA device go through kernels/seeded_race.py (the same bits, one pass);
+    MINIVLLM_SEEDED_RACE_KERNEL=0 keeps the torch form, to compare."""
+    if not probs.is_cuda or probs.dtype != torch.float32 or probs.stride(1) != 1:
+        return False
+    import os
+    return os.environ.get("MINIVLLM_SEEDED_RACE_KERNEL", "1") != "0"
+
+
+def _exponential_race_gpu(probs, generator, seeded_rows, keys) -> torch.Tensor:
+    """exponential_race with the seeded rows in one Triton pass (before the unseeded rows' race
+    overwrites probs); the generator draws for every row, as the torch form does."""
+    from minivllm.kernels.seeded_race import seeded_race
+    seeded = seeded_race(probs, keys, seeded_rows)
+    if seeded_rows is None:
+        return seeded
+    tokens = probs.div_(_generator_exponentials(probs, generator)).argmax(dim=-1)
+    return tokens.index_copy_(0, seeded_rows, seeded)

@@ -42,14 +42,15 @@ for dt, dname in ((f32, "fp32"), (f16, "fp16")):
     for i, (name, shape, skew, cfg) in enumerate(cases):
         err = checks.check_fused_moe(checks.make_case(*shape, dt, "cpu", seed=i, skew=skew), cfg)
         res[f"fused_moe {dname} {name}"] = [err, err < checks.TOL[dt]]
+import minivllm.kernels.fused_moe as fm
+fm.DECODE_STREAM = False  # one token: the two GEMV kernels (the streaming ones below)
 for dt, dname in ((f32, "fp32"), (f16, "fp16")):  # one token: the two GEMV kernels
     for e, k, h, i, valid, elsewhere in [(16, 4, 64, 48, True, 0), (8, 2, 72, 36, False, 0), (8, 3, 40, 24, True, 2),
                                          (4, 4, 300, 20, True, 0), (8, 1, 64, 32, True, 0)]:  # (k 1: no fix-up)
         err, counted = checks.check_one_token(e, k, h, i, dt, "cpu", seed=e + k, valid=valid, elsewhere=elsewhere)
         res[f"one_token {dname} e{e} k{k} h{h} i{i} valid={valid} elsewhere={elsewhere}"] = [
             err, err < checks.TOL[dt] and counted]
-import minivllm.kernels.fused_moe as fm  # the streaming one-token kernels: a full grid, and 3 persistent programs
-fm.DECODE_STREAM = True
+fm.DECODE_STREAM = True  # the streaming one-token kernels: a full grid, and 3 persistent programs
 for programs in (None, 3):
     fm.STREAM_TILES = {part: dict(t, programs=programs) for part, t in fm.STREAM_TILES.items()}
     for dt, dname in ((f32, "fp32"), (f16, "fp16")):

@@ -40,8 +40,10 @@ CASES = {
     "moe_up_stream": (fm._moe_up_stream_kernel, dict(TOP_K=8, K_PAD=8, HAS_STATS=True, HAS_VALID=False, BLOCK_N=2,
                                                      H_PAD=2048), {"ids_ptr": "i32", "stats_ptr": "i64",
                                                                    "valid_ptr": "i32"}, 8),
-    "moe_down_stream": (fm._moe_down_stream_kernel, dict(TOP_K=8, K_PAD=8, BLOCK_N=4, I_PAD=1024),
-                        {"ids_ptr": "i32", "weights_ptr": "fp32"}, 4),
+    "moe_down_stream": (fm._moe_down_stream_kernel, dict(TOP_K=8, K_PAD=8, BLOCK_N=8, I_PAD=1024),
+                        {"ids_ptr": "i32", "weights_ptr": "fp32"}, 8),
+    "moe_down_stream_pf": (fm._moe_down_stream_kernel, dict(TOP_K=8, K_PAD=8, BLOCK_N=8, I_PAD=1024, PREFETCH=256),
+                           {"ids_ptr": "i32", "weights_ptr": "fp32"}, 8),
     "topk": (fm._topk_softmax_kernel, dict(E=128, E_PAD=128, TOP_K=8, K_PAD=8, RENORM=True),
              {"weights_ptr": "fp32", "ids_ptr": "i32"}, 1),
     "rms_norm": (fo._rms_norm_kernel, dict(H=2048, BLOCK=2048, ROWS=1, HAS_RESIDUAL=True), {"scale_ptr": "fp32"}, 8),
@@ -62,7 +64,7 @@ CASES = {
                      {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "qsl_ptr": "i32"}, 4),
 }
 # loads allowed before the wait: (kernel, PTX opcode prefix)
-EARLY_LOADS = {"moe_down": "ld.global.cg"}
+EARLY_LOADS = {"moe_down": "ld.global.cg", "moe_down_stream_pf": "ld.global.cg"}
 
 
 def _compile(name: str, pdl: bool):
@@ -111,7 +113,7 @@ def test_memory_access_waits_for_the_previous_kernel(name):
     allowed = EARLY_LOADS.get(name)
     bad = [s for s in early if not (allowed and re.match(rf"(@%p\d+ )?{re.escape(allowed)}", s))]
     assert not bad, f"{name}: memory access before the PDL wait: {bad[:3]}"
-    if name in ("dense_gemv", "w4a16_gemv", "moe_down"):  # the weights stream before the wait
+    if name in ("dense_gemv", "w4a16_gemv", "moe_down", "moe_down_stream_pf"):  # the weights stream before the wait
         assert any("prefetch.global.L2" in s for s in body[:waits[0]]), f"{name}: no weight prefetch"
 
 
