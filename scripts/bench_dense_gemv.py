@@ -93,12 +93,51 @@ def sweep_shape(k: int, n: int, label: str) -> dict:
             "cublas_GBps": gbps(cublas), "gemv_GBps": gbps(best["us"])}
 
 
+STREAM_TILES = [{"BLOCK_N": bn, "num_warps": w, "programs_per_sm": pps, "EARLY": early}
+                for bn in (1, 2, 4) for w in (4, 8) for pps in (2, 4) for early in (True, False)]
+
+
+def stream_shape(k: int, n: int, label: str) -> dict:
+    """--stream: the table's tile (the engine's GEMV today), cuBLAS, and the streaming kernel's
+    tiles (kernels/dense_gemv.dense_gemv_stream) on one shape with K <= STREAM_MAX_K."""
+    import torch.nn.functional as F
+
+    from minivllm.kernels import dense_gemv as dg
+    dtype = torch.bfloat16
+    copies = copies_for(2 * k * n)
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    ws = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+    ref = F.linear(x.float(), ws[0].float())
+    out = {"label": label, "K": k, "N": n, "cublas_us": time_graph(lambda i: F.linear(x, ws[i]), copies)}
+    tile = dg.pick_tile(n, k, dtype, torch.cuda.get_device_name(0), "on")
+    split = tile.pop("SPLIT_K", None)
+    out["gemv_us"] = time_graph(lambda i: dg.dense_gemv(x, ws[i], None, tile, split), copies)
+    rows = []
+    for t in STREAM_TILES:
+        err = (dg.dense_gemv_stream(x, ws[0], None, t).float() - ref).abs().max().item()
+        if err > 1e-2 * ref.abs().max().item() + 1e-3:
+            print(f"{label} {t}: WRONG (max err {err:.3g})", flush=True)
+            continue
+        rows.append({"tile": t, "us": time_graph(lambda i, t=t: dg.dense_gemv_stream(x, ws[i], None, t), copies)})
+    out["stream_best"] = min(rows, key=lambda r: r["us"])
+    out["stream_all"] = rows
+    gbps = lambda us: 2 * k * n / us / 1e3  # noqa: E731
+    print(f"{label:22s} K {k:6d} N {n:6d}: cuBLAS {out['cublas_us']:7.2f} us, GEMV {out['gemv_us']:7.2f} us "
+          f"({gbps(out['gemv_us']):5.0f} GB/s), stream best {out['stream_best']['us']:7.2f} us "
+          f"({gbps(out['stream_best']['us']):5.0f} GB/s) {out['stream_best']['tile']}", flush=True)
+    del ws
+    torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--out", default=None)
     ap.add_argument("--write", action="store_true", help="keep the best tiles in kernels/configs/dense_gemv/")
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--stream", action="store_true",
+                    help="time the streaming GEMV's tiles against the table's tile and cuBLAS (K <= 4096 only)")
     args = ap.parse_args()
     shapes: dict[tuple[int, int], str] = {}
     for model in args.models.split(","):
@@ -108,9 +147,15 @@ def main() -> None:
         print(f"  {label:22s} K {k:6d} -> N {n:6d}: {2 * k * n / 1e6:7.2f} MB x {copies_for(2 * k * n)} copies")
     if args.dry_run:
         return
-    from minivllm.kernels.dense_gemv import config_file, shape_key
+    from minivllm.kernels.dense_gemv import config_file, shape_key, stream_fits
     torch.manual_seed(0)
     device = torch.cuda.get_device_name(0)
+    if args.stream:
+        results = [stream_shape(k, n, label) for (k, n), label in shapes.items() if stream_fits(k)]
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": device, "results": results}, f, indent=1)
+        return
     results = [sweep_shape(k, n, label) for (k, n), label in shapes.items()]
     report = {"device": device, "runs": RUNS, "graph_calls": GRAPH_CALLS, "results": results}
     if args.out:

@@ -25,6 +25,7 @@
 #   dense-gemv          scripts/bench_dense_gemv.py --write: the batch-1 GEMV vs cuBLAS; later steps use the table
 #   profile-bi / profile-moe1 / profile-fp8  scripts/kernel_profile.py: kernel times (issues 22 / 21 / 25)
 #   profile-graphs      kernel_profile.py in CUDA graphs with PDL, critical-path times (W10, W11-awq, W1-bi-like)
+#   dense-stream        scripts/bench_dense_gemv.py --stream: the streaming dense GEMV's tiles (issue 21)
 #   moe-decode          scripts/bench_moe_decode.py: one-token MoE GEMVs, streaming variant sweep, plain read
 #   spec-profile-32     scripts/spec_profile.py --batch 32: W8 batch 32, none vs n-gram (issue 19)
 #   w8-32first          bench spec none,ngram with batch 32 timed before batch 1 (issue 19)
@@ -191,6 +192,8 @@ run_step() {  # run_step STEP LANE_DIR PORT
     moe-gemv-sweep)  # issue 21: only the one-token MoE GEMV tiles (M = 1's "gemv" entry), kept for later steps
       python3 scripts/sweep_fused_moe.py --decode-gemv
       cp minivllm/kernels/configs/fused_moe/*.json "$dir"/ ;;
+    dense-stream)  # issue 21: the streaming dense GEMV's tiles vs the table's GEMV vs cuBLAS (W10 and W2 shapes)
+      python3 scripts/bench_dense_gemv.py --stream --models qwen3-30b-a3b,llama-3.1-8b --out "$dir/dense-stream.json" ;;
     moe-decode)  # issue 21: the one-token MoE GEMVs vs the streaming variant (tile sweep) vs a plain read
       python3 scripts/bench_moe_decode.py --out "$dir/moe-decode.json" ;;
     profile-graphs)  # issues 21/25/22: critical-path kernel times in CUDA graphs with PDL (W10, W11-awq, W1-bi-like)

@@ -76,6 +76,9 @@ def main() -> None:
     print(f"critical path: span {crit['span_ms']:.2f} ms, device idle {crit['idle_ms']:.2f} ms; exclusive time:")
     for r in crit["kernels"][:args.top]:
         print(f"{r['ms']:10.2f} ms {100 * r['share']:5.1f} % {r['calls']:7d}  {r['kernel']}")
+    print("device idle, by the kernels around it:")
+    for r in crit["idle_between"]:
+        print(f"{r['ms']:10.2f} ms {r['count']:7d}  {r['after']} -> {r['before']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "wall_ms": round(wall * 1000, 2), "kernel_ms": round(total, 2),

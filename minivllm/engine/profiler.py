@@ -135,12 +135,21 @@ def critical_path(events: list[tuple[float, float, str]]) -> dict:
     before it, to its end ("exclusive" time); time when no kernel runs is "idle". Exclusive
     times plus idle add up to the span from the first start to the last end. events: in start
     order (device_events). Returns {"span_ms", "idle_ms", "kernels": [{"kernel", "ms",
-    "calls", "share"}], most exclusive time first}."""
+    "calls", "share"}], most exclusive time first, "idle_between": the 12 largest sums of idle
+    time by the pair of kernels around it [{"after", "before", "ms", "count"}]}."""
     by_name: dict[str, list] = {}
+    gaps: dict[tuple[str, str], list] = {}  # (kernel before, kernel after) -> [idle us, count]
     frontier = events[0][0] if events else 0.0
     idle = 0.0
+    last = ""
     for start, end, name in events:
-        idle += max(0.0, start - frontier)
+        if start > frontier:
+            idle += start - frontier
+            gap = gaps.setdefault((last, name), [0.0, 0])
+            gap[0] += start - frontier
+            gap[1] += 1
+        if end > frontier:
+            last = name
         row = by_name.setdefault(name, [0.0, 0])
         row[0] += max(0.0, end - max(start, frontier))
         row[1] += 1
@@ -149,7 +158,10 @@ def critical_path(events: list[tuple[float, float, str]]) -> dict:
     rows = [{"kernel": k, "ms": round(v[0] / 1000, 3), "calls": v[1],
              "share": round(v[0] / span, 4) if span else 0.0} for k, v in by_name.items()]
     rows.sort(key=lambda r: -r["ms"])
-    return {"span_ms": round(span / 1000, 3), "idle_ms": round(idle / 1000, 3), "kernels": rows}
+    idle_rows = [{"after": a[:60], "before": b[:60], "ms": round(v[0] / 1000, 3), "count": v[1]}
+                 for (a, b), v in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:12]]
+    return {"span_ms": round(span / 1000, 3), "idle_ms": round(idle / 1000, 3), "kernels": rows,
+            "idle_between": idle_rows}
 
 
 def _on_ranks(call, *args) -> bool:

@@ -42,6 +42,13 @@ PROGRAMS_PER_SM = 4  # split K until about this many programs per SM (as the W4A
 MAX_SPLIT_K = 16
 PREFETCH_BYTES = 1024  # of each program's weight rows (at most its slice), into L2 before the PDL wait (kernels/pdl.py)
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "dense_gemv")
+# The streaming variant (dense_gemv_stream; MINIVLLM_DENSE_GEMV_STREAM=1 puts every one-row GEMV
+# layer on it): a persistent grid walking whole-row tiles, the next tile's loads issued before the
+# current tile is computed, as fused_moe's streaming MoE kernels (which took 3.8 us a layer off
+# the MoE GEMVs of Qwen3-30B-A3B in lease 22). Whole rows: K up to STREAM_MAX_K.
+STREAM = os.environ.get("MINIVLLM_DENSE_GEMV_STREAM", "0") == "1"
+STREAM_TILE = {"BLOCK_N": 2, "num_warps": 4, "programs_per_sm": 2, "EARLY": True}
+STREAM_MAX_K = 4096
 
 
 @triton.jit
@@ -84,6 +91,73 @@ def _dense_gemv_kernel(
             out += tl.load(b_ptr + rn_safe).to(tl.float32)
     store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn, m * N + rn, M * N, n_ok, pid_k,
                 m * tl.num_programs(0) + pid_n, SPLIT_K)
+
+
+@triton.jit
+def _load_rows(w_ptr, t, tiles, N, K, stride_wn, rows, ks, BLOCK_N: tl.constexpr):
+    """Rows t * BLOCK_N .. of W, whole (K_PAD wide), in W's dtype; zeros past N / K or t >= tiles.
+    Through L2 only (.cg): a weight is read once a step, and the PTX check of the PDL contract
+    (tests/unit/test_pdl_compile.py) tells these loads from x's."""
+    r = t * BLOCK_N + rows
+    live = tl.where(t < tiles, N, 0)  # a dead tile loads nothing
+    return tl.load(w_ptr + tl.where(r < N, r, 0).to(tl.int64)[:, None] * stride_wn + ks[None, :],
+                   mask=(r < live)[:, None] & (ks < K)[None, :], other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _dense_gemv_stream_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr,
+                              BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, EARLY: tl.constexpr,
+                              LINE: tl.constexpr, PDL: tl.constexpr):
+    """One row of x (M = 1): persistent program p computes the row tiles p, p + P, ... of
+    out [1, N] over whole rows of W (K <= K_PAD) and loads tile t + P's weights before it
+    computes tile t (two tiles of loads in flight per thread; one prologue per program).
+
+    The weights are not written by any kernel of the step, so with PDL (kernels/pdl.py) the
+    program's first tile is loaded into registers before the wait (EARLY), or, EARLY False, only
+    asked for into L2 there; x (the previous kernel's output) is read after it."""
+    p = tl.program_id(0)
+    P = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, K_PAD)
+    tiles = tl.cdiv(N, BLOCK_N)
+    if EARLY:
+        w = _load_rows(w_ptr, p, tiles, N, K, stride_wn, rows, ks, BLOCK_N)
+        enter_after_previous(PDL)
+    else:
+        first = tl.minimum(p * BLOCK_N + rows, N - 1)
+        prefetch_rows(w_ptr + first.to(tl.int64)[:, None] * stride_wn, 0, K - 1, K_PAD, LINE, PDL)
+        enter_after_previous(PDL)
+        w = _load_rows(w_ptr, p, tiles, N, K, stride_wn, rows, ks, BLOCK_N)
+    xv = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
+    for t in range(p, tiles, P):
+        w_next = _load_rows(w_ptr, t + P, tiles, N, K, stride_wn, rows, ks, BLOCK_N)
+        acc = tl.sum(w.to(tl.float32) * xv, axis=1)
+        r = t * BLOCK_N + rows
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + r, mask=r < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=r < N)
+        w = w_next
+
+
+def stream_fits(k: int) -> bool:
+    """Whether the streaming GEMV holds whole rows of length k (rounded up to a power of two)."""
+    return triton.next_power_of_2(k) <= STREAM_MAX_K
+
+
+def dense_gemv_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      tile: dict | None = None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T + bias -> [1, N] through the streaming kernel (stream_fits(K)).
+    tile: BLOCK_N, num_warps, programs_per_sm, EARLY (STREAM_TILE)."""
+    n, k = weight.shape
+    assert x.shape == (1, k) and weight.stride(1) == 1 and x.stride(1) == 1 and stream_fits(k), (x.shape, weight.shape)
+    tile = tile or STREAM_TILE
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    programs = min(triton.cdiv(n, tile["BLOCK_N"]), tile.get("programs") or num_sms_of(x.device) * tile["programs_per_sm"])
+    _dense_gemv_stream_kernel[(programs,)](
+        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_N=tile["BLOCK_N"], K_PAD=triton.next_power_of_2(k), EARLY=tile.get("EARLY", True),
+        LINE=128 // weight.element_size(), num_warps=tile["num_warps"], **pdl_args(x))
+    return out
 
 
 def choose_split_k(n: int, k: int, tile: dict, num_sms: int) -> int:
@@ -161,8 +235,11 @@ class GemvLinear(torch.nn.Module):
         self.tile = dict(tile)
         self.split_k = self.tile.pop("SPLIT_K", None) or choose_split_k(
             self.out_features, self.in_features, self.tile, num_sms_of(self.weight.device))
+        self.stream = STREAM and stream_fits(self.in_features)  # one row: the streaming kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stream and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
+            return dense_gemv_stream(x, self.weight, self.bias)
         if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.stride(1) == 1:
             return dense_gemv(x, self.weight, self.bias, self.tile, self.split_k)
         return F.linear(x, self.weight, self.bias)

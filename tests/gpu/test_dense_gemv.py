@@ -40,6 +40,15 @@ def check_dense_gemv(m: int, n: int, k: int, dtype: torch.dtype, device: str, ti
     return _rel_err(dense_gemv(x, w, b, tile, split_k), ref)
 
 
+def check_dense_gemv_stream(n: int, k: int, dtype: torch.dtype, device: str, tile: dict, bias: bool = False,
+                            seed: int = 0) -> float:
+    """Worst relative error of the streaming GEMV (one row) against float64 F.linear."""
+    from minivllm.kernels.dense_gemv import dense_gemv_stream
+    x, w, b = _case(1, n, k, dtype, device, seed, bias)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    return _rel_err(dense_gemv_stream(x, w, b, tile), ref)
+
+
 def check_gemv_linear_rows(device: str, dtype: torch.dtype) -> dict[str, float]:
     """GemvLinear: 1 and 2 rows through the GEMV, 3 and 9 through F.linear; each against float64."""
     from minivllm.kernels.dense_gemv import GEMV_MAX_ROWS, GemvLinear
@@ -58,6 +67,16 @@ def check_gemv_linear_rows(device: str, dtype: torch.dtype) -> dict[str, float]:
 
 gpu = pytest.mark.gpu
 SHAPES = [(2048, 5120), (4096, 2048), (2048, 128), (576, 960), (1536, 576), (4096, 6144), (14336, 4096)]  # (K, N)
+
+
+@gpu
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("k, n", [s for s in SHAPES if s[0] <= 4096])
+def test_dense_gemv_stream_matches_linear_on_gpu(k: int, n: int, early: bool) -> None:
+    for tile in ({"BLOCK_N": 2, "num_warps": 4, "programs_per_sm": 2, "EARLY": early},
+                 {"BLOCK_N": 4, "num_warps": 8, "programs": 7, "EARLY": early}):  # several tiles a program
+        err = check_dense_gemv_stream(n, k, torch.bfloat16, "cuda", tile, bias=n % 2 == 0, seed=k + n)
+        assert err < TOL[torch.bfloat16], (k, n, tile, err)
 
 
 @gpu

@@ -21,12 +21,13 @@ def test_overlapping_kernels_are_charged_only_past_the_frontier():
     assert out["span_ms"] == pytest.approx(0.020)
     assert sum(r["ms"] for r in out["kernels"]) + out["idle_ms"] == pytest.approx(out["span_ms"])
     assert [r["kernel"] for r in out["kernels"]][:2] == ["a", "b"]
+    assert out["idle_between"] == [{"after": "b", "before": "c", "ms": 0.002, "count": 1}]
 
 
 def test_repeated_names_add_up_and_empty_is_zero():
     out = critical_path([(0.0, 2.0, "k"), (2.0, 5.0, "k"), (6.0, 7.0, "k")])
     assert out["kernels"] == [{"kernel": "k", "ms": 0.006, "calls": 3, "share": round(6 / 7, 4)}]
-    assert critical_path([]) == {"span_ms": 0.0, "idle_ms": 0.0, "kernels": []}
+    assert critical_path([]) == {"span_ms": 0.0, "idle_ms": 0.0, "kernels": [], "idle_between": []}
 
 
 def test_device_events_reads_kernels_copies_and_sets_in_start_order(tmp_path):
