@@ -194,6 +194,11 @@ run_step() {  # run_step STEP LANE_DIR PORT
       cp minivllm/kernels/configs/fused_moe/*.json "$dir"/ ;;
     dense-stream)  # issue 21: the streaming dense GEMV's tiles vs the table's GEMV vs cuBLAS (W10 and W2 shapes)
       python3 scripts/bench_dense_gemv.py --stream --models qwen3-30b-a3b,llama-3.1-8b --out "$dir/dense-stream.json" ;;
+    profile-bi256)  # issue 22: W1-like batch 256 in graphs, invariant vs default, with idle time by neighbouring kernels
+      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 256 --prompt-len 256 --max-tokens 32 \
+        --batch-invariant --out "$dir/profile-bi256-graphs.json"
+      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 256 --prompt-len 256 --max-tokens 32 \
+        --out "$dir/profile-default256-graphs.json" ;;
     moe-decode)  # issue 21: the one-token MoE GEMVs vs the streaming variant (tile sweep) vs a plain read
       python3 scripts/bench_moe_decode.py --out "$dir/moe-decode.json" ;;
     profile-graphs)  # issues 21/25/22: critical-path kernel times in CUDA graphs with PDL (W10, W11-awq, W1-bi-like)

@@ -47,7 +47,9 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
 # current tile is computed, as fused_moe's streaming MoE kernels (which took 3.8 us a layer off
 # the MoE GEMVs of Qwen3-30B-A3B in lease 22). Whole rows: K up to STREAM_MAX_K.
 STREAM = os.environ.get("MINIVLLM_DENSE_GEMV_STREAM", "0") == "1"
-STREAM_TILE = {"BLOCK_N": 2, "num_warps": 4, "programs_per_sm": 2, "EARLY": True}
+# (lease 24, bench_dense_gemv.py --stream: within 0.1-0.3 us of each shape's best on
+# Qwen3-30B-A3B's qkv / o / router and Llama-3.1-8B's qkv / o / gate_up)
+STREAM_TILE = {"BLOCK_N": 4, "num_warps": 8, "programs_per_sm": 4, "EARLY": True}
 STREAM_MAX_K = 4096
 
 
