@@ -204,8 +204,8 @@ run_step() {  # run_step STEP LANE_DIR PORT
     profile-graphs)  # issues 21/25/22: critical-path kernel times in CUDA graphs with PDL (W10, W11-awq, W1-bi-like)
       python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --graphs --batch 1 --prompt-len 128 --max-tokens 64 \
         --out "$dir/profile-moe1-graphs.json"
-      MINIVLLM_MOE_DECODE_STREAM=1 python3 scripts/kernel_profile.py --model-config qwen3-30b-a3b --graphs --batch 1 \
-        --prompt-len 128 --max-tokens 64 --out "$dir/profile-moe1-graphs-stream.json"
+      MINIVLLM_MOE_DECODE_STREAM=0 MINIVLLM_DENSE_GEMV_STREAM=0 python3 scripts/kernel_profile.py --model-config \
+        qwen3-30b-a3b --graphs --batch 1 --prompt-len 128 --max-tokens 64 --out "$dir/profile-moe1-graphs-nostream.json"
       python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128 \
         --max-tokens 64 --out "$dir/profile-awq1-graphs.json"
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 16 --prompt-len 1500 --max-tokens 32 \

@@ -128,11 +128,11 @@ def _jobs() -> list[Job]:
               ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_MOE_DECODE_STREAM": "0"}),
           Job("ours:W10-decode-streampf", "ours", OURS + lat10, 180, 540,
               ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_MOE_STREAM_PREFETCH": "512"}),
-          # the dense one-row GEMVs on the streaming kernel too (kernels/dense_gemv.STREAM)
-          Job("ours:W10-decode-dstream", "ours", OURS + lat10, 180, 540,
-              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_DENSE_GEMV_STREAM": "1"}),
-          Job("ours:W2-dstream", "ours", OURS + ["latency", "--model-config", "llama-3.1-8b"], 120, 540,
-              _LAT_TINY + _CPU, env={"MINIVLLM_DENSE_GEMV_STREAM": "1"})]
+          # the dense one-row GEMVs on the split-K kernel instead of the streaming one (kernels/dense_gemv.STREAM)
+          Job("ours:W10-decode-nodstream", "ours", OURS + lat10, 180, 540,
+              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_DENSE_GEMV_STREAM": "0"}),
+          Job("ours:W2-nodstream", "ours", OURS + ["latency", "--model-config", "llama-3.1-8b"], 120, 540,
+              _LAT_TINY + _CPU, env={"MINIVLLM_DENSE_GEMV_STREAM": "0"})]
     fp8 = tp + ["W1-8B", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
     j += _pair("W11-fp8", fp8, fp8, 180, 260, _TINY)
     # issue 23: W1 with 4 dummy rank-16 LoRA adapters spread over the requests (vs W1 without), and

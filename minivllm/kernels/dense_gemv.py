@@ -42,11 +42,12 @@ PROGRAMS_PER_SM = 4  # split K until about this many programs per SM (as the W4A
 MAX_SPLIT_K = 16
 PREFETCH_BYTES = 1024  # of each program's weight rows (at most its slice), into L2 before the PDL wait (kernels/pdl.py)
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "dense_gemv")
-# The streaming variant (dense_gemv_stream; MINIVLLM_DENSE_GEMV_STREAM=1 puts every one-row GEMV
-# layer on it): a persistent grid walking whole-row tiles, the next tile's loads issued before the
-# current tile is computed, as fused_moe's streaming MoE kernels (which took 3.8 us a layer off
-# the MoE GEMVs of Qwen3-30B-A3B in lease 22). Whole rows: K up to STREAM_MAX_K.
-STREAM = os.environ.get("MINIVLLM_DENSE_GEMV_STREAM", "0") == "1"
+# The streaming variant (dense_gemv_stream), which one-row steps of every GEMV layer with K up to
+# STREAM_MAX_K take (MINIVLLM_DENSE_GEMV_STREAM=0: the split-K GEMV above, to compare): a
+# persistent grid walking whole-row tiles, the next tile's loads issued before the current tile
+# is computed, as fused_moe's streaming MoE kernels. Lease 25 (H100, same lease): W10-decode
+# 3.47 -> 3.38 ms a token (60.8 % of the roofline), W2 5.71 -> 5.73 (no change).
+STREAM = os.environ.get("MINIVLLM_DENSE_GEMV_STREAM", "1") != "0"
 # (lease 24, bench_dense_gemv.py --stream: within 0.1-0.3 us of each shape's best on
 # Qwen3-30B-A3B's qkv / o / router and Llama-3.1-8B's qkv / o / gate_up)
 STREAM_TILE = {"BLOCK_N": 4, "num_warps": 8, "programs_per_sm": 4, "EARLY": True}

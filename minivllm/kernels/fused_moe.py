@@ -63,7 +63,7 @@ DECODE_GEMV_TILES = {"up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4},
                      "down": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
 # of each down-projection row (an expert's [H, I] weight), into L2 before the PDL wait (pdl.py)
 DOWN_PREFETCH_BYTES = 512
-# The streaming variant of the two GEMVs (MINIVLLM_MOE_DECODE_STREAM=1, `_fused_moe_one_token_stream`):
+# The streaming variant of the two GEMVs (`_fused_moe_one_token_stream`, the default where it fits):
 # a persistent grid of PROGRAMS_PER_SM programs a SM, each walking its share of the tiles and
 # loading tile t + 1's weights before it computes tile t, so every thread keeps two tiles of loads
 # in flight and no program pays a launch prologue per tile. Whole rows per tile: used when H and

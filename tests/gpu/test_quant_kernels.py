@@ -372,5 +372,8 @@ def test_quantized_default_model_on_gpu(quantized_dirs, fmt: str, kv: str) -> No
     gc.collect()
     torch.cuda.empty_cache()
     # (the engine froze its startup heap: without the unfreeze at shutdown its cycles, and the
-    # KV cache and graphs they hold, stayed allocated; lease 8)
-    assert torch.cuda.memory_allocated() - allocated_before < 64 << 20
+    # KV cache and graphs they hold, stayed allocated; lease 8). The bound leaves room for what
+    # torch keeps per process once the first engine has run: cuBLAS workspaces of the streams it
+    # used and the split-K counters (lease 22: 64.03 MiB left after the first parameter, against a
+    # KV cache of gigabytes at gpu_memory_utilization 0.3)
+    assert torch.cuda.memory_allocated() - allocated_before < 256 << 20
