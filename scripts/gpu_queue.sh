@@ -16,17 +16,16 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 21, 2026-11-27; a session's 30 minutes count
+# What the single-GPU issues still need (after lease 26, 2026-11-27; a session's 30 minutes count
 # 50-100 % of held time, so order by what closes). Staging all of vLLM takes ~1.5 minutes of held
 # time; name only the test files (and GPU_TESTS_K) that need a run.
-#   1. GPU_TESTS=tests/gpu/test_quant_kernels.py GPU_TESTS_K="default_model" GPU_TEST_TIMEOUT=400
-#      'gpu-tests+profile-awq1@0'  (25: the quantized default model with PDL on, cut by the step's
-#      limit in lease 19; where W11-awq's 3.72 ms a token go with PDL: 42.5 % of the roofline, target 75 %)
-#   2. 'ours:W10-decode+vllm:W10-decode+profile-moe1@0' with vLLM staged (21: 3.71-3.82 ms, 55-57 %
-#      with PDL, target 60 %; a same-lease vLLM figure; the profile is eager, so under PDL its kernel
-#      times include the waits: read it with MINIVLLM_PDL=0)
-#   3. 'ours:W1-bi+vllm:W1-bi+profile-bi@0' with vLLM staged (22: 0.905x vLLM's invariant mode in
-#      lease 16, target 1.2x; profile a batch of ~16 with ~1,500-token contexts as well as 256)
+#   1. 'ours:W1-bi+vllm:W1-bi+ours:W1-bi+vllm:W1-bi+profile-bi256@0' with vLLM staged (22: 1.20x
+#      in lease 24, 1.14x in lease 26, target 1.2x: vLLM's figure moves 13.2-14.1k between leases,
+#      so take two pairs; the rest of the mode's cost is the invariant GEMM (56.6 vs ~36 ms in
+#      profile-bi256) and the prefill kernel on decode rows (102 vs 94 ms))
+#   2. 'profile-graphs@0' after any W4A16 GEMV change (25: 2.73 ms a token of critical-path GEMV
+#      time in W11-awq against 2.08 ms back to back in bench_w4a16_gemv.py; 75 % needs 2.12 ms for
+#      the whole token)
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue

@@ -19,8 +19,9 @@ GPU path (Triton), for one layer:
 4. the k rows of each token summed: [T, k, H] -> [T, H].
 Each selected expert's weights are read once per step whatever the token count (a decode step
 of one token reads 8 of 128 experts of Qwen3-30B-A3B, once each). One token (batch-1 decode)
-skips 1, 3 and 4: its k experts are distinct, so two GEMV kernels do the up projection (program
-per entry and column tile) and the down projection with the weighted k-sum folded in
+skips 1, 3 and 4: its k experts are distinct, so two GEMV kernels do the up projection and the
+down projection with the weighted k-sum folded in: persistent, double-buffered ones
+(`_fused_moe_one_token_stream`, where whole rows fit in registers) or a program per tile
 (`_fused_moe_one_token`). Every shape depends on T
 only (the grid is sized for the worst routing; blocks past the padded count exit at once), so
 a step can be captured in a CUDA graph.

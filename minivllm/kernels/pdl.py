@@ -9,7 +9,8 @@ only after that (issue 21: 3.93 ms a token of which ~0.4 ms is not kernel time).
 With PDL a kernel is launched with `launch_pdl=True` and may start while its predecessor still
 runs. The contract each such kernel keeps (checked on the PTX, see `enter_after_previous`):
   - before `enter_after_previous(PDL)` it only computes indices and reads data no kernel of the
-    step writes (weights, scales, via `prefetch_l2`); it stores nothing;
+    step writes (weights, scales: into L2 with `prefetch_l2`, or into registers, as the streaming
+    dense GEMV does with its first tile); it stores nothing;
   - `enter_after_previous` first blocks until the previous grid has finished and its writes are
     visible (griddepcontrol.wait), so everything after it sees the same memory as without PDL,
     and, because that grid waited for its own predecessor, all earlier kernels too; then it lets
@@ -17,8 +18,9 @@ runs. The contract each such kernel keeps (checked on the PTX, see `enter_after_
     before touching anything this kernel writes).
 Results are bit-identical with and without PDL: only when programs start changes
 (tests/gpu/test_pdl.py; the contract on the PTX: tests/unit/test_pdl_compile.py). One
-documented exception reads a kernel's output before the wait: the MoE down GEMV reads the
-expert ids written two launches back (fused_moe._moe_decode_down_kernel says why that is safe).
+documented exception reads a kernel's output before the wait: the MoE down GEMVs read the
+expert ids written two launches back (fused_moe._moe_decode_down_kernel says why that is safe;
+the streaming one only with MINIVLLM_MOE_STREAM_PREFETCH, off: it measured slower).
 
 Measured (H100, docs/perf.md, 2026-11-27 leases 19-21, same lease with MINIVLLM_PDL=0):
 W10-decode (Qwen3-30B-A3B shapes, batch 1) 4.10-4.21 -> 3.71-3.82 ms a token, W2 (Llama-3.1-8B)

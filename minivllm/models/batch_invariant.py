@@ -15,7 +15,8 @@ request's path must reduce each row in an order fixed by that row alone:
 - RMSNorm, rotary, SiLU: one row at a time already (kernels/fused_ops.py, the CPU fused ops).
 - sampling: log-softmax per row; an unseeded random request gets a seed of its own at admission
   (from the engine seed and its request id), so its noise is the counter-based per-row stream of
-  sample/rng.py, not a slice of a batch-wide draw.
+  sample/rng.py, not a slice of a batch-wide draw (on the GPU in one pass per row,
+  kernels/seeded_race.py: W1-bi 12.6k -> 15.5k tok/s against the torch form, lease 23).
 
 What it does not cover (refused at startup, engine/config_builder.py): quantized weights, MoE
 layers, FP8 KV caches and speculative decoding. Default mode keeps its speed.
