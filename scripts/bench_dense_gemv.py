@@ -16,6 +16,7 @@ limits the shapes (default: every model below). A full sweep takes about 3 minut
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -38,6 +39,11 @@ TILES = [(4, 512, 2), (8, 256, 4), (8, 512, 4), (16, 128, 2), (16, 256, 4), (16,
          (32, 512, 8), (64, 128, 4), (4, 1024, 4), (8, 1024, 8), (4, 2048, 8)]
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "minivllm", "bench", "configs")
 MODELS = ["qwen3-30b-a3b", "llama-3.1-8b", "qwen3-8b", "qwen3-0.6b", "smollm2-135m"]
+
+
+def gb_per_s(k: int, n: int, us: float) -> float:
+    """GB/s of reading a bf16 [n, k] weight in `us` microseconds."""
+    return 2 * k * n / us / 1e3
 
 
 def model_shapes(name: str) -> dict[str, tuple[int, int]]:
@@ -83,7 +89,7 @@ def sweep_shape(k: int, n: int, label: str) -> dict:
                 continue
             rows.append({"tile": tile, "split_k": split, "us": us})
     best = min(rows, key=lambda r: r["us"])
-    gbps = lambda us: 2 * k * n / us / 1e3  # noqa: E731
+    gbps = functools.partial(gb_per_s, k, n)
     print(f"{label:22s} K {k:6d} N {n:6d}: cuBLAS {cublas:7.2f} us ({gbps(cublas):5.0f} GB/s), GEMV best "
           f"{best['us']:7.2f} us ({gbps(best['us']):5.0f} GB/s) {best['tile']} split {best['split_k']}: "
           f"{cublas / best['us']:.2f}x", flush=True)
@@ -121,7 +127,7 @@ def stream_shape(k: int, n: int, label: str) -> dict:
         rows.append({"tile": t, "us": time_graph(lambda i, t=t: dg.dense_gemv_stream(x, ws[i], None, t), copies)})
     out["stream_best"] = min(rows, key=lambda r: r["us"])
     out["stream_all"] = rows
-    gbps = lambda us: 2 * k * n / us / 1e3  # noqa: E731
+    gbps = functools.partial(gb_per_s, k, n)
     print(f"{label:22s} K {k:6d} N {n:6d}: cuBLAS {out['cublas_us']:7.2f} us, GEMV {out['gemv_us']:7.2f} us "
           f"({gbps(out['gemv_us']):5.0f} GB/s), stream best {out['stream_best']['us']:7.2f} us "
           f"({gbps(out['stream_best']['us']):5.0f} GB/s) {out['stream_best']['tile']}", flush=True)

@@ -69,7 +69,6 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    hmid = torch.randn(k, i, generator=g).to(dev, dt)
     part = torch.empty(k, 1024, device=dev)
     record("read up bytes", time_graph(lambda n: read(w13, id_sets[n], part), draws), up_bytes)
     record("read down bytes", time_graph(lambda n: read(w2, id_sets[n], part), draws), down_bytes)

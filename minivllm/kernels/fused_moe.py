@@ -215,6 +215,15 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     return out.view(t, k, hidden).sum(dim=1) if k > 1 else out
 
 
+def _one_token_operands(x, w13, topk_weights, topk_ids):
+    """The one-token kernels' operands: (k, I, H, ids [k], fp32 weights [k], hmid [k, I] and
+    out [1, H] to fill)."""
+    k = topk_ids.shape[1]
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    return (k, inter, hidden, topk_ids.reshape(-1), topk_weights.reshape(-1).to(torch.float32),
+            x.new_empty(k, inter), x.new_empty(1, hidden))
+
+
 def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid, tiles: dict) -> torch.Tensor:
     """One token (batch-1 decode): two GEMV launches instead of align, two grouped GEMMs and the
     k-sum. Its k entries are k distinct experts, so no sorting is needed: program (j, n) of the
@@ -223,13 +232,7 @@ def _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, stats, token_valid,
     column tile n in fp32, and the tile's last program sums the k of them in a fixed order and
     stores [1, H] once. Issue 21: on Qwen3-30B-A3B's batch-1 decode the align
     and the k-sum were 0.53 of 4.41 ms of kernels a token (lease 9)."""
-    k = topk_ids.shape[1]
-    num_experts, two_inter, hidden = w13.shape
-    inter = two_inter // 2
-    ids = topk_ids.reshape(-1)
-    weights = topk_weights.reshape(-1).to(torch.float32)
-    hmid = x.new_empty(k, inter)
-    out = x.new_empty(1, hidden)
+    k, inter, hidden, ids, weights, hmid, out = _one_token_operands(x, w13, topk_weights, topk_ids)
     up, down = tiles["up"], tiles["down"]  # (the sweep's "gemv" entry of the M = 1 config, or the defaults)
     has_stats = stats is not None
     _moe_decode_up_kernel[(k, triton.cdiv(inter, up["BLOCK_N"]))](
@@ -254,13 +257,7 @@ def _fused_moe_one_token_stream(x, w13, w2, topk_weights, topk_ids, stats, token
     """The one-token path with persistent, double-buffered GEMVs (see the kernels): the same
     result as `_fused_moe_one_token` up to the order of the fp32 sums. tiles: BLOCK_N, num_warps
     and programs_per_sm of each part ("programs": a fixed program count instead, for tests)."""
-    k = topk_ids.shape[1]
-    num_experts, two_inter, hidden = w13.shape
-    inter = two_inter // 2
-    ids = topk_ids.reshape(-1)
-    weights = topk_weights.reshape(-1).to(torch.float32)
-    hmid = x.new_empty(k, inter)
-    out = x.new_empty(1, hidden)
+    k, inter, hidden, ids, weights, hmid, out = _one_token_operands(x, w13, topk_weights, topk_ids)
     up, down = tiles["up"], tiles["down"]
     sms = num_sms_of(x.device)
     up_tiles = k * triton.cdiv(inter, up["BLOCK_N"])
