@@ -82,7 +82,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "wall_ms": round(wall * 1000, 2), "kernel_ms": round(total, 2),
-                       "device": torch.cuda.get_device_name() if cuda else "cpu", "kernels": rows, "critical_path": crit}, f, indent=1)
+                       "device": torch.cuda.get_device_name() if cuda else "cpu", "kernels": rows,
+                       "critical_path": crit}, f, indent=1)
 
 
 if __name__ == "__main__":

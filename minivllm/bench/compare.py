@@ -127,7 +127,8 @@ def _jobs() -> list[Job]:
           Job("ours:W10-decode-nostream", "ours", OURS + lat10, 180, 540,
               ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_MOE_DECODE_STREAM": "0"}),
           Job("ours:W10-decode-streampf", "ours", OURS + lat10, 180, 540,
-              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_MOE_STREAM_PREFETCH": "512"}),
+              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU,
+              env={"MINIVLLM_MOE_STREAM_PREFETCH": "512"}),
           # the dense one-row GEMVs on the split-K kernel instead of the streaming one (kernels/dense_gemv.STREAM)
           Job("ours:W10-decode-nodstream", "ours", OURS + lat10, 180, 540,
               ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_DENSE_GEMV_STREAM": "0"}),

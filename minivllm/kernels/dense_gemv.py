@@ -8,7 +8,8 @@ kernels leave part of the GPU idle on these narrow shapes. Here each program str
 [BLOCK_N, K / SPLIT_K] slice of W with 16-byte loads along K and keeps an fp32
 [BLOCK_N, BLOCK_K] accumulator in registers, reduced once at the end (no tensor cores: a
 1-row product would use 1/16 of an MMA tile). Rows beyond the first re-read the weight tile
-from L2 (one program row per activation row).
+from L2 (one program row per activation row). One row with K <= STREAM_MAX_K takes the streaming
+kernel instead (`dense_gemv_stream`, below): persistent programs over whole-row tiles.
 
 Split-K: kernels/split_k.py's fix-up (as the W4A16 GEMV): partial tiles go to an fp32
 workspace and the last program of a tile, by an atomic counter, adds them in the fixed order
@@ -155,7 +156,8 @@ def dense_gemv_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     assert x.shape == (1, k) and weight.stride(1) == 1 and x.stride(1) == 1 and stream_fits(k), (x.shape, weight.shape)
     tile = tile or STREAM_TILE
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    programs = min(triton.cdiv(n, tile["BLOCK_N"]), tile.get("programs") or num_sms_of(x.device) * tile["programs_per_sm"])
+    programs = min(triton.cdiv(n, tile["BLOCK_N"]),
+                   tile.get("programs") or num_sms_of(x.device) * tile["programs_per_sm"])
     _dense_gemv_stream_kernel[(programs,)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
         BLOCK_N=tile["BLOCK_N"], K_PAD=triton.next_power_of_2(k), EARLY=tile.get("EARLY", True),

@@ -65,7 +65,7 @@ DECODE_GEMV_TILES = {"up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4},
 # of each down-projection row (an expert's [H, I] weight), into L2 before the PDL wait (pdl.py)
 DOWN_PREFETCH_BYTES = 512
 # The streaming variant of the two GEMVs (`_fused_moe_one_token_stream`, the default where it fits):
-# a persistent grid of PROGRAMS_PER_SM programs a SM, each walking its share of the tiles and
+# a persistent grid of `programs_per_sm` programs a SM, each walking its share of the tiles and
 # loading tile t + 1's weights before it computes tile t, so every thread keeps two tiles of loads
 # in flight and no program pays a launch prologue per tile. Whole rows per tile: used when H and
 # I (rounded up to a power of two) are at most STREAM_MAX_ROW.
@@ -271,8 +271,8 @@ def _fused_moe_one_token_stream(x, w13, w2, topk_weights, topk_ids, stats, token
     _moe_down_stream_kernel[(min(down_tiles, down.get("programs") or sms * down["programs_per_sm"]),)](
         hmid, w2, ids, weights, out, hidden, inter, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=k,
         K_PAD=triton.next_power_of_2(k), BLOCK_N=down["BLOCK_N"], I_PAD=triton.next_power_of_2(inter),
-        num_warps=down["num_warps"], **(prefetch_span(w2.dtype, STREAM_PREFETCH_BYTES, inter) if STREAM_PREFETCH_BYTES else {}),
-        **pdl_args(x))
+        num_warps=down["num_warps"], **pdl_args(x),
+        **(prefetch_span(w2.dtype, STREAM_PREFETCH_BYTES, inter) if STREAM_PREFETCH_BYTES else {}))
     return out
 
 
@@ -373,7 +373,8 @@ def _moe_decode_down_kernel(hmid_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, ws_p
 
 @_jit
 def _expert_of(ids, jj, j):
-    """ids[j] of the [K_PAD] register vector ids (jj = arange(K_PAD)), as int64; -1 past it."""
+    """ids[j] of the [K_PAD] register vector ids (jj = arange(K_PAD)), as int64 (0 for j past
+    K_PAD: the callers mask such dead tiles)."""
     return tl.sum(tl.where(jj == j, ids, 0), axis=0).to(tl.int64)
 
 

@@ -21,6 +21,8 @@ libm and CUDA, which the rounding to fp32 hides (0 mismatches in 39M values on a
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -133,7 +135,6 @@ def _race_kernel_on(probs: torch.Tensor) -> bool:
     MINIVLLM_SEEDED_RACE_KERNEL=0 keeps the torch form, to compare."""
     if not probs.is_cuda or probs.dtype != torch.float32 or probs.stride(1) != 1:
         return False
-    import os
     return os.environ.get("MINIVLLM_SEEDED_RACE_KERNEL", "1") != "0"
 
 

@@ -118,7 +118,8 @@ def test_memory_access_waits_for_the_previous_kernel(name):
     allowed = EARLY_LOADS.get(name)
     bad = [s for s in early if not (allowed and re.match(rf"(@%p\d+ )?{re.escape(allowed)}", s))]
     assert not bad, f"{name}: memory access before the PDL wait: {bad[:3]}"
-    if name in ("dense_gemv", "w4a16_gemv", "moe_down", "moe_down_stream_pf", "dense_gemv_stream_l2"):  # weights before the wait
+    # the weights stream before the wait
+    if name in ("dense_gemv", "w4a16_gemv", "moe_down", "moe_down_stream_pf", "dense_gemv_stream_l2"):
         assert any("prefetch.global.L2" in s for s in body[:waits[0]]), f"{name}: no weight prefetch"
 
 
