@@ -11,7 +11,8 @@ lease): W1-bi 15,529 output tok/s against 12,621 with the torch form (MINIVLLM_S
 
 Bit-exact with the torch form: the same uint64 SplitMix64 arithmetic, the same float64 log
 rounded to float32, IEEE division (tl.div_rn, as torch's div_), and ties going to the lowest
-token id (torch.argmax's first maximum). tests/unit/test_seeded_race_interpret.py checks it under
+token id (torch.argmax's first maximum). One difference: a NaN probability never wins here,
+while torch.argmax returns a NaN's index (such a row's logits are broken either way). tests/unit/test_seeded_race_interpret.py checks it under
 Triton's interpreter, tests/gpu/test_seeded_race.py on the GPU (the noise bit for bit, the ids).
 """
 
