@@ -112,7 +112,10 @@ def _jobs() -> list[Job]:
     j += _pair("W11-awq", awq, awq, 130, 200, _LAT_TINY + ["--quant-group-size", "32"])
     # issue 25: the W4A16 GEMV's plain path (the packed half2 one off), A/B in one lease
     j += [Job("ours:W11-awq-plain", "ours", OURS + awq, 130, 540, _LAT_TINY + ["--quant-group-size", "32"] + _CPU,
-              env={"MINIVLLM_W4A16_GEMV_HALF2": "0"})]
+              env={"MINIVLLM_W4A16_GEMV_HALF2": "0"}),
+          # the GEMV's pipelined K loop (w4a16_gemm.GEMV_PIPE, off until measured)
+          Job("ours:W11-awq-pipe", "ours", OURS + awq, 130, 540, _LAT_TINY + ["--quant-group-size", "32"] + _CPU,
+              env={"MINIVLLM_W4A16_GEMV_PIPE": "1"})]
     # programmatic dependent launch off (kernels/pdl.py; on by default on Hopper): the A/B in one lease
     nopdl = {"MINIVLLM_PDL": "0"}
     j += [Job("ours:W10-decode-nopdl", "ours", OURS + lat10, 180, 540,

@@ -62,6 +62,9 @@ MAX_SPLIT_K = 16
 # in CUDA graphs): 2.08 ms a token against 2.81 for the plain path and 2.51 for a zero-folding
 # variant (removed)
 GEMV_HALF2 = os.environ.get("MINIVLLM_W4A16_GEMV_HALF2", "1") != "0"
+# the GEMV's pipelined K loop (PIPE in _w4a16_gemv_kernel), off until measured on a GPU:
+# MINIVLLM_W4A16_GEMV_PIPE=1 turns it on (job ours:W11-awq-pipe)
+GEMV_PIPE = os.environ.get("MINIVLLM_W4A16_GEMV_PIPE", "0") == "1"
 # split K until about this many programs per SM. 4, from scripts/bench_w4a16_gemv.py on an H100
 # (lease 7, Llama-3.1-8B batch-1 shapes, in CUDA graphs): at 2, gate_up (448 tiles) ran unsplit
 # in 48.8 us against 41.9 us at split 2; the four linears of a layer take 88 us at 4, 95 us at 2
@@ -218,6 +221,7 @@ def _w4a16_gemv_kernel(
     PREFETCH_WORDS: tl.constexpr = 32,  # packed rows of the slice requested into L2 before the PDL wait
     COL_STEP: tl.constexpr = 32,  # columns a 128-byte line of packed words holds (BLOCK_N if fewer)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PIPE: tl.constexpr = False,  # next K step's words, scales and zeros loaded before this one's math
 ):
     """Few rows (batch-1 decode): no tensor cores, so the dequantized tile never changes layout
     for a tl.dot operand; products accumulate elementwise in a [BLOCK_K/8, BLOCK_N] tile and are
@@ -229,7 +233,12 @@ def _w4a16_gemv_kernel(
     kernel at 0.9-1.5 TB/s of int4.
 
     PDL (kernels/pdl.py): the slice's first PREFETCH_WORDS packed rows are requested into L2
-    before waiting for the kernel that writes x (the weights stream while it finishes)."""
+    before waiting for the kernel that writes x (the weights stream while it finishes).
+
+    PIPE (MINIVLLM_W4A16_GEMV_PIPE=1; not measured yet): the loop loads K step t + 1's words,
+    scales and zeros before it computes step t, and the first step's before the PDL wait (weights:
+    no kernel writes them), as the streaming dense GEMV does (kernels/dense_gemv.py); two steps
+    of weight loads in flight per thread instead of one."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, BLOCK_K // 8)
@@ -238,12 +247,33 @@ def _w4a16_gemv_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_end = tl.minimum((pid_k + 1) * per_split, k_tiles)
-    if PDL:
+    if PDL and not PIPE:  # (PIPE loads the first step itself before the wait)
         pw = tl.minimum(pid_k * per_split * (BLOCK_K // 8) + tl.arange(0, PREFETCH_WORDS), t_end * (BLOCK_K // 8) - 1)
         pc = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N // COL_STEP) * COL_STEP, N - 1)
         prefetch_l2(qw_ptr + pw[:, None] * stride_qk + pc[None, :] * stride_qn)
+    if PIPE:
+        acc = _w4a16_gemv_pipelined(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, pid_k * per_split, t_end,
+                                    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
+                                    GROUP, BLOCK_N, BLOCK_K, HALF2, PDL)
+    else:
+        acc = _w4a16_gemv_steps(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, pid_k * per_split, t_end,
+                                stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
+                                GROUP, BLOCK_N, BLOCK_K, HALF2, EVEN, PDL)
+    out = tl.sum(acc, 0)  # [BLOCK_N]
+    if HALF2:
+        out = out * 16.0  # the activations entered the packed products divided by 16 (exact)
+    store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn * stride_on, m * N + rn, M * N, n_ok, pid_k,
+               m * tl.num_programs(0) + pid_n, SPLIT_K)
+
+
+@triton.jit
+def _w4a16_gemv_steps(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, t_begin, t_end,
+                      stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF2: tl.constexpr,
+                      EVEN: tl.constexpr, PDL: tl.constexpr):
+    """The GEMV's K loop over steps t_begin .. t_end - 1, each step's loads then its math."""
     enter_after_previous(PDL)
-    for t in range(pid_k * per_split, t_end):
+    for t in range(t_begin, t_end):
         words = t * (BLOCK_K // 8) + rw
         w_ok = (words < K // 8)[:, None] & n_ok[None, :]
         w_ptrs = qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn
@@ -261,15 +291,63 @@ def _w4a16_gemv_kernel(
             acc += part * s
         else:
             zb = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32) + MAGIC  # 2^23 + z, exact
-            for j in tl.static_range(8):
-                k = words * 8 + j
-                xj = tl.load(x_ptr + m * stride_xm + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)  # [BK/8]
-                acc += xj[:, None] * ((_nibble(w, j) - zb) * s)
-    out = tl.sum(acc, 0)  # [BLOCK_N]
-    if HALF2:
-        out = out * 16.0  # the activations entered the packed products divided by 16 (exact)
-    store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn * stride_on, m * N + rn, M * N, n_ok, pid_k,
-                m * tl.num_programs(0) + pid_n, SPLIT_K)
+            acc = _plain_step(acc, w, zb, s, x_ptr, m, words, K, stride_xm, stride_xk)
+    return acc
+
+
+@triton.jit
+def _plain_step(acc, w, zb, s, x_ptr, m, words, K, stride_xm, stride_xk):
+    """acc += x[8r + j] * (q_j - z) * s for the 8 nibbles j of every word r (float32)."""
+    for j in tl.static_range(8):
+        k = words * 8 + j
+        xj = tl.load(x_ptr + m * stride_xm + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)  # [BK/8]
+        acc += xj[:, None] * ((_nibble(w, j) - zb) * s)
+    return acc
+
+
+@triton.jit
+def _w4_step_operands(qw_ptr, s_ptr, z_ptr, rn, rw, n_ok, K, t, t_end, stride_qk, stride_qn, stride_sg, stride_sn,
+                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K step t's packed words, scales and zeros ([BLOCK_K/8, BLOCK_N] each, raw dtypes), read
+    through L2 (.cg: read once a step, and the PTX check of the PDL contract tells them from x's
+    loads); nothing is read for t >= t_end."""
+    words = t * (BLOCK_K // 8) + rw
+    words_left = tl.where(t < t_end, K // 8, 0)
+    ok = (words < words_left)[:, None] & n_ok[None, :]
+    g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
+    w = tl.load(qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn, mask=ok, other=0, cache_modifier=".cg")
+    s = tl.load(s_ptr + g_off, mask=ok, other=0.0, cache_modifier=".cg")
+    z = tl.load(z_ptr + g_off, mask=ok, other=0.0, cache_modifier=".cg")
+    return w, s, z
+
+
+@triton.jit
+def _w4a16_gemv_pipelined(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, t_begin, t_end,
+                          stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
+                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF2: tl.constexpr,
+                          PDL: tl.constexpr):
+    """The GEMV's K loop with step t + 1's weight loads issued before step t's math; the first
+    step's before the PDL wait."""
+    w, s, z = _w4_step_operands(qw_ptr, s_ptr, z_ptr, rn, rw, n_ok, K, t_begin, t_end, stride_qk, stride_qn,
+                                stride_sg, stride_sn, GROUP, BLOCK_K)
+    enter_after_previous(PDL)
+    for t in range(t_begin, t_end):
+        w_n, s_n, z_n = _w4_step_operands(qw_ptr, s_ptr, z_ptr, rn, rw, n_ok, K, t + 1, t_end, stride_qk,
+                                          stride_qn, stride_sg, stride_sn, GROUP, BLOCK_K)
+        words = t * (BLOCK_K // 8) + rw
+        if HALF2:
+            row_off = m * stride_xm
+            part = _word_dot_half2(w, z, _x_pair_bits(x_ptr, row_off, words, 0, K, stride_xk, False),
+                                   _x_pair_bits(x_ptr, row_off, words, 1, K, stride_xk, False),
+                                   _x_pair_bits(x_ptr, row_off, words, 2, K, stride_xk, False),
+                                   _x_pair_bits(x_ptr, row_off, words, 3, K, stride_xk, False),
+                                   BLOCK_K // 8, BLOCK_N, x_ptr.dtype.element_ty == tl.bfloat16)
+            acc += part * s.to(tl.float32)
+        else:
+            acc = _plain_step(acc, w, z.to(tl.float32) + MAGIC, s.to(tl.float32), x_ptr, m, words, K,
+                              stride_xm, stride_xk)
+        w, s, z = w_n, s_n, z_n
+    return acc
 
 
 @triton.jit
@@ -327,6 +405,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         cfg.setdefault("HALF2", GEMV_HALF2 and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16))
         cfg.setdefault("EVEN", k % cfg["BLOCK_K"] == 0 and n % cfg["BLOCK_N"] == 0)
         cfg.setdefault("COL_STEP", min(cfg["BLOCK_N"], 32))
+        cfg.setdefault("PIPE", GEMV_PIPE)
         _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg, **pdl_args(x))
     else:
         _w4a16_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)

@@ -195,12 +195,14 @@ def test_w4a16_split_k(split_k: int, block_m: int) -> None:
                                          (75, 512, 64)])
 @pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize("half2", [True, False])
-def test_w4a16_gemv_half2(n: int, k: int, group: int, split_k: int, half2: bool) -> None:
+@pytest.mark.parametrize("pipe", [False, True], ids=["loop", "pipelined"])
+def test_w4a16_gemv_half2(n: int, k: int, group: int, split_k: int, half2: bool, pipe: bool) -> None:
     """The packed 16-bit GEMV (the default for 16-bit activations: kernels/w4a16_gemm.py
     _word_dot_half2) and the plain one (MINIVLLM_W4A16_GEMV_HALF2=0) against the reference, in
-    both 16-bit dtypes, with act-order and every zero point."""
+    both 16-bit dtypes, with act-order and every zero point; each with the plain K loop and the
+    pipelined one (PIPE)."""
     from minivllm.kernels.w4a16_gemm import w4a16_config
-    cfg = dict(w4a16_config(1), HALF2=half2)
+    cfg = dict(w4a16_config(1), HALF2=half2, PIPE=pipe)
     for m in (1, 2):
         assert check_w4a16(m, n, k, group, torch.bfloat16, DEV, seed=m, split_k=split_k, config=cfg) < 2e-2
         assert check_w4a16(m, n, k, group, torch.float16, DEV, seed=m, split_k=split_k, config=cfg,

@@ -28,6 +28,8 @@ for name, m, n, k, g, dt, split, act in [
     res[name] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split, config=small, act_order=act)
     gemv = dict(small, BLOCK_M=1)  # the one-row kernel
     res[name + " gemv"] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split, config=gemv, act_order=act)
+    res[name + " gemv pipelined"] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split,
+                                                       config=dict(gemv, PIPE=True), act_order=act)
 res["w4a16 dequant g64"] = checks.check_w4a16_dequant(72, 256, 64, f32, "cpu")
 res["w4a16 dequant g128 fp16"] = checks.check_w4a16_dequant(40, 256, 128, f16, "cpu", seed=1)
 # the GEMV's in-kernel split-K sum: N = 75 leaves a ragged last tile; K = 512 is 4 K slices of
@@ -38,6 +40,8 @@ for split in (1, 2, 4, 8):
     for m, g, dt in [(1, 128, f32), (2, 64, torch.bfloat16)]:
         fixup[f"split{split} m{m} g{g} {str(dt)[6:]}"] = checks.check_w4a16_split_fixup(
             m, 75, 512, g, dt, "cpu", split, gemv, seed=split + m)
+        fixup[f"split{split} m{m} g{g} {str(dt)[6:]} pipelined"] = checks.check_w4a16_split_fixup(
+            m, 75, 512, g, dt, "cpu", split, dict(gemv, PIPE=True), seed=split + m)
 res["fixup"] = fixup
 mixed = [(37, 60), (1, 45), (20, 20), (5, 90), (1, 1), (10, 72)]
 decode = [(1, 60), (1, 1), (1, 97), (1, 300)]
@@ -95,11 +99,11 @@ def test_w4a16_dequant_is_exact_under_interpreter(results: dict) -> None:
 
 
 def test_w4a16_gemv_split_fixup_under_interpreter(results: dict) -> None:
-    """SPLIT_K 1, 2, 4, 8 on the GEMV kernel: the in-kernel sum matches the reference (float32 to
+    """SPLIT_K 1, 2, 4, 8 on the GEMV kernel (plain and PIPE): the in-kernel sum matches the reference (float32 to
     ~1e-6, bf16 to its output rounding), a second call reusing the counters gives the same bits,
     and the counters are all 0 afterwards."""
     fixup = results["fixup"]
-    assert len(fixup) == 8, fixup
+    assert len(fixup) == 16, fixup  # the GEMV and its pipelined K loop
     bad = {name: r for name, r in fixup.items()
            if not (r["err"] < (1e-5 if "float32" in name else 1e-2) and r["same_bits"] and r["counters_zero"])}
     assert not bad, bad
