@@ -282,17 +282,23 @@ def _w4a16_gemv_steps(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, t_be
         s = _load(s_ptr + g_off, w_ok, EVEN).to(tl.float32)
         if HALF2:  # 16-bit activations: packed math per word (_word_dot_half2); the 16 once, at the end
             z = _load(z_ptr + g_off, w_ok, EVEN)
-            row_off = m * stride_xm
-            part = _word_dot_half2(w, z, _x_pair_bits(x_ptr, row_off, words, 0, K, stride_xk, EVEN),
-                                   _x_pair_bits(x_ptr, row_off, words, 1, K, stride_xk, EVEN),
-                                   _x_pair_bits(x_ptr, row_off, words, 2, K, stride_xk, EVEN),
-                                   _x_pair_bits(x_ptr, row_off, words, 3, K, stride_xk, EVEN),
-                                   BLOCK_K // 8, BLOCK_N, x_ptr.dtype.element_ty == tl.bfloat16)
-            acc += part * s
+            acc += _half2_step(w, z, x_ptr, m, words, K, stride_xm, stride_xk, BLOCK_N, BLOCK_K, EVEN) * s
         else:
             zb = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32) + MAGIC  # 2^23 + z, exact
             acc = _plain_step(acc, w, zb, s, x_ptr, m, words, K, stride_xm, stride_xk)
     return acc
+
+
+@triton.jit
+def _half2_step(w, z, x_ptr, m, words, K, stride_xm, stride_xk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN: tl.constexpr):
+    """[BLOCK_K/8, BLOCK_N] float32: each word's sum_j (q_j - z) x[8r + j] / 16 (_word_dot_half2)."""
+    row_off = m * stride_xm
+    return _word_dot_half2(w, z, _x_pair_bits(x_ptr, row_off, words, 0, K, stride_xk, EVEN),
+                           _x_pair_bits(x_ptr, row_off, words, 1, K, stride_xk, EVEN),
+                           _x_pair_bits(x_ptr, row_off, words, 2, K, stride_xk, EVEN),
+                           _x_pair_bits(x_ptr, row_off, words, 3, K, stride_xk, EVEN),
+                           BLOCK_K // 8, BLOCK_N, x_ptr.dtype.element_ty == tl.bfloat16)
 
 
 @triton.jit
@@ -336,13 +342,7 @@ def _w4a16_gemv_pipelined(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, 
                                           stride_qn, stride_sg, stride_sn, GROUP, BLOCK_K)
         words = t * (BLOCK_K // 8) + rw
         if HALF2:
-            row_off = m * stride_xm
-            part = _word_dot_half2(w, z, _x_pair_bits(x_ptr, row_off, words, 0, K, stride_xk, False),
-                                   _x_pair_bits(x_ptr, row_off, words, 1, K, stride_xk, False),
-                                   _x_pair_bits(x_ptr, row_off, words, 2, K, stride_xk, False),
-                                   _x_pair_bits(x_ptr, row_off, words, 3, K, stride_xk, False),
-                                   BLOCK_K // 8, BLOCK_N, x_ptr.dtype.element_ty == tl.bfloat16)
-            acc += part * s.to(tl.float32)
+            acc += _half2_step(w, z, x_ptr, m, words, K, stride_xm, stride_xk, BLOCK_N, BLOCK_K, False) * s.to(tl.float32)
         else:
             acc = _plain_step(acc, w, z.to(tl.float32) + MAGIC, s.to(tl.float32), x_ptr, m, words, K,
                               stride_xm, stride_xk)
