@@ -21,7 +21,7 @@ NAMES = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "M
 ONES = {"M", "stride_xk", "stride_qn", "stride_sn", "stride_on"}  # what the JIT specializes to 1 at batch 1
 
 
-def _compile(dtype: str, half2: bool, split_k: int = 4):
+def _compile(dtype: str, half2: bool, split_k: int = 4, pipe: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -30,7 +30,7 @@ def _compile(dtype: str, half2: bool, split_k: int = 4):
     sig = {n: ("constexpr" if n in ONES else t) for n, t in zip(NAMES, types)}
     consts = {n: 1 for n in ONES}
     consts.update(GROUP=128, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, HALF2=half2, EVEN=True, PREFETCH_WORDS=32,
-                  COL_STEP=32, PDL=False)
+                  COL_STEP=32, PDL=False, PIPE=pipe)
     sig.update({k: "constexpr" for k in consts if k not in ONES})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n not in ONES}
     try:
@@ -62,9 +62,11 @@ def _loop_instructions(kernel) -> collections.Counter:
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in body)
 
 
+@pytest.mark.parametrize("pipe", [False, True], ids=["loop", "pipelined"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_half2_gemv_compiles_for_sm90(dtype: str) -> None:
-    kernel = _compile(dtype, half2=True)
+def test_half2_gemv_compiles_for_sm90(dtype: str, pipe: bool) -> None:
+    """With the arguments the JIT specializes at batch 1 (M and the unit strides as constants)."""
+    kernel = _compile(dtype, half2=True, pipe=pipe)
     ptx = kernel.asm["ptx"]
     packed = "f16x2" if dtype == "fp16" else "bf16x2"
     assert f"fma.rn.{packed}" in ptx and "lop3.b32" in ptx and kernel.asm["cubin"]
