@@ -99,8 +99,8 @@ def sweep_shape(k: int, n: int, label: str) -> dict:
             "cublas_GBps": gbps(cublas), "gemv_GBps": gbps(best["us"])}
 
 
-STREAM_TILES = [{"BLOCK_N": bn, "num_warps": w, "programs_per_sm": pps, "EARLY": early}
-                for bn in (1, 2, 4) for w in (4, 8) for pps in (2, 4) for early in (True, False)]
+STREAM_TILES = [{"BLOCK_N": bn, "num_warps": w, "programs_per_sm": pps} for bn in (1, 2, 4) for w in (4, 8)
+                for pps in (2, 4)]
 
 
 def stream_shape(k: int, n: int, label: str) -> dict:

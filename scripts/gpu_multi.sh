@@ -65,6 +65,15 @@ OUTDIR=${OUT:-/tmp/multi-out}
 mkdir -p "$OUTDIR"
 CALL=$(date +%H%M%S)
 
+profile_invariant_pair() {  # DIR BATCH PROMPT_LEN: Qwen3-0.6B decode in graphs, batch-invariant mode, then default
+  local mode flag
+  for mode in bi default; do
+    flag=; [ "$mode" = bi ] && flag=--batch-invariant
+    python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch "$2" --prompt-len "$3" --max-tokens 32 \
+      $flag --out "$1/profile-$mode$2-graphs.json"
+  done
+}
+
 run_step() {  # run_step STEP LANE_DIR PORT
   local step=$1 dir=$2 port=$3
   echo "[$(date +%T)] step $step on GPUs $CUDA_VISIBLE_DEVICES"
@@ -195,10 +204,7 @@ run_step() {  # run_step STEP LANE_DIR PORT
     dense-stream)  # issue 21: the streaming dense GEMV's tiles vs the table's GEMV vs cuBLAS (W10 and W2 shapes)
       python3 scripts/bench_dense_gemv.py --stream --models qwen3-30b-a3b,llama-3.1-8b --out "$dir/dense-stream.json" ;;
     profile-bi256)  # issue 22: W1-like batch 256 in graphs, invariant vs default, with idle time by neighbouring kernels
-      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 256 --prompt-len 256 --max-tokens 32 \
-        --batch-invariant --out "$dir/profile-bi256-graphs.json"
-      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 256 --prompt-len 256 --max-tokens 32 \
-        --out "$dir/profile-default256-graphs.json" ;;
+      profile_invariant_pair "$dir" 256 256 ;;
     moe-decode)  # issue 21: the one-token MoE GEMVs vs the streaming variant (tile sweep) vs a plain read
       python3 scripts/bench_moe_decode.py --out "$dir/moe-decode.json" ;;
     profile-graphs)  # issues 21/25/22: critical-path kernel times in CUDA graphs with PDL (W10, W11-awq, W1-bi-like)
@@ -208,14 +214,8 @@ run_step() {  # run_step STEP LANE_DIR PORT
         qwen3-30b-a3b --graphs --batch 1 --prompt-len 128 --max-tokens 64 --out "$dir/profile-moe1-graphs-nostream.json"
       python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128 \
         --max-tokens 64 --out "$dir/profile-awq1-graphs.json"
-      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 16 --prompt-len 1500 --max-tokens 32 \
-        --batch-invariant --out "$dir/profile-bi16-graphs.json"
-      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 16 --prompt-len 1500 --max-tokens 32 \
-        --out "$dir/profile-default16-graphs.json"
-      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 256 --prompt-len 256 --max-tokens 32 \
-        --batch-invariant --out "$dir/profile-bi256-graphs.json"
-      python3 scripts/kernel_profile.py --model-config qwen3-0.6b --graphs --batch 256 --prompt-len 256 --max-tokens 32 \
-        --out "$dir/profile-default256-graphs.json" ;;
+      profile_invariant_pair "$dir" 16 1500
+      profile_invariant_pair "$dir" 256 256 ;;
     profile-bi)  # issue 22: kernel times of W1-like decode at batch 256, invariant mode vs default
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --batch-invariant --out "$dir/profile-bi.json"
       python3 scripts/kernel_profile.py --model-config qwen3-0.6b --batch 256 --out "$dir/profile-default.json" ;;

@@ -70,6 +70,11 @@ def _pair(name: str, ours_args: list[str], vllm_args: list[str], exp_ours: int, 
                 [f"vllm:{p}" for p in produces or [name]], dict(env or {}))]
 
 
+def _ours_ab(name: str, ours_args: list[str], exp_ours: int, smoke: list[str], env: dict[str, str]) -> Job:
+    """minivllm alone with an environment switch: the B side of an A/B against `ours:<job>` in one lease."""
+    return Job(f"ours:{name}", "ours", OURS + ours_args, exp_ours, 540, smoke + _CPU, env=env)
+
+
 def _jobs() -> list[Job]:
     j: list[Job] = []
     tp = ["throughput", "--repeats", "2", "--workload"]
@@ -89,8 +94,7 @@ def _jobs() -> list[Job]:
     bi = {"VLLM_BATCH_INVARIANT": "1"}
     j += _pair("W1-bi", tp + ["W1"], tp + ["W1"], 150, 180, _TINY, ["W1-bi"], bi)
     # the seeded rows' exponential race in torch ops instead of kernels/seeded_race.py: the A/B in one lease
-    j += [Job("ours:W1-bi-torchrace", "ours", OURS + tp + ["W1"], 150, 540, _TINY + _CPU, ["ours:W1-bi-torchrace"],
-              dict(bi, MINIVLLM_SEEDED_RACE_KERNEL="0"))]
+    j += [_ours_ab("W1-bi-torchrace", tp + ["W1"], 150, _TINY, dict(bi, MINIVLLM_SEEDED_RACE_KERNEL="0"))]
     j += _pair("W2-0.6b-bi", ["latency", "--model-config", "qwen3-0.6b"], ["latency", "--model-config", "qwen3-0.6b"],
                70, 120, _LAT_TINY, ["W2-0.6b-bi"], bi)
     # W10: Qwen3-30B-A3B (~61 GB of bf16 weights); one timed run each, so that both engines fit
@@ -98,45 +102,34 @@ def _jobs() -> list[Job]:
     w10 = ["throughput", "--workload", "W10"]
     j += _pair("W10", w10, w10 + _VLLM_MOE, 220, 330, _TINY_MOE)
     lat10 = ["latency", "--workload", "W10-decode"]
-    j += _pair("W10-decode", lat10, lat10 + _VLLM_MOE, 180, 330, ["--model-config", "tiny-qwen3-moe", "--max-output", "8"])
+    lat10_tiny = ["--model-config", "tiny-qwen3-moe", "--max-output", "8"]
+    j += _pair("W10-decode", lat10, lat10 + _VLLM_MOE, 180, 330, lat10_tiny)
+    w2 = ["latency", "--model-config", "llama-3.1-8b"]
     # issue 21: batch-1 decode with the dense GEMV off (cuBLAS for every linear): the A/B in one lease
     nogemv = {"MINIVLLM_DENSE_GEMV": "0"}
-    j += [Job("ours:W10-decode-nogemv", "ours", OURS + lat10, 180, 540,
-              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env=nogemv),
-          Job("ours:W2-nogemv", "ours", OURS + ["latency", "--model-config", "llama-3.1-8b"], 120, 540,
-              _LAT_TINY + _CPU, env=nogemv)]
+    j += [_ours_ab("W10-decode-nogemv", lat10, 180, lat10_tiny, nogemv),
+          _ours_ab("W2-nogemv", w2, 120, _LAT_TINY, nogemv)]
     # W11: Llama-3.1-8B shapes, AWQ int4 dummy packed weights (group 128), batch-1 decode; W1-8B's request
     # set with FP8 weights (quantized while loading) and an FP8 KV cache. Each engine picks its own
     # kernels (vLLM: AWQ Marlin, CUTLASS FP8)
     awq = ["latency", "--model-config", "llama-3.1-8b", "--quantization", "awq"]
-    j += _pair("W11-awq", awq, awq, 130, 200, _LAT_TINY + ["--quant-group-size", "32"])
-    # issue 25: the W4A16 GEMV's plain path (the packed half2 one off), A/B in one lease
-    j += [Job("ours:W11-awq-plain", "ours", OURS + awq, 130, 540, _LAT_TINY + ["--quant-group-size", "32"] + _CPU,
-              env={"MINIVLLM_W4A16_GEMV_HALF2": "0"}),
-          # the GEMV's pipelined K loop (w4a16_gemm.GEMV_PIPE, off until measured)
-          Job("ours:W11-awq-pipe", "ours", OURS + awq, 130, 540, _LAT_TINY + ["--quant-group-size", "32"] + _CPU,
-              env={"MINIVLLM_W4A16_GEMV_PIPE": "1"})]
+    awq_tiny = _LAT_TINY + ["--quant-group-size", "32"]
+    j += _pair("W11-awq", awq, awq, 130, 200, awq_tiny)
+    # issue 25: the W4A16 GEMV's plain path (the packed half2 one off), and its pipelined K loop
+    # (w4a16_gemm.GEMV_PIPE, off until measured), each an A/B in one lease
+    j += [_ours_ab("W11-awq-plain", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_HALF2": "0"}),
+          _ours_ab("W11-awq-pipe", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_PIPE": "1"})]
     # programmatic dependent launch off (kernels/pdl.py; on by default on Hopper): the A/B in one lease
     nopdl = {"MINIVLLM_PDL": "0"}
-    j += [Job("ours:W10-decode-nopdl", "ours", OURS + lat10, 180, 540,
-              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env=nopdl),
-          Job("ours:W11-awq-nopdl", "ours", OURS + awq, 130, 540, _LAT_TINY + ["--quant-group-size", "32"] + _CPU,
-              env=nopdl),
-          Job("ours:W2-nopdl", "ours", OURS + ["latency", "--model-config", "llama-3.1-8b"], 120, 540,
-              _LAT_TINY + _CPU, env=nopdl),
-          Job("ours:W1-nopdl", "ours", OURS + tp + ["W1"], 120, 540, _TINY + _CPU, env=nopdl),
-          # the one-token MoE GEMVs instead of the streaming kernels (fused_moe.DECODE_STREAM), and the
-          # streaming down kernel with 512 bytes of each row prefetched before its PDL wait
-          Job("ours:W10-decode-nostream", "ours", OURS + lat10, 180, 540,
-              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_MOE_DECODE_STREAM": "0"}),
-          Job("ours:W10-decode-streampf", "ours", OURS + lat10, 180, 540,
-              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU,
-              env={"MINIVLLM_MOE_STREAM_PREFETCH": "512"}),
-          # the dense one-row GEMVs on the split-K kernel instead of the streaming one (kernels/dense_gemv.STREAM)
-          Job("ours:W10-decode-nodstream", "ours", OURS + lat10, 180, 540,
-              ["--model-config", "tiny-qwen3-moe", "--max-output", "8"] + _CPU, env={"MINIVLLM_DENSE_GEMV_STREAM": "0"}),
-          Job("ours:W2-nodstream", "ours", OURS + ["latency", "--model-config", "llama-3.1-8b"], 120, 540,
-              _LAT_TINY + _CPU, env={"MINIVLLM_DENSE_GEMV_STREAM": "0"})]
+    j += [_ours_ab("W10-decode-nopdl", lat10, 180, lat10_tiny, nopdl),
+          _ours_ab("W11-awq-nopdl", awq, 130, awq_tiny, nopdl),
+          _ours_ab("W2-nopdl", w2, 120, _LAT_TINY, nopdl),
+          _ours_ab("W1-nopdl", tp + ["W1"], 120, _TINY, nopdl)]
+    # issue 21: the one-token MoE GEMVs instead of the streaming kernels (fused_moe.DECODE_STREAM), and
+    # the dense one-row GEMVs on the split-K kernel instead of the streaming one (dense_gemv.STREAM)
+    j += [_ours_ab("W10-decode-nostream", lat10, 180, lat10_tiny, {"MINIVLLM_MOE_DECODE_STREAM": "0"}),
+          _ours_ab("W10-decode-nodstream", lat10, 180, lat10_tiny, {"MINIVLLM_DENSE_GEMV_STREAM": "0"}),
+          _ours_ab("W2-nodstream", w2, 120, _LAT_TINY, {"MINIVLLM_DENSE_GEMV_STREAM": "0"})]
     fp8 = tp + ["W1-8B", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
     j += _pair("W11-fp8", fp8, fp8, 180, 260, _TINY)
     # issue 23: W1 with 4 dummy rank-16 LoRA adapters spread over the requests (vs W1 without), and

@@ -51,7 +51,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
 STREAM = os.environ.get("MINIVLLM_DENSE_GEMV_STREAM", "1") != "0"
 # (lease 24, bench_dense_gemv.py --stream: within 0.1-0.3 us of each shape's best on
 # Qwen3-30B-A3B's qkv / o / router and Llama-3.1-8B's qkv / o / gate_up)
-STREAM_TILE = {"BLOCK_N": 4, "num_warps": 8, "programs_per_sm": 4, "EARLY": True}
+STREAM_TILE = {"BLOCK_N": 4, "num_warps": 8, "programs_per_sm": 4}
 STREAM_MAX_K = 4096
 
 
@@ -110,28 +110,22 @@ def _load_rows(w_ptr, t, tiles, N, K, stride_wn, rows, ks, BLOCK_N: tl.constexpr
 
 @triton.jit
 def _dense_gemv_stream_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr,
-                              BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, EARLY: tl.constexpr,
-                              LINE: tl.constexpr, PDL: tl.constexpr):
+                              BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr):
     """One row of x (M = 1): persistent program p computes the row tiles p, p + P, ... of
     out [1, N] over whole rows of W (K <= K_PAD) and loads tile t + P's weights before it
     computes tile t (two tiles of loads in flight per thread; one prologue per program).
 
     The weights are not written by any kernel of the step, so with PDL (kernels/pdl.py) the
-    program's first tile is loaded into registers before the wait (EARLY), or, EARLY False, only
-    asked for into L2 there; x (the previous kernel's output) is read after it."""
+    program's first tile is loaded into registers before the wait; x (the previous kernel's
+    output) is read after it. (Only asking L2 for that tile there, as the split-K GEMV does, was
+    slower on all six shapes of lease 24's sweep, by 0.04-1.24 us; removed.)"""
     p = tl.program_id(0)
     P = tl.num_programs(0)
     rows = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, K_PAD)
     tiles = tl.cdiv(N, BLOCK_N)
-    if EARLY:
-        w = _load_rows(w_ptr, p, tiles, N, K, stride_wn, rows, ks, BLOCK_N)
-        enter_after_previous(PDL)
-    else:
-        first = tl.minimum(p * BLOCK_N + rows, N - 1)
-        prefetch_rows(w_ptr + first.to(tl.int64)[:, None] * stride_wn, 0, K - 1, K_PAD, LINE, PDL)
-        enter_after_previous(PDL)
-        w = _load_rows(w_ptr, p, tiles, N, K, stride_wn, rows, ks, BLOCK_N)
+    w = _load_rows(w_ptr, p, tiles, N, K, stride_wn, rows, ks, BLOCK_N)
+    enter_after_previous(PDL)
     xv = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
     for t in range(p, tiles, P):
         w_next = _load_rows(w_ptr, t + P, tiles, N, K, stride_wn, rows, ks, BLOCK_N)
@@ -151,7 +145,7 @@ def stream_fits(k: int) -> bool:
 def dense_gemv_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       tile: dict | None = None) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T + bias -> [1, N] through the streaming kernel (stream_fits(K)).
-    tile: BLOCK_N, num_warps, programs_per_sm, EARLY (STREAM_TILE)."""
+    tile: BLOCK_N, num_warps, programs_per_sm (STREAM_TILE; "programs": a fixed count, for tests)."""
     n, k = weight.shape
     assert x.shape == (1, k) and weight.stride(1) == 1 and x.stride(1) == 1 and stream_fits(k), (x.shape, weight.shape)
     tile = tile or STREAM_TILE
@@ -160,8 +154,7 @@ def dense_gemv_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                    tile.get("programs") or num_sms_of(x.device) * tile["programs_per_sm"])
     _dense_gemv_stream_kernel[(programs,)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=tile["BLOCK_N"], K_PAD=triton.next_power_of_2(k), EARLY=tile.get("EARLY", True),
-        LINE=128 // weight.element_size(), num_warps=tile["num_warps"], **pdl_args(x))
+        BLOCK_N=tile["BLOCK_N"], K_PAD=triton.next_power_of_2(k), num_warps=tile["num_warps"], **pdl_args(x))
     return out
 
 

@@ -18,9 +18,8 @@ runs. The contract each such kernel keeps (checked on the PTX, see `enter_after_
     before touching anything this kernel writes).
 Results are bit-identical with and without PDL: only when programs start changes
 (tests/gpu/test_pdl.py; the contract on the PTX: tests/unit/test_pdl_compile.py). One
-documented exception reads a kernel's output before the wait: the MoE down GEMVs read the
-expert ids written two launches back (fused_moe._moe_decode_down_kernel says why that is safe;
-the streaming one only with MINIVLLM_MOE_STREAM_PREFETCH, off: it measured slower).
+documented exception reads a kernel's output before the wait: the MoE down GEMV reads the
+expert ids written two launches back (fused_moe._moe_decode_down_kernel says why that is safe).
 
 Measured (H100, docs/perf.md, 2026-11-27 leases 19-21, same lease with MINIVLLM_PDL=0):
 W10-decode (Qwen3-30B-A3B shapes, batch 1) 4.10-4.21 -> 3.71-3.82 ms a token, W2 (Llama-3.1-8B)

@@ -33,12 +33,12 @@ for name, m, n, k, dt, split, bias, xs in [
 # the split-K counters are reset by the last program: a second call with the same grid is right too
 res["again split4"] = checks.check_dense_gemv(1, 40, 128, f32, "cpu", tile, 4, bias=True, seed=3)
 res.update({"linear " + k: v for k, v in checks.check_gemv_linear_rows("cpu", f32).items()})
-# the streaming kernel: a program per tile, and 3 persistent programs over several tiles (ragged N, K
-# below its power of two), weights loaded before the wait or only prefetched, fp16
+# the streaming kernel: a program per tile, and 3 or 5 persistent programs over several tiles (ragged
+# N, K below its power of two), fp16
 for name, n, k, dt, tile in [
-        ("stream ragged", 37, 100, f32, {"BLOCK_N": 2, "num_warps": 2, "programs_per_sm": 2, "EARLY": True}),
-        ("stream persistent", 45, 256, f32, {"BLOCK_N": 4, "num_warps": 2, "programs": 3, "EARLY": False}),
-        ("stream fp16", 64, 192, f16, {"BLOCK_N": 2, "num_warps": 2, "programs": 5, "EARLY": True})]:
+        ("stream ragged", 37, 100, f32, {"BLOCK_N": 2, "num_warps": 2, "programs_per_sm": 2}),
+        ("stream persistent", 45, 256, f32, {"BLOCK_N": 4, "num_warps": 2, "programs": 3}),
+        ("stream fp16", 64, 192, f16, {"BLOCK_N": 2, "num_warps": 2, "programs": 5})]:
     res[name] = checks.check_dense_gemv_stream(n, k, dt, "cpu", tile, bias=True, seed=n)
 print("RESULT " + json.dumps(res))
 """

@@ -30,10 +30,7 @@ from minivllm.kernels.pdl import pdl_args  # noqa: E402
 CASES = {
     "dense_gemv": (dg._dense_gemv_kernel, dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=16, BLOCK_K=256, SPLIT_K=4,
                                                PREFETCH=512, LINE=64), {"ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
-    "dense_gemv_stream": (dg._dense_gemv_stream_kernel, dict(HAS_BIAS=True, BLOCK_N=2, K_PAD=2048, EARLY=True,
-                                                             LINE=64), {}, 4),
-    "dense_gemv_stream_l2": (dg._dense_gemv_stream_kernel, dict(HAS_BIAS=False, BLOCK_N=2, K_PAD=4096, EARLY=False,
-                                                                LINE=64), {}, 4),
+    "dense_gemv_stream": (dg._dense_gemv_stream_kernel, dict(HAS_BIAS=True, BLOCK_N=2, K_PAD=2048), {}, 4),
     "w4a16_gemv": (w4._w4a16_gemv_kernel, dict(GROUP=128, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, HALF2=True, EVEN=True),
                    {"x_ptr": "fp16", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "fp16",
                     "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
@@ -50,8 +47,6 @@ CASES = {
                                                                    "valid_ptr": "i32"}, 8),
     "moe_down_stream": (fm._moe_down_stream_kernel, dict(TOP_K=8, K_PAD=8, BLOCK_N=8, I_PAD=1024),
                         {"ids_ptr": "i32", "weights_ptr": "fp32"}, 8),
-    "moe_down_stream_pf": (fm._moe_down_stream_kernel, dict(TOP_K=8, K_PAD=8, BLOCK_N=8, I_PAD=1024, PREFETCH=256),
-                           {"ids_ptr": "i32", "weights_ptr": "fp32"}, 8),
     "topk": (fm._topk_softmax_kernel, dict(E=128, E_PAD=128, TOP_K=8, K_PAD=8, RENORM=True),
              {"weights_ptr": "fp32", "ids_ptr": "i32"}, 1),
     "rms_norm": (fo._rms_norm_kernel, dict(H=2048, BLOCK=2048, ROWS=1, HAS_RESIDUAL=True), {"scale_ptr": "fp32"}, 8),
@@ -72,7 +67,7 @@ CASES = {
                      {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "qsl_ptr": "i32"}, 4),
 }
 # loads allowed before the wait: (kernel, PTX opcode prefix)
-EARLY_LOADS = {"moe_down": "ld.global.cg", "moe_down_stream_pf": "ld.global.cg",
+EARLY_LOADS = {"moe_down": "ld.global.cg",
                "dense_gemv_stream": "ld.global.cg",  # (the first weight tile, in registers)
                "w4a16_gemv_pipe": "ld.global.cg"}  # (the first K step's words, scales, zeros)
 
@@ -124,7 +119,7 @@ def test_memory_access_waits_for_the_previous_kernel(name):
     bad = [s for s in early if not (allowed and re.match(rf"(@%p\d+ )?{re.escape(allowed)}", s))]
     assert not bad, f"{name}: memory access before the PDL wait: {bad[:3]}"
     # the weights stream before the wait
-    if name in ("dense_gemv", "w4a16_gemv", "moe_down", "moe_down_stream_pf", "dense_gemv_stream_l2"):
+    if name in ("dense_gemv", "w4a16_gemv", "moe_down"):
         assert any("prefetch.global.L2" in s for s in body[:waits[0]]), f"{name}: no weight prefetch"
 
 
