@@ -112,8 +112,11 @@ def _invariant_matmul_kernel(
                SPLIT_K)
 
 
-def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype, batch-invariant (above)."""
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype, batch-invariant (above).
+    `tile` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) replaces the fixed launch (the sweep of
+    scripts/bench_invariant_gemm.py; K is still split as the weight's fixed count says)."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"invariant_matmul: x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
     lead = x.shape[:-1]
@@ -124,13 +127,14 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if m == 0:
         return y.view(*lead, n)
     sms = num_sms_of(x.device)
-    block_n, split = block_n_for(n, sms), split_k_for(n, k, sms)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), split)
+    split = split_k_for(n, k, sms)
+    block_m, block_n, block_k, warps, stages = tile or (BLOCK_M, block_n_for(n, sms), BLOCK_K, NUM_WARPS, NUM_STAGES)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     ws, cnt = split_buffers(split, m, n, grid[0] * grid[1], y)
     _invariant_matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, y, ws, cnt, m, n, k,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        SPLIT_K=split, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split, num_warps=warps, num_stages=stages,
     )
     return y.view(*lead, n)
