@@ -5,13 +5,15 @@ model) at decode and prefill row counts.
 Two questions per (shape, rows):
 - how fast is each launch (median us a call in a CUDA graph, weights cycled through copies
   that exceed the L2, as kernels/../bench/gpu_timing.py does for the GEMVs);
-- does it give the same bits as the engine's launch (`same_bits`)? The engine's launch is
-  batch-invariant by construction; a launch with the same bits on every shape and row count
-  could be chosen by the row count without breaking the invariance (the K loop and its split
-  stay those of the weight), which is what this measures before any such change.
+- does it give the same bits as the fixed launch (`same_bits`; the one launch every row count
+  used before the table)? The fixed launch is batch-invariant by construction; launches with the
+  same bits at every shape and row count can be chosen by the row count without breaking the
+  invariance (the weight's K slices stay), which kernels/invariant_gemm.launch_for does from the
+  table --write-from keeps (lease 27, 2026-11-27: all 17 launches tried gave the same bits).
 
-    python3 scripts/bench_invariant_gemm.py --out inv-gemm.json          # ~3 minutes on an H100
+    python3 scripts/bench_invariant_gemm.py --out inv-gemm.json          # ~5 minutes on an H100
     python3 scripts/bench_invariant_gemm.py --dry-run                    # shapes and launches only
+    python3 scripts/bench_invariant_gemm.py --write-from inv-gemm.json   # keep the table (no GPU)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from minivllm.bench.gpu_timing import copies_for, time_graph  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "minivllm", "bench", "configs",
                       "qwen3-0.6b", "config.json")
-ROWS = (1, 16, 64, 128, 256, 512, 4096)
+ROWS = (1, 16, 32, 64, 128, 192, 256, 384, 512, 2048, 8192)
 
 
 def shapes() -> dict[str, tuple[int, int]]:
@@ -41,19 +43,22 @@ def shapes() -> dict[str, tuple[int, int]]:
             "down": (c["intermediate_size"], h), "lm_head": (h, c["vocab_size"])}
 
 
-def launches(bn: int) -> list[tuple[int, int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) to try, the engine's first, for a weight whose
-    fixed tile width is bn."""
-    out = [(64, bn, 64, 4, 3), (64, bn, 64, 4, 4), (64, bn, 64, 4, 5), (64, bn, 128, 4, 3), (64, bn, 128, 4, 4),
-           (64, bn, 64, 8, 3), (128, bn, 64, 4, 3), (128, bn, 64, 8, 3), (128, bn, 64, 8, 4), (16, bn, 64, 4, 4),
-           (32, bn, 64, 4, 4), (16, bn, 128, 4, 4), (64, 2 * bn, 64, 4, 3), (128, 2 * bn, 64, 8, 3),
-           (128, 256, 64, 8, 3), (64, 32, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
-    seen, unique = set(), []
-    for t in out:
-        if t not in seen and t[1] >= 16:
-            seen.add(t)
-            unique.append(t)
-    return unique
+def launches(bn: int, split: int) -> list[tuple[tuple[int, int, int, int, int], bool]]:
+    """(tile, in_program) launches to try, the engine's fixed launch first, for a weight whose
+    fixed tile width is bn and whose K is cut in `split` slices; tile = (BLOCK_M, BLOCK_N,
+    BLOCK_K, warps, stages)."""
+    tiles = [(64, bn, 64, 4, 3), (64, bn, 64, 4, 4), (64, bn, 64, 4, 5), (64, bn, 128, 4, 3), (64, bn, 128, 4, 4),
+             (64, bn, 64, 8, 3), (64, bn, 128, 8, 4), (128, bn, 64, 4, 3), (128, bn, 64, 8, 3), (128, bn, 64, 8, 4),
+             (16, bn, 64, 4, 4), (16, bn, 128, 4, 4), (16, bn, 256, 4, 3), (32, bn, 64, 4, 4), (32, bn, 128, 4, 4),
+             (64, 2 * bn, 64, 4, 3), (128, 2 * bn, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
+             (128, 256, 64, 8, 4), (64, 32, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
+    out, seen = [], set()
+    for t in tiles:
+        for in_program in ((False, True) if split > 1 else (False,)):
+            if (t, in_program) not in seen and t[1] >= 16:
+                seen.add((t, in_program))
+                out.append((t, in_program))
+    return out
 
 
 def sweep(name: str, k: int, n: int, rows: int) -> dict:
@@ -65,30 +70,32 @@ def sweep(name: str, k: int, n: int, rows: int) -> dict:
     copies = copies_for(2 * k * n)
     ws = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
-    base = ig.invariant_matmul(x, ws[0])
-    one = ig.invariant_matmul(x[:1].contiguous(), ws[0])
+    fixed = (ig.BLOCK_M, ig.block_n_for(n, num_sms(x.device)), ig.BLOCK_K, ig.NUM_WARPS, ig.NUM_STAGES)
+    base = ig.invariant_matmul(x, ws[0], tile=fixed)
+    one = ig.invariant_matmul(x[:1].contiguous(), ws[0], tile=fixed)
     assert torch.equal(one, base[:1]), f"{name} rows {rows}: the engine's launch is not batch-invariant"
-    bn = ig.block_n_for(n, num_sms(x.device))
-    out = {"shape": name, "K": k, "N": n, "rows": rows, "split_k": ig.split_k_for(n, k, num_sms(x.device)),
+    bn, split = ig.block_n_for(n, num_sms(x.device)), ig.split_k_for(n, k, num_sms(x.device))
+    out = {"shape": name, "K": k, "N": n, "rows": rows, "split_k": split,
            "cublas_us": time_graph(lambda i: F.linear(x, ws[i]), copies), "launches": []}
-    for t in launches(bn):
+    for t, in_program in launches(bn, split):
         try:
-            got = ig.invariant_matmul(x, ws[0], tile=t)
+            got = ig.invariant_matmul(x, ws[0], tile=t, in_program=in_program)
             same = bool(torch.equal(got, base))
             err = (got.float() - base.float()).abs().max().item()
-            us = time_graph(lambda i, t=t: ig.invariant_matmul(x, ws[i], tile=t), copies)
+            us = time_graph(lambda i, t=t, p=in_program: ig.invariant_matmul(x, ws[i], tile=t, in_program=p), copies)
         except Exception as e:  # noqa: BLE001 - a launch the compiler refuses (shared memory): skip it
-            print(f"{name} rows {rows} {t}: failed ({type(e).__name__}: {e})"[:200], flush=True)
+            print(f"{name} rows {rows} {t} {in_program}: failed ({type(e).__name__}: {e})"[:200], flush=True)
             continue
-        out["launches"].append({"tile": list(t), "us": us, "same_bits": same, "max_abs_diff": err})
+        out["launches"].append({"tile": list(t), "in_program": in_program, "us": us, "same_bits": same,
+                                "max_abs_diff": err})
     engine = out["launches"][0]
     same = [r for r in out["launches"] if r["same_bits"]]
     best_same = min(same, key=lambda r: r["us"])
     best_any = min(out["launches"], key=lambda r: r["us"])
-    out.update(engine_us=engine["us"], best_same=best_same, best_any=best_any)
+    out.update(fixed_us=engine["us"], best_same=best_same, best_any=best_any)
     print(f"{name:8s} K {k:5d} N {n:6d} rows {rows:5d} split {out['split_k']}: cuBLAS {out['cublas_us']:8.2f} "
-          f"engine {engine['us']:8.2f} best same-bits {best_same['us']:8.2f} {best_same['tile']} best any "
-          f"{best_any['us']:8.2f} {best_any['tile']} (same bits: {sum(r['same_bits'] for r in out['launches'])}/"
+          f"fixed {engine['us']:8.2f} best same-bits {best_same['us']:8.2f} {best_same['tile']} {best_same['in_program']} best any "
+          f"{best_any['us']:8.2f} {best_any['tile']} {best_any['in_program']} (same bits: {sum(r['same_bits'] for r in out['launches'])}/"
           f"{len(out['launches'])})", flush=True)
     del ws
     torch.cuda.empty_cache()
@@ -104,22 +111,47 @@ def step_totals(records: list[dict], layers: int) -> dict:
             continue
         mult = {r["shape"]: (1 if r["shape"] == "lm_head" else layers) for r in rs}
         totals[rows] = {key: sum(mult[r["shape"]] * (r[key] if key.endswith("_us") else r[key]["us"]) for r in rs) / 1e3
-                        for key in ("cublas_us", "engine_us", "best_same", "best_any")}
-        print(f"rows {rows:5d} step ms: cuBLAS {totals[rows]['cublas_us']:.3f} engine {totals[rows]['engine_us']:.3f} "
+                        for key in ("cublas_us", "fixed_us", "best_same", "best_any")}
+        print(f"rows {rows:5d} step ms: cuBLAS {totals[rows]['cublas_us']:.3f} fixed {totals[rows]['fixed_us']:.3f} "
               f"best same-bits {totals[rows]['best_same']:.3f} best any {totals[rows]['best_any']:.3f}", flush=True)
     return totals
+
+
+def write_table(result: dict) -> str:
+    """Keep the sweep: for each weight, the fastest same-bits launch at each row count measured
+    (kernels/configs/invariant_gemm/<GPU>.json, read by invariant_gemm.launch_for)."""
+    from minivllm.kernels.invariant_gemm import CONFIG_DIR
+    from minivllm.kernels.tuned_tables import table_file
+    table: dict[str, dict] = {}
+    for r in sorted(result["records"], key=lambda r: r["rows"]):
+        entry = table.setdefault(f"N={r['N']},K={r['K']}", {"label": f"qwen3-0.6b:{r['shape']}", "rows": []})
+        best = r["best_same"]
+        entry["rows"].append([r["rows"], best["tile"], best["in_program"]])
+        entry.setdefault("us", []).append({"rows": r["rows"], "fixed": round(r["fixed_us"], 2),
+                                            "table": round(best["us"], 2), "cublas": round(r["cublas_us"], 2)})
+    os.makedirs(CONFIG_DIR, exist_ok=True)
+    path = table_file(CONFIG_DIR, result["device"])
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    return path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out")
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--write-from", metavar="JSON", help="no GPU: keep the launch table of a sweep's --out file")
     args = ap.parse_args()
+    if args.write_from:
+        with open(args.write_from) as f:
+            print("wrote", write_table(json.load(f)))
+        return
     with open(CONFIG) as f:
         layers = json.load(f)["num_hidden_layers"]
     if args.dry_run:
         for name, (k, n) in shapes().items():
-            print(name, k, n, launches(64))
+            print(name, k, n, launches(64, 4))
         return
     records = []
     for rows in ROWS:

@@ -93,7 +93,9 @@ def _jobs() -> list[Job]:
     # which both engines honour
     bi = {"VLLM_BATCH_INVARIANT": "1"}
     j += _pair("W1-bi", tp + ["W1"], tp + ["W1"], 150, 180, _TINY, ["W1-bi"], bi)
-    # the seeded rows' exponential race in torch ops instead of kernels/seeded_race.py: the A/B in one lease
+    # the invariant GEMM's fixed launch at every row count instead of its launch table, and the
+    # seeded rows' exponential race in torch ops instead of kernels/seeded_race.py: A/Bs in one lease
+    j += [_ours_ab("W1-bi-notable", tp + ["W1"], 150, _TINY, dict(bi, MINIVLLM_INVARIANT_GEMM_TABLE="0"))]
     j += [_ours_ab("W1-bi-torchrace", tp + ["W1"], 150, _TINY, dict(bi, MINIVLLM_SEEDED_RACE_KERNEL="0"))]
     j += _pair("W2-0.6b-bi", ["latency", "--model-config", "qwen3-0.6b"], ["latency", "--model-config", "qwen3-0.6b"],
                70, 120, _LAT_TINY, ["W2-0.6b-bi"], bi)

@@ -31,6 +31,7 @@ large M; the mode states its cost in docs/perf.md.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -39,6 +40,7 @@ import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.split_k import split_buffers, store_tile
+from minivllm.kernels.tuned_tables import read_table, table_file
 
 # the fixed launch: changing any of these changes the bits (not the correctness). BLOCK_N is the
 # widest of BLOCK_N_CHOICES that still gives REFERENCE_ROW_TILES x cdiv(N, BLOCK_N) >= the SM
@@ -76,47 +78,95 @@ def split_k_for(n: int, k: int, num_sms: int) -> int:
     return split
 
 
+TABLE_ENV = "MINIVLLM_INVARIANT_GEMM_TABLE"  # "0": the fixed launch at every row count (A/B runs)
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "invariant_gemm")
+
+
+@functools.lru_cache(maxsize=None)
+def launch_table(device_name: str) -> dict:
+    """The kept sweep for this GPU: "N=..,K=.." -> {"rows": [[max_rows, tile, in_program], ...]}
+    in rising max_rows (scripts/bench_invariant_gemm.py --write); {} when none was kept."""
+    return read_table(table_file(CONFIG_DIR, device_name))
+
+
+def launch_for(n: int, k: int, m: int, device: torch.device) -> tuple[tuple[int, int, int, int, int], bool]:
+    """(tile, in_program) for m rows of a weight [n, k]: the table's first bucket that holds m
+    rows (its last for more), else the fixed launch. Any choice gives the same bits (the K
+    slices are the weight's; tested in tests/gpu/test_batch_invariant_gpu.py), so the row count
+    may pick it, as cuBLAS picks its kernels, without breaking the invariance."""
+    fixed = (BLOCK_M, block_n_for(n, num_sms_of(device)), BLOCK_K, NUM_WARPS, NUM_STAGES)
+    if os.environ.get(TILE_ENV) or device.type != "cuda" or os.environ.get(TABLE_ENV, "1") == "0":
+        return fixed, False
+    buckets = launch_table(torch.cuda.get_device_name(device)).get(f"N={n},K={k}", {}).get("rows")
+    if not buckets:
+        return fixed, False
+    for max_rows, tile, in_program in buckets:
+        if m <= max_rows:
+            break
+    return tuple(tile), bool(in_program)
+
+
+@triton.jit
+def _k_slice(x_rows, w_cols, rm, rn, M, N, K, t_begin, t_end, stride_xk, stride_wk, IEEE: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 partial tile of K tiles [t_begin, t_end), walked in order from a zero accumulator."""
+    rk = tl.arange(0, BLOCK_K)
+    part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(t_begin, t_end):
+        kk = t * BLOCK_K + rk
+        a = tl.load(x_rows + kk[None, :] * stride_xk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(w_cols + kk[:, None] * stride_wk, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        if IEEE:  # float32 inputs: full-precision products, not TF32
+            part = tl.dot(a, b, part, input_precision="ieee")
+        else:
+            part = tl.dot(a, b, part)
+    return part
+
+
 @triton.jit
 def _invariant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, IN_PROGRAM: tl.constexpr,
 ):
+    # SPLIT_K slices of K, fixed per weight. Across programs (grid z = SPLIT_K, IN_PROGRAM False):
+    # program pid_k computes slice pid_k and the tile's last program adds the SPLIT_K partials in
+    # the order 0 .. SPLIT_K - 1 (split_k.store_tile). In one program (IN_PROGRAM, grid z = 1):
+    # the program computes the slices one after another and adds each to the running sum in that
+    # same order, so the bits are the same, with no workspace (the launch for many rows).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)  # slice pid_k: K tiles [pid_k * per_split, ...), fixed per weight
-    for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
-        kk = t * BLOCK_K + rk
-        a = tl.load(x_rows + kk[None, :] * stride_xk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(w_cols + kk[:, None] * stride_wk, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-        if IEEE:  # float32 inputs: full-precision products, not TF32
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)  # slice s: K tiles [s * per_split, (s + 1) * per_split)
+    first = 0 if IN_PROGRAM else pid_k
+    acc = _k_slice(x_rows, w_cols, rm, rn, M, N, K, first * per_split, tl.minimum((first + 1) * per_split, k_tiles),
+                   stride_xk, stride_wk, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
-        if pid_k == 0:  # (added once: slice 0's partial carries it)
+        if first == 0:  # (added once: slice 0's partial carries it)
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if IN_PROGRAM:
+        for s in tl.static_range(1, SPLIT_K):
+            acc += _k_slice(x_rows, w_cols, rm, rn, M, N, K, s * per_split, tl.minimum((s + 1) * per_split, k_tiles),
+                            stride_xk, stride_wk, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     y_off = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :] * stride_yn
     ws_off = rm.to(tl.int64)[:, None] * N + rn[None, :]
     store_tile(acc, y_ptr, ws_ptr, cnt_ptr, y_off, ws_off, M * N, mask, pid_k, pid_m * tl.num_programs(1) + pid_n,
-               SPLIT_K)
+               1 if IN_PROGRAM else SPLIT_K)
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                     tile: tuple[int, int, int, int, int] | None = None, in_program: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype, batch-invariant (above).
-    `tile` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) replaces the fixed launch (the sweep of
-    scripts/bench_invariant_gemm.py; K is still split as the weight's fixed count says)."""
+    `tile` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) and `in_program` replace the launch the
+    table picks for the row count (the sweep of scripts/bench_invariant_gemm.py); K is still
+    split as the weight's fixed count says, so the bits are the same."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"invariant_matmul: x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
     lead = x.shape[:-1]
@@ -128,13 +178,16 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return y.view(*lead, n)
     sms = num_sms_of(x.device)
     split = split_k_for(n, k, sms)
-    block_m, block_n, block_k, warps, stages = tile or (BLOCK_M, block_n_for(n, sms), BLOCK_K, NUM_WARPS, NUM_STAGES)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
-    ws, cnt = split_buffers(split, m, n, grid[0] * grid[1], y)
+    if tile is None:
+        tile, in_program = launch_for(n, k, m, x.device)
+    block_m, block_n, block_k, warps, stages = tile
+    in_program = in_program and split > 1
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), 1 if in_program else split)
+    ws, cnt = split_buffers(grid[2], m, n, grid[0] * grid[1], y)
     _invariant_matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, y, ws, cnt, m, n, k,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, num_warps=warps, num_stages=stages,
+        SPLIT_K=split, IN_PROGRAM=in_program, num_warps=warps, num_stages=stages,
     )
     return y.view(*lead, n)

@@ -40,6 +40,65 @@ def check_matmul(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: 
     return problems
 
 
+def fixed_launch(n: int, device: str) -> tuple[int, int, int, int, int]:
+    """The launch every row count used before the launch table (kernels/invariant_gemm.py)."""
+    from minivllm.kernels import invariant_gemm as ig
+    from minivllm.kernels.device import num_sms
+    return ig.BLOCK_M, ig.block_n_for(n, num_sms(device)), ig.BLOCK_K, ig.NUM_WARPS, ig.NUM_STAGES
+
+
+def check_launches(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int, bias: bool,
+                   launches: list[tuple[tuple[int, int, int, int, int], bool]],
+                   base_tile: tuple[int, int, int, int, int] | None = None) -> list[str]:
+    """Problems found: each (tile, in_program) launch must give the fixed launch's bits. The
+    launch table (kernels/configs/invariant_gemm/) picks launches by the row count, which keeps a
+    row's bits independent of the batch only if every launch gives the same bits; in_program
+    (the weight's K slices walked in one program and summed in order) must equal the split-K
+    fix-up across programs. base_tile: compare with that tile's split-K launch instead (under the
+    interpreter, whose products depend on the tile)."""
+    from minivllm.kernels.invariant_gemm import invariant_matmul
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    base = invariant_matmul(x, w, b, tile=base_tile or fixed_launch(n, device))
+    problems = []
+    for tile, in_program in launches:
+        got = invariant_matmul(x, w, b, tile=tile, in_program=in_program)
+        if not torch.equal(got, base):
+            diff = float((got.float() - base.float()).abs().max())
+            problems.append(f"m {m} n {n} k {k}: launch {tile} in_program={in_program} differs (max {diff:.3g})")
+    return problems
+
+
+# tiles of 16 to 128 rows and 32 to 256 columns, K steps of 64 and 128, 4 or 8 warps, in_program
+# on and off (only weights whose K is split have a difference there: Qwen3-0.6B's o and down)
+LAUNCHES = [((16, 32, 128, 4, 4), False), ((16, 64, 256, 4, 3), False), ((64, 64, 64, 8, 3), False),
+            ((128, 128, 64, 8, 3), True), ((128, 256, 64, 8, 3), True), ((64, 32, 64, 4, 3), True),
+            ((32, 64, 128, 4, 4), True)]
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1024, 2048), (300, 1024, 3072), (2000, 1024, 2048), (77, 4096, 1024),
+                                   (1, 151936, 1024), (300, 6144, 1024)])
+def test_every_launch_gives_the_same_bits(m, n, k):
+    assert check_launches(m, n, k, torch.bfloat16, "cuda", seed=m + n, bias=n == 4096, launches=LAUNCHES) == []
+
+
+def test_table_launches_give_the_fixed_launch_bits():
+    """Every launch the kept table names for this GPU, at its own row count and at others."""
+    from minivllm.kernels.invariant_gemm import launch_table
+    table = launch_table(torch.cuda.get_device_name(0))
+    if not table:
+        pytest.skip("no launch table kept for this GPU")
+    problems = []
+    for key, entry in table.items():
+        n, k = (int(part.split("=")[1]) for part in key.split(","))
+        launches = [(tuple(tile), bool(inp)) for _, tile, inp in entry["rows"]]
+        for m in (1, 200, 1500):
+            problems += check_launches(m, n, k, torch.bfloat16, "cuda", seed=m, bias=False, launches=launches)
+    assert problems == []
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (7, 6144, 4096), (200, 1024, 3072), (333, 151936, 1024)])
 def test_invariant_matmul_bf16(m, n, k):
     assert check_matmul(m, n, k, torch.bfloat16, "cuda", seed=m, bias=False) == []

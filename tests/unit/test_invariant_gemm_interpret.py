@@ -29,13 +29,18 @@ res["fp32 m5 n200 k1100 bias (2 K slices)"] = checks.check_matmul(5, 200, 1100, 
 for rep in range(2):
     res[f"fp32 m70 n96 k2048 (4 K slices) #{rep}"] = checks.check_matmul(70, 96, 2048, f32, "cpu", seed=7, bias=True,
                                                                       bitwise=False)
+# the K slices walked in one program and summed in order: the split-K fix-up's bits (same tiles,
+# so the interpreter's numpy products are the same too)
+for m, n, k, split_tile in [(5, 200, 1100, (64, 32, 64, 4, 3)), (70, 96, 2048, (16, 32, 64, 4, 3))]:
+    res[f"fp32 m{m} n{n} k{k} in one program"] = checks.check_launches(m, n, k, f32, "cpu", seed=8, bias=True,
+                                                                      launches=[(split_tile, True)], base_tile=split_tile)
 print("RESULT " + json.dumps(res))
 """
 
 
 def test_invariant_matmul_under_interpreter():
     res = run_under_interpreter(CHILD, CHECKS, timeout_s=600)
-    assert len(res) == 8
+    assert len(res) == 10
     bad = {name: problems for name, problems in res.items() if problems}
     assert not bad, bad
 
