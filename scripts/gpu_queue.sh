@@ -23,7 +23,7 @@
 #      in lease 24, 1.14x in lease 26, target 1.2x: vLLM's figure moves 13.2-14.1k between leases,
 #      so take two pairs; the rest of the mode's cost is the invariant GEMM (56.6 vs ~36 ms in
 #      profile-bi256) and the prefill kernel on decode rows (102 vs 94 ms))
-#   2. GPU_TESTS=tests/gpu/test_quant_kernels.py GPU_TESTS_K=half2 'gpu-tests+ours:W11-awq+ours:W11-awq-pipe@0'
+#   2. GPU_TESTS=tests/gpu/test_quant_kernels.py GPU_TESTS_K=half2 'gpu-tests+ours:W11-awq+ours:W11-awq-nopipe@0'
 #      (25: the W4A16 GEMV's pipelined K loop, built after lease 26 and checked only under the
 #      interpreter (plain path) and by compiling for sm_90: predicted W11-awq 3.72 -> 3.45-3.6 ms;
 #      then 'profile-graphs@0': 2.73 ms a token of critical-path GEMV time in W11-awq against

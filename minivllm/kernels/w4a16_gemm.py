@@ -62,9 +62,9 @@ MAX_SPLIT_K = 16
 # in CUDA graphs): 2.08 ms a token against 2.81 for the plain path and 2.51 for a zero-folding
 # variant (removed)
 GEMV_HALF2 = os.environ.get("MINIVLLM_W4A16_GEMV_HALF2", "1") != "0"
-# the GEMV's pipelined K loop (PIPE in _w4a16_gemv_kernel), off until measured on a GPU:
-# MINIVLLM_W4A16_GEMV_PIPE=1 turns it on (job ours:W11-awq-pipe)
-GEMV_PIPE = os.environ.get("MINIVLLM_W4A16_GEMV_PIPE", "0") == "1"
+# the GEMV's pipelined K loop (PIPE in _w4a16_gemv_kernel), on by default since lease 27 (W11-awq
+# 3.78 -> 3.62 ms a token, two A/B pairs); MINIVLLM_W4A16_GEMV_PIPE=0 turns it off (job ours:W11-awq-nopipe)
+GEMV_PIPE = os.environ.get("MINIVLLM_W4A16_GEMV_PIPE", "1") != "0"
 # split K until about this many programs per SM. 4, from scripts/bench_w4a16_gemv.py on an H100
 # (lease 7, Llama-3.1-8B batch-1 shapes, in CUDA graphs): at 2, gate_up (448 tiles) ran unsplit
 # in 48.8 us against 41.9 us at split 2; the four linears of a layer take 88 us at 4, 95 us at 2
@@ -235,7 +235,7 @@ def _w4a16_gemv_kernel(
     PDL (kernels/pdl.py): the slice's first PREFETCH_WORDS packed rows are requested into L2
     before waiting for the kernel that writes x (the weights stream while it finishes).
 
-    PIPE (MINIVLLM_W4A16_GEMV_PIPE=1; not measured yet): the loop loads K step t + 1's words,
+    PIPE (the default; MINIVLLM_W4A16_GEMV_PIPE=0 off): the loop loads K step t + 1's words,
     scales and zeros before it computes step t, and the first step's before the PDL wait (weights:
     no kernel writes them), as the streaming dense GEMV does (kernels/dense_gemv.py); two steps
     of weight loads in flight per thread instead of one."""
