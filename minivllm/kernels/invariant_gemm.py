@@ -98,8 +98,12 @@ def launch_for(n: int, k: int, m: int, device: torch.device) -> tuple[tuple[int,
     if os.environ.get(TILE_ENV) or device.type != "cuda" or os.environ.get(TABLE_ENV, "1") == "0":
         return fixed, False
     buckets = launch_table(torch.cuda.get_device_name(device)).get(f"N={n},K={k}", {}).get("rows")
-    if not buckets:
-        return fixed, False
+    return bucket_launch(buckets, m) if buckets else (fixed, False)
+
+
+def bucket_launch(buckets: list, m: int) -> tuple[tuple[int, int, int, int, int], bool]:
+    """The launch of the first [max_rows, tile, in_program] bucket with m <= max_rows (buckets in
+    rising max_rows; the last one for more rows)."""
     for max_rows, tile, in_program in buckets:
         if m <= max_rows:
             break

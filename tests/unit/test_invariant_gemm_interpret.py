@@ -72,3 +72,33 @@ def test_tile_width_depends_on_the_weight_only(monkeypatch):
         assert ig.REFERENCE_ROW_TILES * -(-n // bn) >= 132 or bn == ig.BLOCK_N_CHOICES[-1]
     monkeypatch.setenv(ig.TILE_ENV, "64,128,64,4,3")
     assert ig.block_n_for(1024, 132) == ig.BLOCK_N
+
+
+def test_launch_table_buckets_and_kept_table():
+    """bucket_launch: the first bucket holding the rows, the last beyond; the kept tables
+    (kernels/configs/invariant_gemm/) are well-formed: rising row buckets, tiles the kernel
+    compiles (power-of-two sides, MMA-sized), and the CPU never reads them."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from minivllm.kernels import invariant_gemm as ig
+    buckets = [[1, [16, 32, 128, 4, 4], False], [256, [64, 32, 64, 4, 4], True], [2048, [128, 64, 64, 8, 3], True]]
+    assert ig.bucket_launch(buckets, 1) == ((16, 32, 128, 4, 4), False)
+    assert ig.bucket_launch(buckets, 2) == ((64, 32, 64, 4, 4), True)
+    assert ig.bucket_launch(buckets, 256) == ((64, 32, 64, 4, 4), True)
+    assert ig.bucket_launch(buckets, 257) == ((128, 64, 64, 8, 3), True)
+    assert ig.bucket_launch(buckets, 100000) == ((128, 64, 64, 8, 3), True)
+    tables = list(Path(ig.CONFIG_DIR).glob("*.json"))
+    assert tables, "no kept launch table"
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+    for path in tables:
+        for key, entry in json.loads(path.read_text()).items():
+            rows = [r[0] for r in entry["rows"]]
+            assert rows == sorted(set(rows)), (path.name, key)
+            for _, (bm, bn, bk, warps, stages), in_program in entry["rows"]:
+                assert bm in (16, 32, 64, 128) and pow2(bn) and 16 <= bn <= 256 and bk in (32, 64, 128, 256), key
+                assert warps in (4, 8) and 2 <= stages <= 5 and isinstance(in_program, bool), key
+    fixed = (ig.BLOCK_M, ig.block_n_for(1024, 132), ig.BLOCK_K, ig.NUM_WARPS, ig.NUM_STAGES)
+    assert ig.launch_for(1024, 2048, 256, torch.device("cpu"))[0][0] == fixed[0]
