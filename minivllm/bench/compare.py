@@ -96,6 +96,8 @@ def _jobs() -> list[Job]:
     # the invariant GEMM's fixed launch at every row count instead of its launch table, and the
     # seeded rows' exponential race in torch ops instead of kernels/seeded_race.py: A/Bs in one lease
     j += [_ours_ab("W1-bi-notable", tp + ["W1"], 150, _TINY, dict(bi, MINIVLLM_INVARIANT_GEMM_TABLE="0"))]
+    # the invariant attention tile's launch before lease 30 (BLOCK_N 64, 4 warps, 2 stages)
+    j += [_ours_ab("W1-bi-oldattn", tp + ["W1"], 150, _TINY, dict(bi, MINIVLLM_INVARIANT_ATTN="64,4,2"))]
     j += [_ours_ab("W1-bi-torchrace", tp + ["W1"], 150, _TINY, dict(bi, MINIVLLM_SEEDED_RACE_KERNEL="0"))]
     j += _pair("W2-0.6b-bi", ["latency", "--model-config", "qwen3-0.6b"], ["latency", "--model-config", "qwen3-0.6b"],
                70, 120, _LAT_TINY, ["W2-0.6b-bi"], bi)

@@ -34,6 +34,7 @@ into the softmax scale and v_scale into the normalized output.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -217,6 +218,15 @@ def _prefill_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+# batch-invariant mode's launch options over prefill_config's (BLOCK_N, num_warps and num_stages
+# as "BLOCK_N,warps,stages"; the sweep: scripts/bench_invariant_attention.py). BLOCK_N and the
+# warps change the bits (the key tiles of the online softmax, the row sums' tree), each fixed
+# for every row; the stages do not.
+INVARIANT_ENV = "MINIVLLM_INVARIANT_ATTN"
+INVARIANT_LAUNCH = (dict(zip(("BLOCK_N", "num_warps", "num_stages"), map(int, os.environ[INVARIANT_ENV].split(","))))
+                    if os.environ.get(INVARIANT_ENV) else {})
+
+
 def prefill_config(group: int, head_dim: int, max_query_len: int, elem_bytes: int = 2) -> dict[str, int]:
     """Tile sizes and launch options (the tuning knobs, bf16/fp16).
 
@@ -252,6 +262,7 @@ def prefill_attention(
     k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches only (None: 1.0)
     v_scale: torch.Tensor | None = None,
     invariant: bool = False,  # batch-invariant mode: a row's bits never depend on its query tile or chunk
+    config: dict | None = None,  # launch options replacing prefill_config's (sweeps: bench_invariant_attention.py)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -272,6 +283,9 @@ def prefill_attention(
     k_scale, v_scale = kv_scale_args(fp8, k_scale, v_scale, k_cache)
     cfg = prefill_config(group, head_dim, num_tokens if max_query_len is None else max_query_len,
                          query.element_size() if fp8 else k_cache.element_size())
+    if invariant:
+        cfg.update(INVARIANT_LAUNCH)
+    cfg.update(config or {})
     block_q = cfg["BLOCK_M"] // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
