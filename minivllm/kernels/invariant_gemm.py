@@ -3,30 +3,36 @@ the number of rows (batch-invariant mode, models/batch_invariant.py).
 
 cuBLAS picks a kernel, a tile shape and sometimes a split of K by the problem's shape, so the
 same row of x times the same weight can give different bits in a batch of 1 and a batch of 64.
-Here the tile shape, the warps and the K loop are constants: output element (m, n) is always
-computed by a program whose tile holds row m at some offset, walking K from 0 in BLOCK_K steps
-with one fp32 accumulator and the same MMA instruction sequence; rows of a tile never mix, so
-which other rows share the tile (or whether they are padding) does not change its bits. No
-split-K, no autotuning, no stream-K.
+Here the K loop is fixed per weight: output element (m, n) is computed by a program whose tile
+holds row m at some offset, walking its K range from the start in BLOCK_K steps with one fp32
+accumulator; rows of a tile never mix, so which other rows share the tile (or whether they are
+padding) does not change its bits. No autotuning by shape of the reduction, no stream-K.
 
     y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), accumulated in fp32, stored in x's dtype
 
-The tile's width BLOCK_N is chosen per weight, from N alone (and the GPU's SM count), never
-from M: every call with this weight runs the same programs over K, so a row's bits still do not
-depend on the batch. A narrow weight gets narrow tiles so that a W1-sized batch (about 256 rows,
-4 row tiles of 64) still gives every SM a program: with one 64 x 128 tile, Qwen3-0.6B's o_proj
-and down_proj (N = 1,024) ran 32 programs on an H100's 132 SMs.
+K slices. Where a W1-sized batch (about 256 rows, 4 row tiles of 64) would leave the GPU under
+two programs per SM, K is split by a count that is a function of N, K and the SM count alone
+(`split_k_for`): every output element is then the sum of SPLIT_K fp32 partials over fixed K
+ranges, added in the fixed order 0 .. SPLIT_K - 1, the same bits whatever the rows. Qwen3-0.6B's
+o_proj (K 2,048) and down_proj (K 3,072) get 4 slices. Two ways to run the slices, with the same
+bits: across programs (grid z = SPLIT_K; the tile's last program adds the partials from an fp32
+workspace, kernels/split_k.py), the fast way for few rows; or in one program (`in_program`), which
+walks the slices one after another and adds each partial to the running sum in that order, with
+no workspace, the fast way for prefill-sized M (Qwen3-0.6B's down_proj at 8,192 rows: 317 -> 194 us).
 
-Where even the narrowest tiles leave a W1-sized batch under two programs per SM, K is split too,
-by a count that is again a function of N, K and the SM count alone (`split_k_for`): every output
-element is then the sum of SPLIT_K fp32 partials over fixed K ranges, added in the fixed order
-0 .. SPLIT_K - 1 by the tile's last program (kernels/split_k.py), the same bits whatever the
-rows. Qwen3-0.6B's o_proj (K 2,048) and down_proj (K 3,072) get 4 slices: 512 programs of 8
-and 12 K steps instead of 128 programs of 32 and 48. The fp32 workspace is SPLIT_K x M x N:
-only narrow weights split (N <= SPLIT_MAX_N), which bounds it at a prefill step's M.
+The launch (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, in_program) is free: on an H100 every one
+of 1,630 launches tried (tiles of 16-128 rows and 32-256 columns, K steps of 64-256, 4 or 8
+warps, 3-5 stages, MMA v2 and wgmma alike) gave the bits of the others for the same weight's K
+slices (lease 28, scripts/bench_invariant_gemm.py): the tensor cores accumulate each 16-wide K
+step into the fp32 accumulator the same way whatever the tile. So `launch_for` picks the launch
+by the row count, as cuBLAS does, from the kept table of that sweep
+(kernels/configs/invariant_gemm/<GPU>.json); a GPU without a table, the CPU, and
+MINIVLLM_INVARIANT_GEMM_TABLE=0 get the one fixed launch (64 rows, BLOCK_N by N, 64-wide K steps,
+4 warps, 3 stages). tests/gpu/test_invariant_gemm.py checks the property for a set of launches
+and for every launch of the kept table; a new GPU's table should be swept with the same checks.
 
-Cost: the tile wastes most of its rows at decode sizes (M = 1-16) and is below cuBLAS's best at
-large M; the mode states its cost in docs/perf.md.
+Cost (H100, Qwen3-0.6B, a decode step's linears and LM head): 1.24 ms at 256 rows against 1.01
+for cuBLAS and 1.41 with the fixed launch; docs/perf.md states the mode's cost.
 """
 
 from __future__ import annotations
@@ -42,10 +48,10 @@ from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.split_k import split_buffers, store_tile
 from minivllm.kernels.tuned_tables import read_table, table_file
 
-# the fixed launch: changing any of these changes the bits (not the correctness). BLOCK_N is the
+# the fixed launch (no table; the K slices' count is derived from its tiles). BLOCK_N is the
 # widest of BLOCK_N_CHOICES that still gives REFERENCE_ROW_TILES x cdiv(N, BLOCK_N) >= the SM
 # count (else the narrowest); MINIVLLM_INVARIANT_GEMM_TILE="BM,BN,BK,warps,stages" fixes one tile
-# for every weight instead (tuning runs only)
+# for every weight instead, with K unsplit (tuning runs only: that changes the bits)
 TILE_ENV = "MINIVLLM_INVARIANT_GEMM_TILE"
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = (
     tuple(int(v) for v in os.environ[TILE_ENV].split(",")) if os.environ.get(TILE_ENV) else (64, 128, 64, 4, 3))

@@ -218,13 +218,15 @@ def _prefill_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-# batch-invariant mode's launch options over prefill_config's (BLOCK_N, num_warps and num_stages
-# as "BLOCK_N,warps,stages"; the sweep: scripts/bench_invariant_attention.py). BLOCK_N and the
-# warps change the bits (the key tiles of the online softmax, the row sums' tree), each fixed
-# for every row; the stages do not.
+# batch-invariant mode's launch options over prefill_config's, one for every row of every step:
+# 128 keys a tile, 4 warps, 3 stages, the fastest in scripts/bench_invariant_attention.py's sweep
+# on W1-like decode rows (lease 30, H100: 852 us over its four cases against 892 for prefill_config's
+# 64 keys and 2 stages; W1-bi +1.4 %). MINIVLLM_INVARIANT_ATTN="BLOCK_N,warps,stages" replaces it
+# (A/B runs). A launch changes the mode's bits (the online softmax's key tiles, the row sums'
+# tree), never their invariance: every row gets the same one.
 INVARIANT_ENV = "MINIVLLM_INVARIANT_ATTN"
-INVARIANT_LAUNCH = (dict(zip(("BLOCK_N", "num_warps", "num_stages"), map(int, os.environ[INVARIANT_ENV].split(","))))
-                    if os.environ.get(INVARIANT_ENV) else {})
+INVARIANT_LAUNCH = dict(zip(("BLOCK_N", "num_warps", "num_stages"),
+                            map(int, os.environ.get(INVARIANT_ENV, "128,4,3").split(","))))
 
 
 def prefill_config(group: int, head_dim: int, max_query_len: int, elem_bytes: int = 2) -> dict[str, int]:
@@ -283,7 +285,9 @@ def prefill_attention(
     k_scale, v_scale = kv_scale_args(fp8, k_scale, v_scale, k_cache)
     cfg = prefill_config(group, head_dim, num_tokens if max_query_len is None else max_query_len,
                          query.element_size() if fp8 else k_cache.element_size())
-    if invariant:
+    if invariant and cfg["BLOCK_N"] == 64:
+        # 16-bit K/V with head_dim <= 128, the measured case; fp32 and head_dim > 128 keep
+        # prefill_config's narrower key tiles (shared memory)
         cfg.update(INVARIANT_LAUNCH)
     cfg.update(config or {})
     block_q = cfg["BLOCK_M"] // group

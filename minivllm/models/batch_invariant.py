@@ -4,12 +4,13 @@
 A floating-point reduction gives the same bits only in the same order, so every op on the
 request's path must reduce each row in an order fixed by that row alone:
 
-- matmuls: on the GPU the fixed-tile Triton kernel (kernels/invariant_gemm.py) replaces cuBLAS
-  for every linear layer, LM head included; on the CPU minivllm's panel kernel (one column's sum
+- matmuls: on the GPU the Triton kernel of kernels/invariant_gemm.py replaces cuBLAS for every
+  linear layer, LM head included: K is cut in slices fixed per weight and each slice walked in
+  order; the tile may follow the row count (a kept table), since every launch gives the same bits; on the CPU minivllm's panel kernel (one column's sum
   over K in one fixed order at every row count; models/cpu_linear.py), forced on whatever the
   CPU vendor (oneDNN and MKL pick their blocking by shape).
 - attention: every query row reduces over its keys from key 0 in fixed tiles. GPU: all rows,
-  decodes included, through the prefill kernel with a fixed tile size (the decode kernel's KV
+  decodes included, through the prefill kernel with one fixed tile (the decode kernel's KV
   split depends on the batch); CPU: the compiled kernel, one task per (sequence, KV head).
   Either way chunk boundaries and prefix-cache hits do not move a key tile boundary.
 - RMSNorm, rotary, SiLU: one row at a time already (kernels/fused_ops.py, the CPU fused ops).
