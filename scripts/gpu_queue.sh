@@ -16,18 +16,17 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 26, 2026-11-27; a session's 30 minutes count
+# What the single-GPU issues still need (after lease 30, 2026-11-27; a session's 30 minutes count
 # 50-100 % of held time, so order by what closes). Staging all of vLLM takes ~1.5 minutes of held
 # time; name only the test files (and GPU_TESTS_K) that need a run.
-#   1. 'ours:W1-bi+vllm:W1-bi+ours:W1-bi+vllm:W1-bi+profile-bi256@0' with vLLM staged (22: 1.20x
-#      in lease 24, 1.14x in lease 26, target 1.2x: vLLM's figure moves 13.2-14.1k between leases,
-#      so take two pairs; the rest of the mode's cost is the invariant GEMM (56.6 vs ~36 ms in
-#      profile-bi256) and the prefill kernel on decode rows (102 vs 94 ms))
-#   2. GPU_TESTS=tests/gpu/test_quant_kernels.py GPU_TESTS_K=half2 'gpu-tests+ours:W11-awq+ours:W11-awq-nopipe@0'
-#      (25: the W4A16 GEMV's pipelined K loop, built after lease 26 and checked only under the
-#      interpreter (plain path) and by compiling for sm_90: predicted W11-awq 3.72 -> 3.45-3.6 ms;
-#      then 'profile-graphs@0': 2.73 ms a token of critical-path GEMV time in W11-awq against
-#      2.08 ms back to back in bench_w4a16_gemv.py; 75 % needs 2.12 ms for the whole token)
+#   1. Issue 22, W1-bi at 1.15-1.19x vLLM's invariant mode on first runs (1.11-1.14x on second
+#      runs; target 1.2x). What is left of the mode's cost, from profile-bi256 (lease 29): the
+#      invariant GEMM 46.6 ms against ~36 for cuBLAS (the LM head above 128 rows, 184 vs 150 us at
+#      256; the narrow o/down weights), the prefill kernel on decode rows ~4 % slower than the split
+#      decode kernel at 256 rows. Re-sweep with more launches first ('inv-gemm+inv-attn@0'), then
+#      'ours:W1-bi+vllm:W1-bi+ours:W1-bi+vllm:W1-bi@0' with vLLM staged.
+#   2. Issue 25, W11-awq at ~44 % of the int4 roofline (target 75 %): 'profile-graphs@0' for the
+#      GEMV's critical-path time with PIPE on (2.73 ms a token before it).
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue
