@@ -12,7 +12,7 @@ padding) does not change its bits. No autotuning by shape of the reduction, no s
 
 K slices. Where a W1-sized batch (about 256 rows, 4 row tiles of 64) would leave the GPU under
 two programs per SM, K is split by a count that is a function of N, K and the SM count alone
-(`split_k_for`): every output element is then the sum of SPLIT_K fp32 partials over fixed K
+(`split_k_for`; a kept table may name another count for a weight on its GPU): every output element is then the sum of SPLIT_K fp32 partials over fixed K
 ranges, added in the fixed order 0 .. SPLIT_K - 1, the same bits whatever the rows. Qwen3-0.6B's
 o_proj (K 2,048) and down_proj (K 3,072) get 4 slices. Two ways to run the slices, with the same
 bits: across programs (grid z = SPLIT_K; the tile's last program adds the partials from an fp32
@@ -72,9 +72,12 @@ def block_n_for(n: int, num_sms: int) -> int:
     return BLOCK_N_CHOICES[-1]
 
 
-def split_k_for(n: int, k: int, num_sms: int) -> int:
+def split_k_for(n: int, k: int, num_sms: int, entry: dict | None = None) -> int:
     """K slices for a weight of n outputs and k inputs (a function of the weight and the GPU
-    only): 1, or the power of two that gives a W1-sized batch about two programs per SM."""
+    only): the kept table's count for it (`entry`, table_entry's) if it has one, else 1 or the
+    power of two that gives a W1-sized batch about two programs per SM."""
+    if entry and entry.get("split_k"):
+        return int(entry["split_k"])
     if os.environ.get(TILE_ENV) or n > SPLIT_MAX_N:
         return 1
     tiles = REFERENCE_ROW_TILES * triton.cdiv(n, block_n_for(n, num_sms))
@@ -90,21 +93,34 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
 
 @functools.lru_cache(maxsize=None)
 def launch_table(device_name: str) -> dict:
-    """The kept sweep for this GPU: "N=..,K=.." -> {"rows": [[max_rows, tile, in_program], ...]}
-    in rising max_rows (scripts/bench_invariant_gemm.py --write); {} when none was kept."""
+    """The kept sweep for this GPU: "N=..,K=.." -> {"split_k": K slices (optional), "rows":
+    [[max_rows, tile, in_program], ...] in rising max_rows} (scripts/bench_invariant_gemm.py
+    --write-from); {} when none was kept."""
     return read_table(table_file(CONFIG_DIR, device_name))
 
 
-def launch_for(n: int, k: int, m: int, device: torch.device) -> tuple[tuple[int, int, int, int, int], bool]:
-    """(tile, in_program) for m rows of a weight [n, k]: the table's first bucket that holds m
-    rows (its last for more), else the fixed launch. Any choice gives the same bits (the K
-    slices are the weight's; tested in tests/gpu/test_batch_invariant_gpu.py), so the row count
-    may pick it, as cuBLAS picks its kernels, without breaking the invariance."""
-    fixed = (BLOCK_M, block_n_for(n, num_sms_of(device)), BLOCK_K, NUM_WARPS, NUM_STAGES)
+@functools.lru_cache(maxsize=None)
+def _device_entry(n: int, k: int, device_index: int) -> dict | None:
+    return launch_table(torch.cuda.get_device_name(device_index)).get(f"N={n},K={k}")
+
+
+def table_entry(n: int, k: int, device: torch.device) -> dict | None:
+    """The kept table's entry for a weight [n, k] on this device (None: no table, no entry, the
+    CPU, or MINIVLLM_INVARIANT_GEMM_TABLE=0 / the tile override)."""
     if os.environ.get(TILE_ENV) or device.type != "cuda" or os.environ.get(TABLE_ENV, "1") == "0":
-        return fixed, False
-    buckets = launch_table(torch.cuda.get_device_name(device)).get(f"N={n},K={k}", {}).get("rows")
-    return bucket_launch(buckets, m) if buckets else (fixed, False)
+        return None
+    return _device_entry(n, k, torch.cuda.current_device() if device.index is None else device.index)
+
+
+def launch_for(n: int, k: int, m: int, device: torch.device,
+               entry: dict | None = None) -> tuple[tuple[int, int, int, int, int], bool]:
+    """(tile, in_program) for m rows of a weight [n, k] (entry: its table_entry): the table's
+    first bucket that holds m rows (its last for more), else the fixed launch. Any choice gives
+    the same bits for the weight's K slices (tests/gpu/test_invariant_gemm.py), so the row count
+    may pick it, as cuBLAS picks its kernels, without breaking the invariance."""
+    if entry and entry.get("rows"):
+        return bucket_launch(entry["rows"], m)
+    return (BLOCK_M, block_n_for(n, num_sms_of(device)), BLOCK_K, NUM_WARPS, NUM_STAGES), False
 
 
 def bucket_launch(buckets: list, m: int) -> tuple[tuple[int, int, int, int, int], bool]:
@@ -172,11 +188,12 @@ def _invariant_matmul_kernel(
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     tile: tuple[int, int, int, int, int] | None = None, in_program: bool = False) -> torch.Tensor:
+                     tile: tuple[int, int, int, int, int] | None = None, in_program: bool = False,
+                     split: int | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype, batch-invariant (above).
     `tile` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) and `in_program` replace the launch the
-    table picks for the row count (the sweep of scripts/bench_invariant_gemm.py); K is still
-    split as the weight's fixed count says, so the bits are the same."""
+    table picks for the row count (the sweep of scripts/bench_invariant_gemm.py), with the same
+    bits; `split` replaces the weight's K slices (sweeps only: that changes the bits)."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"invariant_matmul: x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
     lead = x.shape[:-1]
@@ -186,10 +203,10 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*lead, n)
-    sms = num_sms_of(x.device)
-    split = split_k_for(n, k, sms)
+    entry = table_entry(n, k, x.device)
+    split = split or split_k_for(n, k, num_sms_of(x.device), entry)
     if tile is None:
-        tile, in_program = launch_for(n, k, m, x.device)
+        tile, in_program = launch_for(n, k, m, x.device, entry)
     block_m, block_n, block_k, warps, stages = tile
     in_program = in_program and split > 1
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), 1 if in_program else split)

@@ -95,10 +95,14 @@ def test_launch_table_buckets_and_kept_table():
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     for path in tables:
         for key, entry in json.loads(path.read_text()).items():
+            assert entry.get("split_k", 1) in (1, 2, 4, 8), key
             rows = [r[0] for r in entry["rows"]]
             assert rows == sorted(set(rows)), (path.name, key)
             for _, (bm, bn, bk, warps, stages), in_program in entry["rows"]:
                 assert bm in (16, 32, 64, 128) and pow2(bn) and 16 <= bn <= 256 and bk in (32, 64, 128, 256), key
                 assert warps in (4, 8) and 2 <= stages <= 5 and isinstance(in_program, bool), key
-    fixed = (ig.BLOCK_M, ig.block_n_for(1024, 132), ig.BLOCK_K, ig.NUM_WARPS, ig.NUM_STAGES)
-    assert ig.launch_for(1024, 2048, 256, torch.device("cpu"))[0][0] == fixed[0]
+    assert ig.table_entry(1024, 2048, torch.device("cpu")) is None
+    assert ig.launch_for(1024, 2048, 256, torch.device("cpu"))[1] is False
+    # a table's K slice count replaces the derived one for its weight only
+    assert ig.split_k_for(1024, 2048, 132, {"split_k": 2, "rows": buckets}) == 2
+    assert ig.split_k_for(1024, 2048, 132, {"rows": buckets}) == ig.split_k_for(1024, 2048, 132) == 4
