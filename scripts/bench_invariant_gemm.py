@@ -150,10 +150,14 @@ def choose_splits(records: list[dict]) -> dict[str, int]:
 
 def write_table(result: dict) -> str:
     """Keep the sweep: for each weight, the fastest same-bits launch at each row count measured
-    (kernels/configs/invariant_gemm/<GPU>.json, read by invariant_gemm.launch_for)."""
+    (kernels/configs/invariant_gemm/<GPU>.json, read by invariant_gemm.launch_for). The weights
+    this sweep did not cover keep their entries."""
     from minivllm.kernels.invariant_gemm import CONFIG_DIR
-    from minivllm.kernels.tuned_tables import table_file
-    table: dict[str, dict] = {}
+    from minivllm.kernels.tuned_tables import read_table, table_file
+    path = table_file(CONFIG_DIR, result["device"])
+    table: dict[str, dict] = read_table(path)
+    for key in {f"N={r['N']},K={r['K']}" for r in result["records"]}:
+        table.pop(key, None)
     keep = choose_splits(result["records"])
     for r in sorted(result["records"], key=lambda r: r["rows"]):
         if r["split_k"] != keep[r["shape"]]:
@@ -165,8 +169,7 @@ def write_table(result: dict) -> str:
         entry.setdefault("us", []).append({"rows": r["rows"], "fixed": round(r["fixed_us"], 2),
                                             "table": round(best["us"], 2), "cublas": round(r["cublas_us"], 2)})
     os.makedirs(CONFIG_DIR, exist_ok=True)
-    path = table_file(CONFIG_DIR, result["device"])
-    entries = [f' "{key}": {{"label": "{e["label"]}", "split_k": {e["split_k"]},\n  "rows": {json.dumps(e["rows"])},\n'
+    entries = [f' "{key}": {{"label": "{e["label"]}", "split_k": {e.get("split_k", 1)},\n  "rows": {json.dumps(e["rows"])},\n'
                f'  "us": {json.dumps(e["us"])}}}' for key, e in table.items()]
     with open(path, "w") as f:  # a weight to a few lines: rows [max_rows, tile, in_program], us the sweep's times
         f.write("{\n" + ",\n".join(entries) + "\n}\n")

@@ -27,6 +27,7 @@
 #   profile-graphs      kernel_profile.py in CUDA graphs with PDL, critical-path times (W10, W11-awq, W1-bi-like)
 #   dense-stream        scripts/bench_dense_gemv.py --stream: the streaming dense GEMV's tiles (issue 21)
 #   inv-gemm            scripts/bench_invariant_gemm.py: the invariant GEMM's launches vs cuBLAS, with bit checks (issue 22)
+#   inv-gemm-splits     the same for o/down at 1, 2 and 4 K slices (issue 22)
 #   inv-attn            scripts/bench_invariant_attention.py: the invariant attention tile's launches on decode rows (issue 22)
 #   moe-decode          scripts/bench_moe_decode.py: one-token MoE GEMVs, streaming variant sweep, plain read
 #   spec-profile-32     scripts/spec_profile.py --batch 32: W8 batch 32, none vs n-gram (issue 19)
@@ -209,6 +210,8 @@ run_step() {  # run_step STEP LANE_DIR PORT
       profile_invariant_pair "$dir" 256 256 ;;
     inv-gemm)  # issue 22: the invariant GEMM's launches (tiles, warps, stages) vs cuBLAS on W1's shapes, same bits or not
       python3 scripts/bench_invariant_gemm.py --out "$dir/inv-gemm.json" ;;
+    inv-gemm-splits)  # issue 22: the same for o/down at K slice counts 1, 2 and 4 (the table keeps the best count)
+      python3 scripts/bench_invariant_gemm.py --splits 1,2,4 --shapes o,down --out "$dir/inv-gemm-splits.json" ;;
     inv-attn)  # issue 22: batch-invariant mode's attention launches (BLOCK_N, warps, stages) on W1-like decode rows
       python3 scripts/bench_invariant_attention.py --out "$dir/inv-attn.json" ;;
     moe-decode)  # issue 21: the one-token MoE GEMVs vs the streaming variant (tile sweep) vs a plain read

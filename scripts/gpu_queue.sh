@@ -23,8 +23,13 @@
 #      runs; target 1.2x). What is left of the mode's cost, from profile-bi256 (lease 29): the
 #      invariant GEMM 46.6 ms against ~36 for cuBLAS (the LM head above 128 rows, 184 vs 150 us at
 #      256; the narrow o/down weights), the prefill kernel on decode rows ~4 % slower than the split
-#      decode kernel at 256 rows. Re-sweep with more launches first ('inv-gemm+inv-attn@0'), then
-#      'ours:W1-bi+vllm:W1-bi+ours:W1-bi+vllm:W1-bi@0' with vLLM staged.
+#      decode kernel at 256 rows, and 16-row tiles on prompt chunks. Prepared, unmeasured: the
+#      GEMM sweep of other K slice counts for o/down (bench_invariant_gemm.py --splits 1,2,4, then
+#      --write-from), and the attention row sums on the tensor cores (ROWSUM_MMA: inv-attn's last
+#      part says whether 16/32/64-row tiles then give the same bits and what a 64-row tile saves on
+#      prompt chunks; if the same, the backend can take prefill_config's BLOCK_M in the mode).
+#      So: the steps
+#      ('inv-gemm-splits+inv-attn@0') first, then 'ours:W1-bi+vllm:W1-bi+ours:W1-bi+vllm:W1-bi@0' with vLLM staged.
 #   2. Issue 25, W11-awq at ~44 % of the int4 roofline (target 75 %): 'profile-graphs@0' for the
 #      GEMV's critical-path time with PIPE on (2.73 ms a token before it).
 set -u

@@ -79,16 +79,29 @@ def fp16_query(q):
 
 
 @triton.jit
-def softmax_accumulate(acc, m_i, l_i, s, v, IEEE: tl.constexpr):
+def softmax_accumulate(acc, m_i, l_i, s, v, IEEE: tl.constexpr, ROWSUM_MMA: tl.constexpr = False):
     """One key tile of the online softmax: rows' scores s [R, BLOCK_N] (log2 domain, masked keys
     -inf, each row's running max finite afterwards) and values v [BLOCK_N, D] into the running
     (acc [R, D] unnormalized, m_i [R] max, l_i [R] sum of 2^(s - m_i)). Shared by the prefill and
-    decode kernels."""
+    decode kernels.
+
+    ROWSUM_MMA: the tile's row sums on the tensor cores, as P (in v's dtype, the P of the PV
+    product) times a ones matrix, instead of tl.sum's tree over the threads that hold the row.
+    That tree follows the tile's layout (BLOCK_M, warps); an MMA's sum over its K dimension did not
+    change with the tile in any of 1,630 launches of kernels/invariant_gemm.py (lease 28), and the
+    max and the elementwise ops are exact, so with it a row's bits would depend on BLOCK_N alone
+    (a batch-invariant candidate; scripts/bench_invariant_attention.py checks it on the GPU)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, IEEE)
+    if ROWSUM_MMA:
+        pv = p.to(v.dtype)
+        # every column of P @ ones is the row sum; max picks one of the equal values exactly
+        l_i = l_i * alpha + tl.max(mma(pv, tl.full([v.shape[0], 16], 1.0, v.dtype), IEEE), 1)
+        acc = acc * alpha[:, None] + mma(pv, v, IEEE)
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, IEEE)
     return acc, m_new, l_i
 
 
@@ -104,6 +117,7 @@ def _attend_key_range(
     stride_cb, stride_cs, stride_cd,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
+    ROWSUM_MMA: tl.constexpr = False,
 ):
     d = tl.arange(0, D_PAD)
     for n0 in range(start, end, BLOCK_N):
@@ -126,7 +140,7 @@ def _attend_key_range(
             causal = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
             s = tl.where(causal, s, float("-inf"))
         # every row sees key 0, which lies in the first tile walked: m_new is finite from then on
-        acc, m_i, l_i = softmax_accumulate(acc, m_i, l_i, s, v, IEEE)
+        acc, m_i, l_i = softmax_accumulate(acc, m_i, l_i, s, v, IEEE, ROWSUM_MMA)
     return acc, m_i, l_i
 
 
@@ -158,6 +172,7 @@ def _prefill_kernel(
     KV_FP8: tl.constexpr,  # K/V are float8 e4m3: widened (WIDEN_F16: to float16, else the query's dtype)
     IEEE: tl.constexpr,  # float32 cache: full-precision products (tl.dot's default is TF32)
     WIDEN_F16: tl.constexpr = False,  # FP8 only: the products in float16 (decode_attention's docstring)
+    ROWSUM_MMA: tl.constexpr = False,  # the softmax row sums on the tensor cores (softmax_accumulate)
 ):
     # reversed: within a sequence the last tiles see the most keys, so start them first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -205,10 +220,10 @@ def _prefill_kernel(
     kv_end = ctx + tl.minimum(q_tile_start + BLOCK_Q, q_len)  # one past the last key needed
     acc, m_i, l_i = _attend_key_range(
         acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, 0, full_end, qk_scale,
-        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, KV_FP8, IEEE)
+        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, KV_FP8, IEEE, ROWSUM_MMA)
     acc, m_i, l_i = _attend_key_range(
         acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, full_end, kv_end, qk_scale,
-        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, KV_FP8, IEEE)
+        stride_cb, stride_cs, stride_cd, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, KV_FP8, IEEE, ROWSUM_MMA)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only padding rows can have l == 0
     out = acc / l_i[:, None]

@@ -192,14 +192,16 @@ def check_store_kv(case: PagedCase) -> Errors:
     return (0.0, 0.0) if same_nan and exact else (float("inf"), float("inf"))
 
 
-def check_prefill(case: PagedCase, invariant: bool = False) -> Errors:
-    """invariant: the batch-invariant mode's launch (every key tile through the masked path)."""
+def check_prefill(case: PagedCase, invariant: bool = False, config: dict | None = None) -> Errors:
+    """invariant: the batch-invariant mode's launch (every key tile through the masked path);
+    config: launch options over the kernel's own (e.g. ROWSUM_MMA)."""
     from minivllm.kernels.prefill_attention import prefill_attention
 
     out = torch.full_like(case.query, float("nan"))
     q_lens = [b - a for a, b in zip(case.qsl_list, case.qsl_list[1:])]
     prefill_attention(case.query, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
-                      case.block_tables, case.scale, max_query_len=max(q_lens), out=out, invariant=invariant)
+                      case.block_tables, case.scale, max_query_len=max(q_lens), out=out, invariant=invariant,
+                      config=config)
     if case.query.shape[0] > case.num_valid and not torch.isnan(out[case.num_valid :]).all():
         return float("inf"), float("inf")  # padding rows must be left alone
     return errors(out[: case.num_valid], reference(case))

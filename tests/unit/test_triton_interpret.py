@@ -42,6 +42,11 @@ record("prefill fp16 d128 gqa4 bs32", f16, checks.check_prefill(case(mixed, (8, 
 record("prefill fp32 d64 gqa4 invariant", f32, checks.check_prefill(case(mixed, (12, 4), 64, 16, f32, 14), invariant=True))
 # 16-bit heads of <= 128 take batch-invariant mode's own launch (128 keys a tile, 3 stages)
 record("prefill fp16 d128 gqa2 invariant", f16, checks.check_prefill(case(mixed, (8, 4), 128, 16, f16, 15), invariant=True))
+# the row sums on the tensor cores (softmax_accumulate's ROWSUM_MMA), 64- and 16-row tiles
+record("prefill fp16 d128 gqa2 invariant rowsum-mma", f16, checks.check_prefill(
+    case(mixed, (8, 4), 128, 16, f16, 16), invariant=True, config={"BLOCK_M": 64, "ROWSUM_MMA": True}))
+record("prefill fp32 d64 gqa4 rowsum-mma", f32, checks.check_prefill(
+    case(mixed, (12, 4), 64, 16, f32, 17), invariant=True, config={"BLOCK_M": 16, "ROWSUM_MMA": True}))
 record("prefill fp32 d128 gqa4 decode-only", f32, checks.check_prefill(case(decode, (8, 2), 128, 16, f32, 5)))
 record("decode fp32 d64 gqa1 bs16 auto", f32, checks.check_decode(case(decode, (4, 4), 64, 16, f32, 6)))
 record("decode fp16 d128 gqa4 bs32 auto", f16, checks.check_decode(case(decode, (8, 2), 128, 32, f16, 7)))
