@@ -90,22 +90,22 @@ def sweep(name: str, k: int, n: int, rows: int, split: int) -> dict:
             got = ig.invariant_matmul(x, ws[0], tile=t, in_program=in_program, split=split)
             same = bool(torch.equal(got, base))
             err = (got.float() - base.float()).abs().max().item()
-            us = time_graph(lambda i, t=t, p=in_program: ig.invariant_matmul(x, ws[i], tile=t, in_program=p, split=split),
-                            copies)
+            us = time_graph(
+                lambda i, t=t, p=in_program: ig.invariant_matmul(x, ws[i], tile=t, in_program=p, split=split), copies)
         except Exception as e:  # noqa: BLE001 - a launch the compiler refuses (shared memory): skip it
             print(f"{name} rows {rows} {t} {in_program}: failed ({type(e).__name__}: {e})"[:200], flush=True)
             continue
         out["launches"].append({"tile": list(t), "in_program": in_program, "us": us, "same_bits": same,
                                 "max_abs_diff": err})
-    engine = out["launches"][0]
+    fixed_run = out["launches"][0]
     same = [r for r in out["launches"] if r["same_bits"]]
     best_same = min(same, key=lambda r: r["us"])
     best_any = min(out["launches"], key=lambda r: r["us"])
-    out.update(fixed_us=engine["us"], best_same=best_same, best_any=best_any)
+    out.update(fixed_us=fixed_run["us"], best_same=best_same, best_any=best_any)
+    show = lambda r: f"{r['us']:8.2f} {r['tile']} {r['in_program']}"  # noqa: E731
     print(f"{name:8s} K {k:5d} N {n:6d} rows {rows:5d} split {out['split_k']}: cuBLAS {out['cublas_us']:8.2f} "
-          f"fixed {engine['us']:8.2f} best same-bits {best_same['us']:8.2f} {best_same['tile']} {best_same['in_program']} best any "
-          f"{best_any['us']:8.2f} {best_any['tile']} {best_any['in_program']} (same bits: {sum(r['same_bits'] for r in out['launches'])}/"
-          f"{len(out['launches'])})", flush=True)
+          f"fixed {fixed_run['us']:8.2f} best same-bits {show(best_same)} best any {show(best_any)} "
+          f"(same bits: {len(same)}/{len(out['launches'])})", flush=True)
     del ws
     torch.cuda.empty_cache()
     return out
@@ -169,8 +169,8 @@ def write_table(result: dict) -> str:
         entry.setdefault("us", []).append({"rows": r["rows"], "fixed": round(r["fixed_us"], 2),
                                             "table": round(best["us"], 2), "cublas": round(r["cublas_us"], 2)})
     os.makedirs(CONFIG_DIR, exist_ok=True)
-    entries = [f' "{key}": {{"label": "{e["label"]}", "split_k": {e.get("split_k", 1)},\n  "rows": {json.dumps(e["rows"])},\n'
-               f'  "us": {json.dumps(e["us"])}}}' for key, e in table.items()]
+    entries = [f' "{key}": {{"label": "{e["label"]}", "split_k": {e.get("split_k", 1)},\n'
+               f'  "rows": {json.dumps(e["rows"])},\n  "us": {json.dumps(e["us"])}}}' for key, e in table.items()]
     with open(path, "w") as f:  # a weight to a few lines: rows [max_rows, tile, in_program], us the sweep's times
         f.write("{\n" + ",\n".join(entries) + "\n}\n")
     return path

@@ -12,9 +12,10 @@ padding) does not change its bits. No autotuning by shape of the reduction, no s
 
 K slices. Where a W1-sized batch (about 256 rows, 4 row tiles of 64) would leave the GPU under
 two programs per SM, K is split by a count that is a function of N, K and the SM count alone
-(`split_k_for`; a kept table may name another count for a weight on its GPU): every output element is then the sum of SPLIT_K fp32 partials over fixed K
-ranges, added in the fixed order 0 .. SPLIT_K - 1, the same bits whatever the rows. Qwen3-0.6B's
-o_proj (K 2,048) and down_proj (K 3,072) get 4 slices. Two ways to run the slices, with the same
+(`split_k_for`; a kept table may name another count for a weight on its GPU): every output
+element is then the sum of SPLIT_K fp32 partials over fixed K ranges, added in the fixed order
+0 .. SPLIT_K - 1, the same bits whatever the rows. Qwen3-0.6B's o_proj (K 2,048) and down_proj
+(K 3,072) get 4 slices. Two ways to run the slices, with the same
 bits: across programs (grid z = SPLIT_K; the tile's last program adds the partials from an fp32
 workspace, kernels/split_k.py), the fast way for few rows; or in one program (`in_program`), which
 walks the slices one after another and adds each partial to the running sum in that order, with
