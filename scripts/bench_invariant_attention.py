@@ -38,9 +38,7 @@ LAUNCHES = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 2, 2), (64, 2, 3), (64, 8, 
 
 def current_launch() -> tuple[int, int, int]:
     """The engine's launch today (prefill_config's at the invariant tile, with any env override)."""
-    from minivllm.kernels.prefill_attention import INVARIANT_LAUNCH
-    cfg = prefill_config(HEADS // KV_HEADS, HEAD_DIM, invariant_max_query_len(HEADS // KV_HEADS))
-    cfg.update(INVARIANT_LAUNCH)
+    cfg = prefill_config(HEADS // KV_HEADS, HEAD_DIM, invariant_max_query_len(HEADS // KV_HEADS), invariant=True)
     assert cfg["BLOCK_M"] == INVARIANT_BLOCK_M
     return cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
 

@@ -78,7 +78,7 @@ def sweep(name: str, k: int, n: int, rows: int, split: int) -> dict:
     copies = copies_for(2 * k * n)
     ws = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
-    fixed = (ig.BLOCK_M, ig.block_n_for(n, num_sms(x.device)), ig.BLOCK_K, ig.NUM_WARPS, ig.NUM_STAGES)
+    fixed = ig.fixed_launch(n, num_sms(x.device))
     base = ig.invariant_matmul(x, ws[0], tile=fixed, split=split)
     one = ig.invariant_matmul(x[:1].contiguous(), ws[0], tile=fixed, split=split)
     assert torch.equal(one, base[:1]), f"{name} rows {rows}: the fixed launch is not batch-invariant"

@@ -73,6 +73,12 @@ def block_n_for(n: int, num_sms: int) -> int:
     return BLOCK_N_CHOICES[-1]
 
 
+def fixed_launch(n: int, num_sms: int) -> tuple[int, int, int, int, int]:
+    """The launch without a table (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for a weight of n
+    outputs: the one every row count used before the table."""
+    return BLOCK_M, block_n_for(n, num_sms), BLOCK_K, NUM_WARPS, NUM_STAGES
+
+
 def split_k_for(n: int, k: int, num_sms: int, entry: dict | None = None) -> int:
     """K slices for a weight of n outputs and k inputs (a function of the weight and the GPU
     only): the kept table's count for it (`entry`, table_entry's) if it has one, else 1 or the
@@ -121,7 +127,7 @@ def launch_for(n: int, k: int, m: int, device: torch.device,
     may pick it, as cuBLAS picks its kernels, without breaking the invariance."""
     if entry and entry.get("rows"):
         return bucket_launch(entry["rows"], m)
-    return (BLOCK_M, block_n_for(n, num_sms_of(device)), BLOCK_K, NUM_WARPS, NUM_STAGES), False
+    return fixed_launch(n, num_sms_of(device)), False
 
 
 def bucket_launch(buckets: list, m: int) -> tuple[tuple[int, int, int, int, int], bool]:

@@ -244,7 +244,8 @@ INVARIANT_LAUNCH = dict(zip(("BLOCK_N", "num_warps", "num_stages"),
                             map(int, os.environ.get(INVARIANT_ENV, "128,4,3").split(","))))
 
 
-def prefill_config(group: int, head_dim: int, max_query_len: int, elem_bytes: int = 2) -> dict[str, int]:
+def prefill_config(group: int, head_dim: int, max_query_len: int, elem_bytes: int = 2,
+                   invariant: bool = False) -> dict[str, int]:
     """Tile sizes and launch options (the tuning knobs, bf16/fp16).
 
     BLOCK_M rows hold BLOCK_M // group query tokens; a step whose longest query is short
@@ -253,16 +254,22 @@ def prefill_config(group: int, head_dim: int, max_query_len: int, elem_bytes: in
     BLOCK_M is at most 64: on an H200 (scripts/sweep_prefill_config.py, Qwen3-8B heads) 64 rows,
     64 keys, 4 warps, 2 stages gave 198 TFLOP/s on a burst of 8 fresh prompts and 70 on one
     prompt beside 60 decode rows, against 169 and 44 with 128 rows and 8 warps.
+    invariant (batch-invariant mode): the mode's own INVARIANT_LAUNCH over these, for 16-bit K/V
+    with head_dim <= 128, the measured case; fp32 and head_dim > 128 keep the narrower key tiles
+    (shared memory).
     """
     big = head_dim > 128 or elem_bytes > 2
     rows_needed = triton.next_power_of_2(max(1, max_query_len) * group)
     block_m = max(16, triton.next_power_of_2(group), min(64, rows_needed))
-    return {
+    cfg = {
         "BLOCK_M": block_m,
         "BLOCK_N": 32 if big else 64,
         "num_warps": 8 if block_m >= 128 else 4,
         "num_stages": 2,
     }
+    if invariant and not big:
+        cfg.update(INVARIANT_LAUNCH)
+    return cfg
 
 
 def prefill_attention(
@@ -299,11 +306,7 @@ def prefill_attention(
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_scale, v_scale = kv_scale_args(fp8, k_scale, v_scale, k_cache)
     cfg = prefill_config(group, head_dim, num_tokens if max_query_len is None else max_query_len,
-                         query.element_size() if fp8 else k_cache.element_size())
-    if invariant and cfg["BLOCK_N"] == 64:
-        # 16-bit K/V with head_dim <= 128, the measured case; fp32 and head_dim > 128 keep
-        # prefill_config's narrower key tiles (shared memory)
-        cfg.update(INVARIANT_LAUNCH)
+                         query.element_size() if fp8 else k_cache.element_size(), invariant)
     cfg.update(config or {})
     block_q = cfg["BLOCK_M"] // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)

@@ -10,6 +10,16 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
+def random_operands(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int,
+                    bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [m, k], weight [n, k] scaled by 1/sqrt(k), and a bias [n] (or None), drawn on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
 def check_matmul(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int, bias: bool,
                  bitwise: bool = True) -> list[str]:
     """Problems found (empty: all good): the product within tolerance of torch's (fp32 reference),
@@ -17,10 +27,7 @@ def check_matmul(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: 
     Under the interpreter tl.dot is numpy's matmul of the tile, whose bits depend on the tile's
     contents: there only the product is checked."""
     from minivllm.kernels.invariant_gemm import invariant_matmul
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(dtype).to(device)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(device)
-    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    x, w, b = random_operands(m, n, k, dtype, device, seed, bias)
     y = invariant_matmul(x, w, b)
     ref = x.float() @ w.float().T + (b.float() if b is not None else 0)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -40,13 +47,6 @@ def check_matmul(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: 
     return problems
 
 
-def fixed_launch(n: int, device: str) -> tuple[int, int, int, int, int]:
-    """The launch every row count used before the launch table (kernels/invariant_gemm.py)."""
-    from minivllm.kernels import invariant_gemm as ig
-    from minivllm.kernels.device import num_sms
-    return ig.BLOCK_M, ig.block_n_for(n, num_sms(device)), ig.BLOCK_K, ig.NUM_WARPS, ig.NUM_STAGES
-
-
 def check_launches(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int, bias: bool,
                    launches: list[tuple[tuple[int, int, int, int, int], bool]],
                    base_tile: tuple[int, int, int, int, int] | None = None) -> list[str]:
@@ -56,12 +56,10 @@ def check_launches(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed
     (the weight's K slices walked in one program and summed in order) must equal the split-K
     fix-up across programs. base_tile: compare with that tile's split-K launch instead (under the
     interpreter, whose products depend on the tile)."""
-    from minivllm.kernels.invariant_gemm import invariant_matmul
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(dtype).to(device)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(device)
-    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
-    base = invariant_matmul(x, w, b, tile=base_tile or fixed_launch(n, device))
+    from minivllm.kernels.device import num_sms
+    from minivllm.kernels.invariant_gemm import fixed_launch, invariant_matmul
+    x, w, b = random_operands(m, n, k, dtype, device, seed, bias)
+    base = invariant_matmul(x, w, b, tile=base_tile or fixed_launch(n, num_sms(device)))
     problems = []
     for tile, in_program in launches:
         got = invariant_matmul(x, w, b, tile=tile, in_program=in_program)

@@ -102,6 +102,7 @@ def test_launch_table_buckets_and_kept_table():
                 assert bm in (16, 32, 64, 128) and pow2(bn) and 16 <= bn <= 256 and bk in (32, 64, 128, 256), key
                 assert warps in (4, 8) and 2 <= stages <= 5 and isinstance(in_program, bool), key
     assert ig.table_entry(1024, 2048, torch.device("cpu")) is None
+    assert ig.invariant_matmul(torch.empty(0, 64), torch.empty(32, 64)).shape == (0, 32)  # no rows: no launch
     assert ig.launch_for(1024, 2048, 256, torch.device("cpu"))[1] is False
     # a table's K slice count replaces the derived one for its weight only
     assert ig.split_k_for(1024, 2048, 132, {"split_k": 2, "rows": buckets}) == 2
