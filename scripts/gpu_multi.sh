@@ -183,8 +183,8 @@ run_step() {  # run_step STEP LANE_DIR PORT
     w12-vllm)  # W12: minivllm's offload tier beside vLLM without and with its CPU offloading (issue 24)
       OUT=$dir W12_RUNS="${W12_VLLM_RUNS:-offload vllm vllm-offload}" bash scripts/gpu_w12.sh ;;
     awq-gemv-tiles)  # issue 25: a tile sweep of the W4A16 GEMV on the same shapes (a few minutes)
-      python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv-tiles.json" \
-        --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 32,512,4,4 256,256,8,3 64,128,4,4" ;;
+      python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-tiles.json" \
+        --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 128,128,4,3 256,128,8,3 32,256,4,3" ;;
     awq-gemv)  # issue 25: the W4A16 GEMV alone on Llama-3.1-8B's batch-1 shapes (scripts/bench_w4a16_gemv.py),
       # W11-awq's fp16 activations (AWQ_GEMV_BF16=1: bf16 too); variants: split-K, plain and packed half2 paths
       [ -n "${AWQ_GEMV_BF16:-}" ] && python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv.json"

@@ -94,7 +94,9 @@ def split_k_for(n: int, k: int, num_sms: int, entry: dict | None = None) -> int:
     return split
 
 
-TABLE_ENV = "MINIVLLM_INVARIANT_GEMM_TABLE"  # "0": the fixed launch at every row count (A/B runs)
+# "0": the fixed launch at every row count; a path ending in .json: that table instead of the
+# kept one (A/B runs against an earlier sweep, e.g. docs/perf-data's copy of lease 30's table)
+TABLE_ENV = "MINIVLLM_INVARIANT_GEMM_TABLE"
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "invariant_gemm")
 
 
@@ -102,8 +104,9 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
 def launch_table(device_name: str) -> dict:
     """The kept sweep for this GPU: "N=..,K=.." -> {"split_k": K slices (optional), "rows":
     [[max_rows, tile, in_program], ...] in rising max_rows} (scripts/bench_invariant_gemm.py
-    --write-from); {} when none was kept."""
-    return read_table(table_file(CONFIG_DIR, device_name))
+    --write-from); {} when none was kept. MINIVLLM_INVARIANT_GEMM_TABLE=<file>.json replaces it."""
+    path = os.environ.get(TABLE_ENV, "")
+    return read_table(path if path.endswith(".json") else table_file(CONFIG_DIR, device_name))
 
 
 @functools.lru_cache(maxsize=None)

@@ -107,3 +107,24 @@ def test_launch_table_buckets_and_kept_table():
     # a table's K slice count replaces the derived one for its weight only
     assert ig.split_k_for(1024, 2048, 132, {"split_k": 2, "rows": buckets}) == 2
     assert ig.split_k_for(1024, 2048, 132, {"rows": buckets}) == ig.split_k_for(1024, 2048, 132) == 4
+
+
+def test_table_env_names_another_table(monkeypatch, tmp_path):
+    """MINIVLLM_INVARIANT_GEMM_TABLE=<file>.json reads that table instead of the GPU's kept one
+    (A/B runs against an earlier sweep); any other value keeps the kept table."""
+    import json
+
+    from minivllm.kernels import invariant_gemm as ig
+    other = tmp_path / "old.json"
+    other.write_text(json.dumps({"N=1024,K=2048": {"split_k": 4, "rows": [[1, [16, 32, 128, 4, 4], False]]}}))
+    monkeypatch.setenv(ig.TABLE_ENV, str(other))
+    ig.launch_table.cache_clear()
+    try:
+        assert ig.launch_table("NVIDIA H100 80GB HBM3")["N=1024,K=2048"]["split_k"] == 4
+        monkeypatch.setenv(ig.TABLE_ENV, "1")
+        ig.launch_table.cache_clear()
+        kept = ig.read_table(ig.table_file(ig.CONFIG_DIR, "NVIDIA H100 80GB HBM3"))
+        assert ig.launch_table("NVIDIA H100 80GB HBM3") == kept
+        assert kept["N=1024,K=2048"]["split_k"] == 1  # lease 31's sweep: one K slice for o_proj
+    finally:
+        ig.launch_table.cache_clear()
