@@ -17,7 +17,9 @@ graph time; the dense row also shows its own bf16 bytes.
 
 --tiles: a sweep instead (graph times only): each "BLOCK_N,BLOCK_K,num_warps,num_stages" GEMV
 tile at each split-K that leaves every program a K slice, per shape; prints the best per shape
-and the per-token sum of the bests (what W4A16_CONFIGS could give with a tile per shape).
+and the per-token sum of the bests (what a tile per shape gives).
+--write-from JSON (no GPU): keeps such a sweep's best (tile, split) per shape in the GEMV's table,
+kernels/configs/w4a16_gemv/<GPU>.json, which w4a16_gemm reads for one or two rows of those weights.
 
 --dry-run (no GPU needed) prints the shapes, their bytes, the default split-K (for an H100's
 132 SMs unless a GPU is present) and the weight copies, and times nothing. A full run takes
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -158,13 +161,40 @@ def sweep_tiles(rows: list[dict], tiles: list[tuple[int, int, int, int]]) -> lis
     return results
 
 
+def write_table(report: dict) -> str:
+    """Keep a --tiles sweep: each shape's fastest (tile, split) in kernels/configs/w4a16_gemv/<GPU>.json
+    (read by w4a16_gemm.gemv_launch), beside the default launch's time; other weights keep their entries."""
+    from minivllm.kernels.tuned_tables import read_table, table_file
+    from minivllm.kernels.w4a16_gemm import GEMV_CONFIG_DIR, gemv_key
+    path = table_file(GEMV_CONFIG_DIR, report["device"])
+    table = read_table(path)
+    default = {r["shape"]: (r["config"], r["default_split"]) for r in report["plan"]}
+    for shape, best in report["best"].items():
+        row = next(r for r in report["plan"] if r["shape"] == shape)
+        cfg, split = default[shape]
+        now = next((t["graph_us"] for t in report["tiles"] if t["shape"] == shape and t["split_k"] == split
+                    and t["tile"] == [cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]]), None)
+        table[gemv_key(row["N"], row["K"], report["group"])] = {
+            "label": f"llama-3.1-8b:{shape}", "tile": best["tile"], "split_k": best["split_k"],
+            "us": round(best["graph_us"], 2), "default_us": None if now is None else round(now, 2)}
+    os.makedirs(GEMV_CONFIG_DIR, exist_ok=True)
+    with open(path, "w") as f:
+        f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(table.items())) + "\n}\n")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the plan and the results as JSON")
     ap.add_argument("--dry-run", action="store_true", help="print the shapes and splits; time nothing (no GPU needed)")
     ap.add_argument("--tiles", default=None, help='sweep GEMV tiles: "BN,BK,warps,stages ..." (graph times only)')
     ap.add_argument("--fp16", action="store_true", help="float16 activations and scales (W11-awq's dtype)")
+    ap.add_argument("--write-from", metavar="JSON", help="no GPU: keep the best tiles of a --tiles sweep's --out file")
     args = ap.parse_args()
+    if args.write_from:
+        with open(args.write_from) as f:
+            print("wrote", write_table(json.load(f)))
+        return
     global DTYPE
     if args.fp16:
         DTYPE = torch.float16

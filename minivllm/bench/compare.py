@@ -123,9 +123,11 @@ def _jobs() -> list[Job]:
     awq_tiny = _LAT_TINY + ["--quant-group-size", "32"]
     j += _pair("W11-awq", awq, awq, 130, 200, awq_tiny)
     # issue 25: the W4A16 GEMV's plain path (the packed half2 one off), and without its pipelined
-    # K loop (w4a16_gemm.GEMV_PIPE), each an A/B in one lease
+    # K loop (w4a16_gemm.GEMV_PIPE), and with the default launch for every weight instead of the kept
+    # per-weight table (w4a16_gemm.GEMV_TABLE), each an A/B in one lease
     j += [_ours_ab("W11-awq-plain", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_HALF2": "0"}),
-          _ours_ab("W11-awq-nopipe", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_PIPE": "0"})]
+          _ours_ab("W11-awq-nopipe", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_PIPE": "0"}),
+          _ours_ab("W11-awq-notable", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_TABLE": "0"})]
     # programmatic dependent launch off (kernels/pdl.py; on by default on Hopper): the A/B in one lease
     nopdl = {"MINIVLLM_PDL": "0"}
     j += [_ours_ab("W10-decode-nopdl", lat10, 180, lat10_tiny, nopdl),

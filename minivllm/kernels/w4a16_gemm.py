@@ -33,6 +33,7 @@ this table). The reference is quant/w4.py: w4a16_reference.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -42,6 +43,7 @@ import triton.language as tl
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.pdl import enter_after_previous, pdl_args, prefetch_l2
 from minivllm.kernels.split_k import split_buffers, split_count, store_tile
+from minivllm.kernels.tuned_tables import read_table, table_file
 
 # at this many rows and more: dequantize once, then a dense matmul (cuBLAS)
 DENSE_MIN_ROWS = 256
@@ -69,6 +71,13 @@ GEMV_PIPE = os.environ.get("MINIVLLM_W4A16_GEMV_PIPE", "1") != "0"
 # (lease 7, Llama-3.1-8B batch-1 shapes, in CUDA graphs): at 2, gate_up (448 tiles) ran unsplit
 # in 48.8 us against 41.9 us at split 2; the four linears of a layer take 88 us at 4, 95 us at 2
 PROGRAMS_PER_SM = 4
+# the GEMV's tile and split-K per weight on a GPU model: the kept sweep of scripts/bench_w4a16_gemv.py
+# --tiles (its --write-from), kernels/configs/w4a16_gemv/<GPU>.json, "N=..,K=..,G=.." ->
+# {"tile": [BLOCK_N, BLOCK_K, num_warps, num_stages], "split_k": s}. Weights without an entry keep
+# W4A16_CONFIGS' tile and choose_split_k's split; MINIVLLM_W4A16_GEMV_TABLE=0 keeps them for all
+# (A/B runs: job ours:W11-awq-notable)
+GEMV_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "w4a16_gemv")
+GEMV_TABLE = os.environ.get("MINIVLLM_W4A16_GEMV_TABLE", "1") != "0"
 # the float32 bits of 2^23 (ulp 1): OR-ing a nibble q into them gives the float 2^23 + q exactly
 MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)
 MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2^23
@@ -375,6 +384,30 @@ def w4a16_config(m: int) -> dict[str, int]:
     return next(cfg for bound, cfg in W4A16_CONFIGS if m <= bound)
 
 
+def gemv_key(n: int, k: int, group: int) -> str:
+    return f"N={n},K={k},G={group}"
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_entry(n: int, k: int, group: int, device_index: int) -> dict | None:
+    """The kept sweep's GEMV launch for a weight [K, N] of this group size on this GPU (None: none)."""
+    table = read_table(table_file(GEMV_CONFIG_DIR, torch.cuda.get_device_name(device_index)))
+    return table.get(gemv_key(n, k, group))
+
+
+def gemv_launch(n: int, k: int, group: int, device: torch.device) -> tuple[dict[str, int], int | None]:
+    """(config, split_k) of the batch-1 GEMV for this weight: the kept table's on a GPU that has
+    one, else W4A16_CONFIGS' tile and None (choose_split_k decides)."""
+    cfg = dict(w4a16_config(1))
+    entry = None
+    if GEMV_TABLE and device.type == "cuda":
+        entry = gemv_entry(n, k, group, torch.cuda.current_device() if device.index is None else device.index)
+    if entry is None:
+        return cfg, None
+    cfg.update(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), entry["tile"]))
+    return cfg, entry["split_k"]
+
+
 def choose_split_k(m: int, n: int, k: int, cfg: dict[str, int], num_sms: int) -> int:
     """Cut K until the grid has about PROGRAMS_PER_SM programs per SM (a power of two, at most
     MAX_SPLIT_K and the number of K slices)."""
@@ -390,7 +423,11 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     n = qweight.shape[1]
     assert qweight.shape[0] * 8 == k and scales.shape == zeros.shape and scales.shape[1] == n, (x.shape, qweight.shape)
     g = k if group_size == -1 else group_size
-    cfg = dict(config or w4a16_config(m))
+    if config is None and m <= W4A16_CONFIGS[0][0]:  # the GEMV's rows: its tuned launch for this weight
+        cfg, kept_split = gemv_launch(n, k, g, x.device)
+        split_k = kept_split if split_k is None else split_k
+    else:
+        cfg = dict(config or w4a16_config(m))
     if split_k is None:
         split_k = choose_split_k(m, n, k, cfg, num_sms_of(x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

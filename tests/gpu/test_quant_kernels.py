@@ -379,3 +379,23 @@ def test_quantized_default_model_on_gpu(quantized_dirs, fmt: str, kv: str) -> No
     # used and the split-K counters (lease 22: 64.03 MiB left after the first parameter, against a
     # KV cache of gigabytes at gpu_memory_utilization 0.3)
     assert torch.cuda.memory_allocated() - allocated_before < 256 << 20
+
+
+@gpu
+def test_w4a16_gemv_kept_launches() -> None:
+    """Every launch the kept GEMV table gives this GPU (kernels/configs/w4a16_gemv/, what the engine
+    runs for one or two rows of those weights) against the reference, in both 16-bit dtypes."""
+    from minivllm.kernels import w4a16_gemm as w4k
+    from minivllm.kernels.tuned_tables import read_table, table_file
+    table = read_table(table_file(w4k.GEMV_CONFIG_DIR, torch.cuda.get_device_name(0)))
+    if not table:
+        pytest.skip("no kept GEMV table for this GPU")
+    for key in table:
+        n, k, g = (int(part.split("=")[1]) for part in key.split(","))
+        cfg, split = w4k.gemv_launch(n, k, g, torch.device(DEV))
+        assert cfg["BLOCK_N"] == table[key]["tile"][0] and split == table[key]["split_k"], key
+        for m in (1, 2):
+            assert check_w4a16(m, n, k, g, torch.float16, DEV, seed=m, split_k=split, config=cfg) < 1e-2, key
+            assert check_w4a16(m, n, k, g, torch.bfloat16, DEV, seed=m, split_k=split, config=cfg) < 2e-2, key
+        x, qw, s, z, _ = w4_case(1, n, k, g, torch.float16, DEV, seed=5)  # the engine's call takes the kept launch
+        assert torch.equal(w4k.w4a16_gemm(x, qw, s, z, g), w4k.w4a16_gemm(x, qw, s, z, g, split_k=split, config=cfg))

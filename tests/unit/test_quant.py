@@ -266,3 +266,23 @@ def test_fused_fp8_activation_quant_keeps_the_tokens(tmp_path) -> None:
     assert all(m.fp8_act for m in model.modules() if isinstance(m, MLP))
     assert fused == plain
     llm.llm_engine.shutdown()
+
+
+def test_w4a16_gemv_table_is_well_formed_and_cpu_keeps_the_default() -> None:
+    """The kept GEMV launches (kernels/configs/w4a16_gemv/) name tiles the kernel takes and a
+    split that leaves every program a K slice; the CPU never reads them."""
+    from pathlib import Path
+
+    from minivllm.kernels import w4a16_gemm as w4k
+    tables = list(Path(w4k.GEMV_CONFIG_DIR).glob("*.json"))
+    assert tables, "no kept GEMV table"
+    for path in tables:
+        for key, entry in json.loads(path.read_text()).items():
+            n, k, g = (int(part.split("=")[1]) for part in key.split(","))
+            block_n, block_k, warps, stages = entry["tile"]
+            assert block_n & (block_n - 1) == 0 and 16 <= block_n <= 512, key
+            assert block_k % g == 0 or g % block_k == 0, key  # a K step holds whole groups, or a group whole steps
+            assert block_k % 8 == 0 and warps in (2, 4, 8) and 1 <= stages <= 5, key
+            assert 1 <= entry["split_k"] <= min(w4k.MAX_SPLIT_K, k // block_k), key
+    cfg, split = w4k.gemv_launch(4096, 4096, 128, torch.device("cpu"))
+    assert cfg == w4k.w4a16_config(1) and split is None
