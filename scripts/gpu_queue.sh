@@ -16,22 +16,17 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 30, 2026-11-27; a session's 30 minutes count
-# 50-100 % of held time, so order by what closes). Staging all of vLLM takes ~1.5 minutes of held
+# What the single-GPU issues still need (after lease 35, 2026-11-27; a session's 30 minutes count
+# 67-100 % of held time, so order by what closes). Staging all of vLLM takes ~1.5 minutes of held
 # time; name only the test files (and GPU_TESTS_K) that need a run.
-#   1. Issue 22, W1-bi at 1.15-1.19x vLLM's invariant mode on first runs (1.11-1.14x on second
-#      runs; target 1.2x). What is left of the mode's cost, from profile-bi256 (lease 29): the
-#      invariant GEMM 46.6 ms against ~36 for cuBLAS (the LM head above 128 rows, 184 vs 150 us at
-#      256; the narrow o/down weights), the prefill kernel on decode rows ~4 % slower than the split
-#      decode kernel at 256 rows, and 16-row tiles on prompt chunks. Prepared, unmeasured: the
-#      GEMM sweep of other K slice counts for o/down (bench_invariant_gemm.py --splits 1,2,4, then
-#      --write-from), and the attention row sums on the tensor cores (ROWSUM_MMA: inv-attn's last
-#      part says whether 16/32/64-row tiles then give the same bits and what a 64-row tile saves on
-#      prompt chunks; if the same, the backend can take prefill_config's BLOCK_M in the mode).
-#      So: the steps
-#      ('inv-gemm-splits+inv-attn@0') first, then 'ours:W1-bi+vllm:W1-bi+ours:W1-bi+vllm:W1-bi@0' with vLLM staged.
-#   2. Issue 25, W11-awq at ~44 % of the int4 roofline (target 75 %): 'profile-graphs@0' for the
-#      GEMV's critical-path time with PIPE on (2.73 ms a token before it).
+#   1. Issue 25, W11-awq at 49 % of the int4 roofline (3.25 ms a token; target 75 % = 2.12 ms).
+#      The kernels other than the GEMV take ~0.87 ms a token (lease 32's profile-awq1: LM head 0.37,
+#      attention 0.19, norms 0.14, the rest 0.17), so 75 % needs the GEMV at the copy rate. What is
+#      left: a GEMV weight layout each program reads as one contiguous stream, and the norms and
+#      rotary fused into the GEMVs. A same-lease vLLM Marlin pair ('ours:W11-awq+vllm:W11-awq@0',
+#      vLLM staged) was last run in lease 17 (237 tok/s; ours 308 now).
+#   2. Issue 22 (W1-bi 1.24-1.29x vLLM on first runs, 1.16-1.20x on second runs): to widen the
+#      second-run margin, the LM head above 128 rows (184 vs 150 us at 256) and gate_up above 256.
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue

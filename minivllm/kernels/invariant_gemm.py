@@ -32,8 +32,9 @@ MINIVLLM_INVARIANT_GEMM_TABLE=0 get the one fixed launch (64 rows, BLOCK_N by N,
 4 warps, 3 stages). tests/gpu/test_invariant_gemm.py checks the property for a set of launches
 and for every launch of the kept table; a new GPU's table should be swept with the same checks.
 
-Cost (H100, Qwen3-0.6B, a decode step's linears and LM head): 1.24 ms at 256 rows against 1.01
-for cuBLAS and 1.41 with the fixed launch; docs/perf.md states the mode's cost.
+Cost (H100, Qwen3-0.6B, a decode step's linears and LM head): 1.09 ms at 256 rows against 1.01
+for cuBLAS and 1.41 with the fixed launch (o_proj and down_proj in one K slice since lease 31's
+sweep); docs/perf.md states the mode's cost.
 """
 
 from __future__ import annotations

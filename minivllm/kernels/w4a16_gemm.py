@@ -28,7 +28,9 @@ once per loaded zero tile. Zero points are integers 0..15 (quant/w4.py), so both
 and f - zb = q - z exactly: the same bits as (q.to(float32) - z) * s.
 
 Tile configs: `W4A16_CONFIGS` (scripts/sweep_w4a16.py times the candidates on the GPU and prints
-this table). The reference is quant/w4.py: w4a16_reference.
+this table); for one or two rows, the kept per-weight launch of the GEMV when this GPU has one
+(`gemv_launch`, from scripts/bench_w4a16_gemv.py --tiles / --write-from). The reference is
+quant/w4.py: w4a16_reference.
 """
 
 from __future__ import annotations
