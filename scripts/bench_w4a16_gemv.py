@@ -21,6 +21,10 @@ and the per-token sum of the bests (what a tile per shape gives).
 --write-from JSON (no GPU): keeps such a sweep's best (tile, split) per shape in the GEMV's table,
 kernels/configs/w4a16_gemv/<GPU>.json, which w4a16_gemm reads for one or two rows of those weights.
 
+--sequence default,kept,T.json: whole tokens instead: 32 layers' qkv, o, gate_up and down GEMVs
+back to back in one CUDA graph (the model's 3.7 GB of weights) per GEMV table, as the engine's
+decode graph runs them; the per-shape sweep times each GEMV alone and can rank tables otherwise.
+
 --dry-run (no GPU needed) prints the shapes, their bytes, the default split-K (for an H100's
 132 SMs unless a GPU is present) and the weight copies, and times nothing. A full run takes
 about a minute, mostly Triton compiles; no network is used.
@@ -161,6 +165,46 @@ def sweep_tiles(rows: list[dict], tiles: list[tuple[int, int, int, int]]) -> lis
     return results
 
 
+LAYERS = 32  # Llama-3.1-8B's
+
+
+def table_launches(rows: list[dict], table: dict | None) -> dict[str, tuple[dict, int]]:
+    """shape -> (config, split) that a GEMV table (a kept-table dict; None: the defaults) gives."""
+    from minivllm.kernels.w4a16_gemm import gemv_key
+    out = {}
+    for row in rows:
+        entry = (table or {}).get(gemv_key(row["N"], row["K"], GROUP))
+        cfg, split = dict(row["config"]), row["default_split"]
+        if entry is not None:
+            cfg.update(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), entry["tile"]))
+            split = entry["split_k"]
+        out[row["shape"]] = (cfg, split)
+    return out
+
+
+def time_sequence(rows: list[dict], tables: dict[str, dict | None]) -> dict[str, float]:
+    """A token's linears as the engine's decode graph runs them, per candidate table: LAYERS layers
+    of their own weights (the model's 3.7 GB, so nothing stays in L2), each layer's qkv, o, gate_up
+    and down GEMVs back to back in one graph (with PDL where the engine has it). ms a token. The
+    per-shape sweep times each GEMV alone and can rank tables otherwise (lease 35)."""
+    from minivllm.kernels.w4a16_gemm import w4a16_gemm
+    xs = {r["shape"]: torch.randn(1, r["K"], device="cuda", dtype=DTYPE) for r in rows}
+    layers = [{r["shape"]: weights(r["K"], r["N"], 1)[0] for r in rows} for _ in range(LAYERS)]
+    out = {}
+    for name, table in tables.items():
+        launch = table_launches(rows, table)
+
+        def layer(i: int, launch=launch) -> None:
+            for shape, (cfg, split) in launch.items():
+                qw, sc, z = layers[i][shape]
+                w4a16_gemm(xs[shape], qw, sc, z, GROUP, split_k=split, config=cfg)
+        out[name] = time_graph(layer, LAYERS) * LAYERS / 1e3
+        print(f"sequence {name}: {out[name]:.3f} ms a token of linears", flush=True)
+    del layers
+    torch.cuda.empty_cache()
+    return out
+
+
 def write_table(report: dict) -> str:
     """Keep a --tiles sweep: each shape's fastest (tile, split) in kernels/configs/w4a16_gemv/<GPU>.json
     (read by w4a16_gemm.gemv_launch), beside the default launch's time; other weights keep their entries."""
@@ -190,6 +234,8 @@ def main() -> None:
     ap.add_argument("--tiles", default=None, help='sweep GEMV tiles: "BN,BK,warps,stages ..." (graph times only)')
     ap.add_argument("--fp16", action="store_true", help="float16 activations and scales (W11-awq's dtype)")
     ap.add_argument("--write-from", metavar="JSON", help="no GPU: keep the best tiles of a --tiles sweep's --out file")
+    ap.add_argument("--sequence", default=None, metavar="T,...", help="time whole tokens' GEMVs in sequence per "
+                    "table: 'default' (no table), 'kept' (this GPU's), or GEMV table JSON files")
     args = ap.parse_args()
     if args.write_from:
         with open(args.write_from) as f:
@@ -213,7 +259,21 @@ def main() -> None:
               f"default split {r['default_split']}; splits {r['splits']}")
     report = {"device": torch.cuda.get_device_name(0) if on_gpu else None, "num_sms": num_sms, "group": GROUP,
               "runs": RUNS, "graph_calls": GRAPH_CALLS, "plan": rows, "results": []}
-    if tiles and not args.dry_run:
+    if args.sequence:
+        from minivllm.kernels.tuned_tables import read_table, table_file
+        from minivllm.kernels.w4a16_gemm import GEMV_CONFIG_DIR
+        kept = table_file(GEMV_CONFIG_DIR, report["device"] or "NVIDIA H100 80GB HBM3")
+        tables = {name: None if name == "default" else read_table(kept if name == "kept" else name)
+                  for name in args.sequence.split(",")}
+        for name, launch in ((n, table_launches(rows, t)) for n, t in tables.items()):
+            print(f"  table {name}: " + "; ".join(f"{s} {c['BLOCK_N']},{c['BLOCK_K']},{c['num_warps']},"
+                                                 f"{c['num_stages']} split {sp}" for s, (c, sp) in launch.items()))
+        if not args.dry_run:
+            if not on_gpu:
+                raise SystemExit("no CUDA device: use --dry-run to check the shape logic only")
+            torch.manual_seed(0)
+            report["sequence_ms"] = time_sequence(rows, tables)
+    elif tiles and not args.dry_run:
         if not on_gpu:
             raise SystemExit("no CUDA device: use --dry-run to check the shape logic only")
         torch.manual_seed(0)

@@ -25,6 +25,7 @@
 #   dense-gemv          scripts/bench_dense_gemv.py --write: the batch-1 GEMV vs cuBLAS; later steps use the table
 #   profile-bi / profile-moe1 / profile-fp8  scripts/kernel_profile.py: kernel times (issues 22 / 21 / 25)
 #   profile-graphs      kernel_profile.py in CUDA graphs with PDL, critical-path times (W10, W11-awq, W1-bi-like)
+#   awq-gemv-seq        bench_w4a16_gemv.py --sequence: a token's W4A16 GEMVs in one graph per GEMV table (issue 25)
 #   dense-stream        scripts/bench_dense_gemv.py --stream: the streaming dense GEMV's tiles (issue 21)
 #   inv-gemm            scripts/bench_invariant_gemm.py: the invariant GEMM's launches vs cuBLAS, with bit checks (issue 22)
 #   inv-gemm-splits     the same for o/down at 1, 2 and 4 K slices (issue 22)
@@ -182,6 +183,9 @@ run_step() {  # run_step STEP LANE_DIR PORT
       OUT=$dir W12_RUNS=recompute bash scripts/gpu_w12.sh ;;
     w12-vllm)  # W12: minivllm's offload tier beside vLLM without and with its CPU offloading (issue 24)
       OUT=$dir W12_RUNS="${W12_VLLM_RUNS:-offload vllm vllm-offload}" bash scripts/gpu_w12.sh ;;
+    awq-gemv-seq)  # issue 25: a token's four GEMVs x 32 layers in one graph, per GEMV table (the sweep ranks them alone)
+      python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq.json" \
+        --sequence "default,kept,docs/perf-data/2026-11-27/single-gpu/lease35-w4a16-gemv-table-not-kept.json" ;;
     awq-gemv-tiles)  # issue 25: a tile sweep of the W4A16 GEMV on the same shapes (a few minutes)
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-tiles.json" \
         --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 128,128,4,3 256,128,8,3 32,256,4,3" ;;

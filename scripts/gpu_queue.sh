@@ -24,7 +24,9 @@
 #      attention 0.19, norms 0.14, the rest 0.17), so 75 % needs the GEMV at the copy rate. What is
 #      left: a GEMV weight layout each program reads as one contiguous stream, and the norms and
 #      rotary fused into the GEMVs. A same-lease vLLM Marlin pair ('ours:W11-awq+vllm:W11-awq@0',
-#      vLLM staged) was last run in lease 17 (237 tok/s; ours 308 now).
+#      vLLM staged) was last run in lease 17 (237 tok/s; ours 308 now). Before another GEMV table is
+#      kept: 'awq-gemv-seq@0' (unrun) ranks the tables on whole tokens' GEMVs in one graph, since
+#      lease 35's per-shape sweep winner was not faster in the engine.
 #   2. Issue 22 (W1-bi 1.24-1.29x vLLM on first runs, 1.16-1.20x on second runs): to widen the
 #      second-run margin, the LM head above 128 rows (184 vs 150 us at 256) and gate_up above 256.
 set -u
