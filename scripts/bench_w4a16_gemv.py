@@ -170,15 +170,11 @@ LAYERS = 32  # Llama-3.1-8B's
 
 def table_launches(rows: list[dict], table: dict | None) -> dict[str, tuple[dict, int]]:
     """shape -> (config, split) that a GEMV table (a kept-table dict; None: the defaults) gives."""
-    from minivllm.kernels.w4a16_gemm import gemv_key
+    from minivllm.kernels.w4a16_gemm import gemv_entry_launch, gemv_key
     out = {}
     for row in rows:
-        entry = (table or {}).get(gemv_key(row["N"], row["K"], GROUP))
-        cfg, split = dict(row["config"]), row["default_split"]
-        if entry is not None:
-            cfg.update(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), entry["tile"]))
-            split = entry["split_k"]
-        out[row["shape"]] = (cfg, split)
+        cfg, split = gemv_entry_launch((table or {}).get(gemv_key(row["N"], row["K"], GROUP)))
+        out[row["shape"]] = (cfg, split or row["default_split"])
     return out
 
 
@@ -209,7 +205,7 @@ def write_table(report: dict) -> str:
     """Keep a --tiles sweep: each shape's fastest (tile, split) in kernels/configs/w4a16_gemv/<GPU>.json
     (read by w4a16_gemm.gemv_launch), beside the default launch's time; other weights keep their entries."""
     from minivllm.kernels.tuned_tables import read_table, table_file
-    from minivllm.kernels.w4a16_gemm import GEMV_CONFIG_DIR, gemv_key
+    from minivllm.kernels.w4a16_gemm import GEMV_CONFIG_DIR, GEMV_TILE_KEYS, gemv_key
     path = table_file(GEMV_CONFIG_DIR, report["device"])
     table = read_table(path)
     default = {r["shape"]: (r["config"], r["default_split"]) for r in report["plan"]}
@@ -217,7 +213,7 @@ def write_table(report: dict) -> str:
         row = next(r for r in report["plan"] if r["shape"] == shape)
         cfg, split = default[shape]
         now = next((t["graph_us"] for t in report["tiles"] if t["shape"] == shape and t["split_k"] == split
-                    and t["tile"] == [cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]]), None)
+                    and t["tile"] == [cfg[key] for key in GEMV_TILE_KEYS]), None)
         table[gemv_key(row["N"], row["K"], report["group"])] = {
             "label": f"llama-3.1-8b:{shape}", "tile": best["tile"], "split_k": best["split_k"],
             "us": round(best["graph_us"], 2), "default_us": None if now is None else round(now, 2)}

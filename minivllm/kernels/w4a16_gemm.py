@@ -386,28 +386,37 @@ def w4a16_config(m: int) -> dict[str, int]:
     return next(cfg for bound, cfg in W4A16_CONFIGS if m <= bound)
 
 
+GEMV_TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")  # a kept entry's "tile", in order
+
+
 def gemv_key(n: int, k: int, group: int) -> str:
     return f"N={n},K={k},G={group}"
 
 
 @functools.lru_cache(maxsize=None)
-def gemv_entry(n: int, k: int, group: int, device_index: int) -> dict | None:
-    """The kept sweep's GEMV launch for a weight [K, N] of this group size on this GPU (None: none)."""
-    table = read_table(table_file(GEMV_CONFIG_DIR, torch.cuda.get_device_name(device_index)))
-    return table.get(gemv_key(n, k, group))
+def gemv_table(device_name: str) -> dict:
+    """The kept GEMV sweep for this GPU model ({} when none was kept)."""
+    return read_table(table_file(GEMV_CONFIG_DIR, device_name))
+
+
+def gemv_entry_launch(entry: dict | None) -> tuple[dict[str, int], int | None]:
+    """(config, split_k) a kept entry gives the GEMV: W4A16_CONFIGS' tile and None (choose_split_k
+    decides) without one."""
+    cfg = dict(w4a16_config(1))
+    if entry is None:
+        return cfg, None
+    cfg.update(zip(GEMV_TILE_KEYS, entry["tile"]))
+    return cfg, entry["split_k"]
 
 
 def gemv_launch(n: int, k: int, group: int, device: torch.device) -> tuple[dict[str, int], int | None]:
-    """(config, split_k) of the batch-1 GEMV for this weight: the kept table's on a GPU that has
-    one, else W4A16_CONFIGS' tile and None (choose_split_k decides)."""
-    cfg = dict(w4a16_config(1))
+    """(config, split_k) of the batch-1 GEMV for this weight on this device: the kept table's
+    entry on a GPU that has one (gemv_entry_launch)."""
     entry = None
     if GEMV_TABLE and device.type == "cuda":
-        entry = gemv_entry(n, k, group, torch.cuda.current_device() if device.index is None else device.index)
-    if entry is None:
-        return cfg, None
-    cfg.update(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), entry["tile"]))
-    return cfg, entry["split_k"]
+        index = torch.cuda.current_device() if device.index is None else device.index
+        entry = gemv_table(torch.cuda.get_device_name(index)).get(gemv_key(n, k, group))
+    return gemv_entry_launch(entry)
 
 
 def choose_split_k(m: int, n: int, k: int, cfg: dict[str, int], num_sms: int) -> int:
