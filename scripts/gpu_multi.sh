@@ -26,6 +26,8 @@
 #   profile-bi / profile-moe1 / profile-fp8  scripts/kernel_profile.py: kernel times (issues 22 / 21 / 25)
 #   profile-graphs      kernel_profile.py in CUDA graphs with PDL, critical-path times (W10, W11-awq, W1-bi-like)
 #   awq-gemv-seq        bench_w4a16_gemv.py --sequence: a token's W4A16 GEMVs in one graph per GEMV table (issue 25)
+#   awq-gemv-xpair      the same (default and kept launches), XPAIR on and off (issue 25)
+#   awq-gemv-keep       awq-gemv-tiles, then --write-from on the machine: later steps use the new table (issue 25)
 #   dense-stream        scripts/bench_dense_gemv.py --stream: the streaming dense GEMV's tiles (issue 21)
 #   inv-gemm            scripts/bench_invariant_gemm.py: the invariant GEMM's launches vs cuBLAS, with bit checks (issue 22)
 #   inv-gemm-splits     the same for o/down at 1, 2 and 4 K slices (issue 22)
@@ -188,7 +190,18 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --sequence "default,kept,docs/perf-data/2026-11-27/single-gpu/lease35-w4a16-gemv-table-not-kept.json" ;;
     awq-gemv-tiles)  # issue 25: a tile sweep of the W4A16 GEMV on the same shapes (a few minutes)
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-tiles.json" \
-        --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 128,128,4,3 256,128,8,3 32,256,4,3" ;;
+        --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 128,128,4,3 256,128,8,3 32,256,4,3 32,512,4,3 32,256,2,3 64,256,2,3" ;;
+    awq-gemv-keep)  # issue 25: awq-gemv-tiles, then its best launches kept in this machine's copy of the GEMV
+      # table (--write-from): the later steps of the lease run with them; the table comes back in the folder
+      python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-tiles.json" \
+        --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 128,128,4,3 256,128,8,3 32,256,4,3 32,512,4,3 32,256,2,3 64,256,2,3"
+      python3 scripts/bench_w4a16_gemv.py --write-from "$dir/awq-gemv-tiles.json"
+      cp minivllm/kernels/configs/w4a16_gemv/*.json "$dir/" ;;
+    awq-gemv-xpair)  # issue 25: a token's GEMVs in one graph (kept table and default launches), activation
+      # pairs loaded as words (the default) and formed in registers (MINIVLLM_W4A16_GEMV_XPAIR=0)
+      python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq-xpair.json" --sequence "default,kept"
+      MINIVLLM_W4A16_GEMV_XPAIR=0 python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq-formed.json" \
+        --sequence "default,kept" ;;
     awq-gemv)  # issue 25: the W4A16 GEMV alone on Llama-3.1-8B's batch-1 shapes (scripts/bench_w4a16_gemv.py),
       # W11-awq's fp16 activations (AWQ_GEMV_BF16=1: bf16 too); variants: split-K, plain and packed half2 paths
       [ -n "${AWQ_GEMV_BF16:-}" ] && python3 scripts/bench_w4a16_gemv.py --out "$dir/awq-gemv.json"

@@ -22,7 +22,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 def weights(n: int, k: int, group: int = 128):
     from minivllm.quant import w4
     q = torch.randint(0, 16, (k, n), device="cuda")
-    qw = w4.pack_int4(q, 0)
+    qw = w4.pack_engine(q)
     s = torch.rand(k // group, n, device="cuda", dtype=torch.float16) * 0.01
     z = torch.randint(0, 16, (k // group, n), device="cuda").half()
     return qw, s, z

@@ -127,7 +127,9 @@ def _jobs() -> list[Job]:
     # per-weight table (w4a16_gemm.GEMV_TABLE), each an A/B in one lease
     j += [_ours_ab("W11-awq-plain", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_HALF2": "0"}),
           _ours_ab("W11-awq-nopipe", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_PIPE": "0"}),
-          _ours_ab("W11-awq-notable", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_TABLE": "0"})]
+          _ours_ab("W11-awq-notable", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_TABLE": "0"}),
+          # the activation pairs formed in registers instead of loaded as words (w4a16_gemm.GEMV_XPAIR)
+          _ours_ab("W11-awq-noxpair", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_XPAIR": "0"})]
     # programmatic dependent launch off (kernels/pdl.py; on by default on Hopper): the A/B in one lease
     nopdl = {"MINIVLLM_PDL": "0"}
     j += [_ours_ab("W10-decode-nopdl", lat10, 180, lat10_tiny, nopdl),

@@ -1,14 +1,15 @@
 """Triton W4A16 GEMM: y = x @ W.T with W in 4-bit groups, dequantized in registers.
 
-Weights in the engine's layout (quant/w4.py): qweight [K/8, N] int32, nibble j of word [r, n] =
-q[8r + j, n]; scales and zeros [K/G, N]; an act-order permutation is applied to x (x[:, perm]).
+Weights in the engine's layout (quant/w4.py): qweight [K/8, N] int32, nibble p of word [r, n] =
+q[8r + ENGINE_ORDER[p], n] (rows interleaved 0, 2, 4, 6, 1, 3, 5, 7: `_nibble_row`); scales and
+zeros [K/G, N]; an act-order permutation is applied to x (x[:, perm]).
 
     grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K)
 
 A program owns a BLOCK_M x BLOCK_N output tile and a share of K. Per BLOCK_K slice it loads the
-[BLOCK_K/8, BLOCK_N] packed words once and, for each nibble j, dequantizes the rows 8r + j,
+[BLOCK_K/8, BLOCK_N] packed words once and, for each nibble p, dequantizes the rows 8r + row(p),
 (q - z) * s in float32, to x's dtype and multiplies them with the matching columns of x
-(x[:, k0 + 8r + j], a stride-8 load of the small activation tile): 8 tl.dot of depth
+(x[:, k0 + 8r + row(p)], a stride-8 load of the small activation tile): 8 tl.dot of depth
 BLOCK_K/8, so no unpacked tile is ever reshaped. G is a multiple of 8, so the 8 rows of a word
 share one group: the scale and zero tiles are [BLOCK_K/8, BLOCK_N] too.
 
@@ -69,6 +70,10 @@ GEMV_HALF2 = os.environ.get("MINIVLLM_W4A16_GEMV_HALF2", "1") != "0"
 # the GEMV's pipelined K loop (PIPE in _w4a16_gemv_kernel), on by default since lease 27 (W11-awq
 # 3.78 -> 3.62 ms a token, two A/B pairs); MINIVLLM_W4A16_GEMV_PIPE=0 turns it off (job ours:W11-awq-nopipe)
 GEMV_PIPE = os.environ.get("MINIVLLM_W4A16_GEMV_PIPE", "1") != "0"
+# the packed path's activation pairs as one 32-bit load each (XPAIR in _w4a16_gemv_kernel), where x's
+# rows are contiguous at even offsets; MINIVLLM_W4A16_GEMV_XPAIR=0 forms them in registers as before
+# (A/B runs: job ours:W11-awq-noxpair)
+GEMV_XPAIR = os.environ.get("MINIVLLM_W4A16_GEMV_XPAIR", "1") != "0"
 # split K until about this many programs per SM. 4, from scripts/bench_w4a16_gemv.py on an H100
 # (lease 7, Llama-3.1-8B batch-1 shapes, in CUDA graphs): at 2, gate_up (448 tiles) ran unsplit
 # in 48.8 us against 41.9 us at split 2; the four linears of a layer take 88 us at 4, 95 us at 2
@@ -92,12 +97,23 @@ def _nibble(w, j: tl.constexpr):
     return (((w >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
 
 
-# One int32 word of 8 nibbles (q_j at bits 4j) against 8 activations, in packed 16-bit math:
-#   lop3 (w >> 4k) & 0x000F000F | MAGIC  ->  the pair (MAGIC + q_k, MAGIC + q_{k+4}), exactly
-#   sub  the pair (MAGIC + z) x 2         ->  (q_k - z, q_{k+4} - z), exactly
-#   fma  with the activation pair (x_k, x_{k+4}) / 16 into a packed accumulator (4 pairs)
-# then the two halves widened to float32 and added: $0 = sum_j (q_j - z) x_j / 16. MAGIC is
-# 1024 in float16 (0x6400: ulp 1 on [1024, 2048)) and 128 in bfloat16 (0x4300: ulp 1 on [128, 256)).
+@triton.jit
+def _nibble_row(p: tl.constexpr):
+    """The row (0..7) of its word's 8 that nibble p holds: quant/w4.py's ENGINE_ORDER (0, 2, 4, 6,
+    1, 3, 5, 7), so that nibbles p and p + 4 hold the adjacent rows 2p and 2p + 1."""
+    return (p % 4) * 2 + p // 4
+
+
+# One int32 word of 8 nibbles (nibble p at bits 4p holds row 2p for p < 4, row 2(p - 4) + 1 above:
+# _nibble_row) against its 8 activations, in packed 16-bit math:
+#   lop3 (w >> 4p) & 0x000F000F | MAGIC  ->  the pair (MAGIC + q_2p / 16, MAGIC + q_2p+1 / 16), exactly
+#   sub  the pair (MAGIC + z / 16) x 2    ->  ((q_2p - z) / 16, (q_2p+1 - z) / 16), exactly
+#   fma  with the activation pair (x_2p, x_2p+1) into a packed accumulator (4 pairs)
+# then the two halves widened to float32 and added: $0 = sum_j (q_j - z) x_j / 16. MAGIC has an
+# ulp of 1/16: 64 in float16 (0x5400, ulp 2^-4 on [64, 128)) and 8 in bfloat16 (0x4100, ulp 2^-4 on
+# [8, 16)), so a nibble OR-ed into its mantissa is q / 16. The activation pair is x's two adjacent
+# 16-bit values, one 32-bit load (XPAIR); without XPAIR the kernel forms it as (x / 16, x / 16) in
+# registers and MAGIC is 1024 / 128 (ulp 1): the same products, (q - z) (x / 16).
 # Per 8 weights: 3 shifts, 4 LOP3, 4 packed subs, 4 packed FMAs, 2 widenings, an add (the plain
 # path: a shift, a LOP3, FADD, FMUL and FFMA per weight). The 1/16 keeps the packed partial
 # inside float16's range (|q - z| <= 15, so |partial| <= 4 max|x|); the kernel multiplies the 16
@@ -126,8 +142,15 @@ cvt.f32.{ty} w4flo, w4lo;
 cvt.f32.{ty} w4fhi, w4hi;
 add.f32 $0, w4flo, w4fhi;
 }}"""
-HALF2_ASM_F16: tl.constexpr = tl.constexpr(_HALF2_ASM.format(magic="0x64006400", ty="f16", rty="f16", rnd=".rn"))
-HALF2_ASM_BF16: tl.constexpr = tl.constexpr(_HALF2_ASM.format(magic="0x43004300", ty="bf16", rty="b16", rnd=".rn"))
+# (16-bit MAGIC bits, ulp): XPAIR's (ulp 1/16: the nibble is q / 16) and the formed pairs' (ulp 1)
+MAGIC16_F16: tl.constexpr = tl.constexpr(0x5400)  # 64.0
+MAGIC16_BF16: tl.constexpr = tl.constexpr(0x4100)  # 8.0
+MAGIC16_F16_UNIT: tl.constexpr = tl.constexpr(0x6400)  # 1024.0
+MAGIC16_BF16_UNIT: tl.constexpr = tl.constexpr(0x4300)  # 128.0
+HALF2_ASM_F16: tl.constexpr = tl.constexpr(_HALF2_ASM.format(magic="0x54005400", ty="f16", rty="f16", rnd=".rn"))
+HALF2_ASM_BF16: tl.constexpr = tl.constexpr(_HALF2_ASM.format(magic="0x41004100", ty="bf16", rty="b16", rnd=".rn"))
+HALF2_ASM_F16_UNIT: tl.constexpr = tl.constexpr(_HALF2_ASM.format(magic="0x64006400", ty="f16", rty="f16", rnd=".rn"))
+HALF2_ASM_BF16_UNIT: tl.constexpr = tl.constexpr(_HALF2_ASM.format(magic="0x43004300", ty="bf16", rty="b16", rnd=".rn"))
 
 
 @triton.jit
@@ -139,12 +162,20 @@ def _load(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _x_pair_bits(x_ptr, row_off, words, kk: tl.constexpr, K, stride_xk, EVEN: tl.constexpr):
-    """[BK/8] int32: the activation pair (x[8r + kk], x[8r + kk + 4]) / 16 packed as two 16-bit
-    floats (low half first), for _word_dot_half2's pair k = kk of word r."""
-    k0 = words * 8 + kk
+def _x_pair_bits(x_ptr, m, stride_xm, stride_xk, words, p: tl.constexpr, K, EVEN: tl.constexpr,
+                 XPAIR: tl.constexpr):
+    """[BK/8] int32: the activations of rows 2p and 2p + 1 of each word r, x[8r + 2p] and
+    x[8r + 2p + 1], packed as two 16-bit floats (low half first), for _word_dot_half2's pair p.
+    XPAIR: they are adjacent in x, so the pair is one 32-bit load (the host checks that x's rows
+    are contiguous at even offsets). Else formed in registers, each divided by 16 (for the ulp-1
+    MAGIC)."""
+    if XPAIR:
+        x_words = x_ptr.to(tl.pointer_type(tl.int32)) + m * (stride_xm // 2)
+        return _load(x_words + words * 4 + p, words < K // 8, EVEN)
+    k0 = words * 8 + 2 * p
+    row_off = m * stride_xm
     lo = _load(x_ptr + row_off + k0 * stride_xk, k0 < K, EVEN).to(tl.float32) * 0.0625
-    hi = _load(x_ptr + row_off + (k0 + 4) * stride_xk, k0 + 4 < K, EVEN).to(tl.float32) * 0.0625
+    hi = _load(x_ptr + row_off + (k0 + 1) * stride_xk, k0 + 1 < K, EVEN).to(tl.float32) * 0.0625
     dt = x_ptr.dtype.element_ty
     lo_bits = lo.to(dt).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi_bits = hi.to(dt).to(tl.int16, bitcast=True).to(tl.int32)
@@ -152,24 +183,54 @@ def _x_pair_bits(x_ptr, row_off, words, kk: tl.constexpr, K, stride_xk, EVEN: tl
 
 
 @triton.jit
-def _word_dot_half2(w, z, x0, x1, x2, x3, ROWS: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr):
+def _zero_bits(z, BF16: tl.constexpr, XPAIR: tl.constexpr):
+    """Zero points (integers 0..15, any float dtype) -> int32: the 16-bit float MAGIC + z / 16
+    (XPAIR's MAGIC, ulp 1/16) or MAGIC + z (ulp 1) of the activations' type, in both halves."""
+    if XPAIR:
+        if BF16:
+            if z.dtype == tl.bfloat16:  # exact in the zeros' own type: one FMA
+                zf = z * 0.0625 + 8.0
+            else:
+                zf = (z.to(tl.float32) * 0.0625 + 8.0).to(tl.bfloat16)
+        else:
+            if z.dtype == tl.float16:
+                zf = z * 0.0625 + 64.0
+            else:
+                zf = (z.to(tl.float32) * 0.0625 + 64.0).to(tl.float16)
+        zi = zf.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        if BF16:
+            zi = z.to(tl.int32) + MAGIC16_BF16_UNIT
+        else:
+            zi = z.to(tl.int32) + MAGIC16_F16_UNIT
+    return zi | (zi << 16)
+
+
+@triton.jit
+def _word_dot_half2(w, z, x0, x1, x2, x3, ROWS: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr,
+                    XPAIR: tl.constexpr):
     """w [ROWS, COLS] int32 words, z [ROWS, COLS] float zero points (integers 0..15), x0..x3 [ROWS]
     activation pairs (_x_pair_bits) -> [ROWS, COLS] float32: sum_j (q_j - z) x_j / 16 per word."""
-    if BF16:
-        zi = z.to(tl.int32) + 0x4300  # the 16-bit float MAGIC + z, exactly
-    else:
-        zi = z.to(tl.int32) + 0x6400
-    z2 = zi | (zi << 16)
+    z2 = _zero_bits(z, BF16, XPAIR)
     xb0 = tl.broadcast_to(x0[:, None], (ROWS, COLS))
     xb1 = tl.broadcast_to(x1[:, None], (ROWS, COLS))
     xb2 = tl.broadcast_to(x2[:, None], (ROWS, COLS))
     xb3 = tl.broadcast_to(x3[:, None], (ROWS, COLS))
-    if BF16:
-        part = tl.inline_asm_elementwise(HALF2_ASM_BF16, "=f,r,r,r,r,r,r", [w, z2, xb0, xb1, xb2, xb3],
-                                         dtype=tl.float32, is_pure=True, pack=1)
+    args = [w, z2, xb0, xb1, xb2, xb3]
+    if XPAIR:
+        if BF16:
+            part = tl.inline_asm_elementwise(HALF2_ASM_BF16, "=f,r,r,r,r,r,r", args, dtype=tl.float32, is_pure=True,
+                                             pack=1)
+        else:
+            part = tl.inline_asm_elementwise(HALF2_ASM_F16, "=f,r,r,r,r,r,r", args, dtype=tl.float32, is_pure=True,
+                                             pack=1)
     else:
-        part = tl.inline_asm_elementwise(HALF2_ASM_F16, "=f,r,r,r,r,r,r", [w, z2, xb0, xb1, xb2, xb3],
-                                         dtype=tl.float32, is_pure=True, pack=1)
+        if BF16:
+            part = tl.inline_asm_elementwise(HALF2_ASM_BF16_UNIT, "=f,r,r,r,r,r,r", args, dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            part = tl.inline_asm_elementwise(HALF2_ASM_F16_UNIT, "=f,r,r,r,r,r,r", args, dtype=tl.float32,
+                                             is_pure=True, pack=1)
     return part
 
 
@@ -208,8 +269,8 @@ def _w4a16_kernel(
         s = tl.load(s_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
         zb = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32) + MAGIC  # 2^23 + z, exact
         for j in tl.static_range(8):
-            wj = (_nibble(w, j) - zb) * s  # [BK/8, BN]: rows 8r + j; the difference is q - z exactly
-            k = words * 8 + j
+            wj = (_nibble(w, j) - zb) * s  # [BK/8, BN]: rows 8r + row(j); the difference is q - z exactly
+            k = words * 8 + _nibble_row(j)
             xj = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :] * stride_xk,
                          mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK/8]
             acc += tl.dot(xj, wj.to(xj.dtype))
@@ -233,6 +294,7 @@ def _w4a16_gemv_kernel(
     COL_STEP: tl.constexpr = 32,  # columns a 128-byte line of packed words holds (BLOCK_N if fewer)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
     PIPE: tl.constexpr = False,  # next K step's words, scales and zeros loaded before this one's math
+    XPAIR: tl.constexpr = False,  # HALF2's activation pairs loaded as 32-bit words (x's rows contiguous, even offsets)
 ):
     """Few rows (batch-1 decode): no tensor cores, so the dequantized tile never changes layout
     for a tl.dot operand; products accumulate elementwise in a [BLOCK_K/8, BLOCK_N] tile and are
@@ -245,6 +307,12 @@ def _w4a16_gemv_kernel(
 
     PDL (kernels/pdl.py): the slice's first PREFETCH_WORDS packed rows are requested into L2
     before waiting for the kernel that writes x (the weights stream while it finishes).
+
+    XPAIR (the default for HALF2 where x's rows allow it; MINIVLLM_W4A16_GEMV_XPAIR=0 off): a word's
+    nibbles p and p + 4 hold adjacent rows (quant/w4.py's ENGINE_ORDER), so each of its four
+    activation pairs is one 32-bit load of x instead of two loads, two scalings and a repack
+    formed per word row by every thread that holds it: 4.5 -> 3.5 SASS instructions a weight in
+    the K loop (BLOCK_N 32; tests/unit/test_w4a16_half2_compile.py counts them).
 
     PIPE (the default; MINIVLLM_W4A16_GEMV_PIPE=0 off): the loop loads K step t + 1's words,
     scales and zeros before it computes step t, and the first step's before the PDL wait (weights:
@@ -265,11 +333,11 @@ def _w4a16_gemv_kernel(
     if PIPE:
         acc = _w4a16_gemv_pipelined(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, pid_k * per_split, t_end,
                                     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
-                                    GROUP, BLOCK_N, BLOCK_K, HALF2, PDL)
+                                    GROUP, BLOCK_N, BLOCK_K, HALF2, EVEN, PDL, XPAIR)
     else:
         acc = _w4a16_gemv_steps(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, pid_k * per_split, t_end,
                                 stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
-                                GROUP, BLOCK_N, BLOCK_K, HALF2, EVEN, PDL)
+                                GROUP, BLOCK_N, BLOCK_K, HALF2, EVEN, PDL, XPAIR)
     out = tl.sum(acc, 0)  # [BLOCK_N]
     if HALF2:
         out = out * 16.0  # the activations entered the packed products divided by 16 (exact)
@@ -281,7 +349,7 @@ def _w4a16_gemv_kernel(
 def _w4a16_gemv_steps(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, t_begin, t_end,
                       stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF2: tl.constexpr,
-                      EVEN: tl.constexpr, PDL: tl.constexpr):
+                      EVEN: tl.constexpr, PDL: tl.constexpr, XPAIR: tl.constexpr):
     """The GEMV's K loop over steps t_begin .. t_end - 1, each step's loads then its math."""
     enter_after_previous(PDL)
     for t in range(t_begin, t_end):
@@ -293,7 +361,7 @@ def _w4a16_gemv_steps(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, t_be
         s = _load(s_ptr + g_off, w_ok, EVEN).to(tl.float32)
         if HALF2:  # 16-bit activations: packed math per word (_word_dot_half2); the 16 once, at the end
             z = _load(z_ptr + g_off, w_ok, EVEN)
-            acc += _half2_step(w, z, x_ptr, m, words, K, stride_xm, stride_xk, BLOCK_N, BLOCK_K, EVEN) * s
+            acc += _half2_step(w, z, x_ptr, m, words, K, stride_xm, stride_xk, BLOCK_N, BLOCK_K, EVEN, XPAIR) * s
         else:
             zb = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32) + MAGIC  # 2^23 + z, exact
             acc = _plain_step(acc, w, zb, s, x_ptr, m, words, K, stride_xm, stride_xk)
@@ -302,21 +370,20 @@ def _w4a16_gemv_steps(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, t_be
 
 @triton.jit
 def _half2_step(w, z, x_ptr, m, words, K, stride_xm, stride_xk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN: tl.constexpr):
+                EVEN: tl.constexpr, XPAIR: tl.constexpr):
     """[BLOCK_K/8, BLOCK_N] float32: each word's sum_j (q_j - z) x[8r + j] / 16 (_word_dot_half2)."""
-    row_off = m * stride_xm
-    return _word_dot_half2(w, z, _x_pair_bits(x_ptr, row_off, words, 0, K, stride_xk, EVEN),
-                           _x_pair_bits(x_ptr, row_off, words, 1, K, stride_xk, EVEN),
-                           _x_pair_bits(x_ptr, row_off, words, 2, K, stride_xk, EVEN),
-                           _x_pair_bits(x_ptr, row_off, words, 3, K, stride_xk, EVEN),
-                           BLOCK_K // 8, BLOCK_N, x_ptr.dtype.element_ty == tl.bfloat16)
+    return _word_dot_half2(w, z, _x_pair_bits(x_ptr, m, stride_xm, stride_xk, words, 0, K, EVEN, XPAIR),
+                           _x_pair_bits(x_ptr, m, stride_xm, stride_xk, words, 1, K, EVEN, XPAIR),
+                           _x_pair_bits(x_ptr, m, stride_xm, stride_xk, words, 2, K, EVEN, XPAIR),
+                           _x_pair_bits(x_ptr, m, stride_xm, stride_xk, words, 3, K, EVEN, XPAIR),
+                           BLOCK_K // 8, BLOCK_N, x_ptr.dtype.element_ty == tl.bfloat16, XPAIR)
 
 
 @triton.jit
 def _plain_step(acc, w, zb, s, x_ptr, m, words, K, stride_xm, stride_xk):
-    """acc += x[8r + j] * (q_j - z) * s for the 8 nibbles j of every word r (float32)."""
+    """acc += x[8r + row(j)] * (q - z) * s for the 8 nibbles j of every word r (float32)."""
     for j in tl.static_range(8):
-        k = words * 8 + j
+        k = words * 8 + _nibble_row(j)
         xj = tl.load(x_ptr + m * stride_xm + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)  # [BK/8]
         acc += xj[:, None] * ((_nibble(w, j) - zb) * s)
     return acc
@@ -324,15 +391,22 @@ def _plain_step(acc, w, zb, s, x_ptr, m, words, K, stride_xm, stride_xk):
 
 @triton.jit
 def _w4_step_operands(qw_ptr, s_ptr, z_ptr, rn, rw, n_ok, K, t, t_end, stride_qk, stride_qn, stride_sg, stride_sn,
-                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """K step t's packed words, scales and zeros ([BLOCK_K/8, BLOCK_N] each, raw dtypes), read
     through L2 (.cg: read once a step, and the PTX check of the PDL contract tells them from x's
-    loads); nothing is read for t >= t_end."""
+    loads); nothing is read for t >= t_end, unless EVEN: then the loads take no masks and step
+    t_end - 1 is read again instead (an L2 hit; a slice with no steps reads the weight's last one)."""
+    if EVEN:
+        t = tl.minimum(t, t_end - 1)
     words = t * (BLOCK_K // 8) + rw
+    g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
+    w_ptrs = qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn
+    if EVEN:
+        return (tl.load(w_ptrs, cache_modifier=".cg"), tl.load(s_ptr + g_off, cache_modifier=".cg"),
+                tl.load(z_ptr + g_off, cache_modifier=".cg"))
     words_left = tl.where(t < t_end, K // 8, 0)
     ok = (words < words_left)[:, None] & n_ok[None, :]
-    g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
-    w = tl.load(qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn, mask=ok, other=0, cache_modifier=".cg")
+    w = tl.load(w_ptrs, mask=ok, other=0, cache_modifier=".cg")
     s = tl.load(s_ptr + g_off, mask=ok, other=0.0, cache_modifier=".cg")
     z = tl.load(z_ptr + g_off, mask=ok, other=0.0, cache_modifier=".cg")
     return w, s, z
@@ -342,18 +416,19 @@ def _w4_step_operands(qw_ptr, s_ptr, z_ptr, rn, rw, n_ok, K, t, t_end, stride_qk
 def _w4a16_gemv_pipelined(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, t_begin, t_end,
                           stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF2: tl.constexpr,
-                          PDL: tl.constexpr):
+                          EVEN: tl.constexpr, PDL: tl.constexpr, XPAIR: tl.constexpr):
     """The GEMV's K loop with step t + 1's weight loads issued before step t's math; the first
     step's before the PDL wait."""
     w, s, z = _w4_step_operands(qw_ptr, s_ptr, z_ptr, rn, rw, n_ok, K, t_begin, t_end, stride_qk, stride_qn,
-                                stride_sg, stride_sn, GROUP, BLOCK_K)
+                                stride_sg, stride_sn, GROUP, BLOCK_K, EVEN)
     enter_after_previous(PDL)
     for t in range(t_begin, t_end):
         w_n, s_n, z_n = _w4_step_operands(qw_ptr, s_ptr, z_ptr, rn, rw, n_ok, K, t + 1, t_end, stride_qk,
-                                          stride_qn, stride_sg, stride_sn, GROUP, BLOCK_K)
+                                          stride_qn, stride_sg, stride_sn, GROUP, BLOCK_K, EVEN)
         words = t * (BLOCK_K // 8) + rw
         if HALF2:
-            acc += _half2_step(w, z, x_ptr, m, words, K, stride_xm, stride_xk, BLOCK_N, BLOCK_K, False) * s.to(tl.float32)
+            acc += _half2_step(w, z, x_ptr, m, words, K, stride_xm, stride_xk, BLOCK_N, BLOCK_K, EVEN,
+                               XPAIR) * s.to(tl.float32)
         else:
             acc = _plain_step(acc, w, z.to(tl.float32) + MAGIC, s.to(tl.float32), x_ptr, m, words, K,
                               stride_xm, stride_xk)
@@ -378,7 +453,7 @@ def _dequant_kernel(
     zb = tl.load(z_ptr + g_off, mask=ok, other=0.0).to(tl.float32) + MAGIC  # 2^23 + z, exact
     for j in tl.static_range(8):
         wj = (_nibble(w, j) - zb) * s
-        k = words * 8 + j
+        k = words * 8 + _nibble_row(j)
         tl.store(w_ptr + k[:, None] * stride_wk + rn[None, :] * stride_wn, wj.to(w_ptr.dtype.element_ty), mask=ok)
 
 
@@ -419,6 +494,13 @@ def gemv_launch(n: int, k: int, group: int, device: torch.device) -> tuple[dict[
     return gemv_entry_launch(entry)
 
 
+def pairs_are_words(x: torch.Tensor) -> bool:
+    """Whether x's activations pair up into aligned 32-bit words: 16-bit, unit stride along K, and
+    every row starting at an even element of a 4-byte aligned buffer (the GEMV's XPAIR loads)."""
+    return (x.element_size() == 2 and x.stride(1) == 1 and (x.shape[0] <= 1 or x.stride(0) % 2 == 0)
+            and x.data_ptr() % 4 == 0)
+
+
 def choose_split_k(m: int, n: int, k: int, cfg: dict[str, int], num_sms: int) -> int:
     """Cut K until the grid has about PROGRAMS_PER_SM programs per SM (a power of two, at most
     MAX_SPLIT_K and the number of K slices)."""
@@ -454,6 +536,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         cfg.setdefault("EVEN", k % cfg["BLOCK_K"] == 0 and n % cfg["BLOCK_N"] == 0)
         cfg.setdefault("COL_STEP", min(cfg["BLOCK_N"], 32))
         cfg.setdefault("PIPE", GEMV_PIPE)
+        cfg.setdefault("XPAIR", cfg["HALF2"] and GEMV_XPAIR and pairs_are_words(x))
         _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg, **pdl_args(x))
     else:
         _w4a16_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)

@@ -3,13 +3,20 @@ dequantizing reference every W4A16 kernel is tested against.
 
 The engine's layout (every checkpoint format is converted to it after loading):
 
-    qweight [K/8, N] int32   nibble j (bits 4j..4j+3) of word [r, n] = q[8r + j, n], q in 0..15
+    qweight [K/8, N] int32   nibble p (bits 4p..4p+3) of word [r, n] = q[8r + ENGINE_ORDER[p], n],
+                             q in 0..15 (pack_engine / unpack_engine)
     scales  [K/G, N]         float (the model dtype)
     zeros   [K/G, N]         float, the unsigned zero point (8 for symmetric schemes)
     perm    [K] int64 | None act-order: row i of qweight is input feature perm[i]; rows are
                              sorted by group, so row i belongs to group i // G
 
     W[n, perm[i]] = (q[i, n] - zeros[i // G, n]) * scales[i // G, n];   y = x @ W.T = x[:, perm] @ Wq
+
+ENGINE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7) interleaves the rows of a word so that its nibbles p and
+p + 4 (the two halves of `(word >> 4p) & 0x000F000F`, which the GEMV's packed 16-bit math turns
+into one pair of weights with a single LOP3) hold the adjacent rows 2p and 2p + 1: their two
+activations are then one aligned 32-bit load of x, not two loads and a repack per word
+(kernels/w4a16_gemm.py, _w4a16_gemv_kernel).
 
 Checkpoint layouts (N = output features, K = input features, G = group size):
     AutoAWQ  qweight [K, N/8] int32 packed along N in AWQ's interleaved order (nibble i holds
@@ -27,6 +34,8 @@ import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
 _AWQ_UNDO = tuple(AWQ_ORDER.index(c) for c in range(8))  # column c sits in nibble _AWQ_UNDO[c]
+ENGINE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble p of an engine word holds row ENGINE_ORDER[p] of its 8
+_ENGINE_UNDO = tuple(ENGINE_ORDER.index(r) for r in range(8))  # row r sits in nibble _ENGINE_UNDO[r]
 
 
 def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
@@ -45,6 +54,19 @@ def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
     shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=v.device)
     words = (v << shifts).sum(-1)  # < 2^32: fits int64, then wraps into int32
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim)
+
+
+def pack_engine(values: torch.Tensor) -> torch.Tensor:
+    """[K, N] values 0..15 -> the engine's qweight [K/8, N] int32 (row ENGINE_ORDER[p] of each 8 in nibble p)."""
+    k, n = values.shape
+    return pack_int4(values.reshape(k // 8, 8, n)[:, list(ENGINE_ORDER)].reshape(k, n), 0)
+
+
+def unpack_engine(qweight: torch.Tensor) -> torch.Tensor:
+    """The engine's qweight [K/8, N] int32 -> [K, N] int32 values 0..15, rows in order."""
+    vals = unpack_int4(qweight, 0)  # nibble order
+    k, n = vals.shape
+    return vals.view(k // 8, 8, n)[:, list(_ENGINE_UNDO)].reshape(k, n)
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
@@ -76,7 +98,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                perm: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The engine's layout -> W [N, K] in `dtype` (computed in float32), input features in their
     original order: the reference."""
-    q = unpack_int4(qweight, 0).float()  # [K, N]
+    q = unpack_engine(qweight).float()  # [K, N]
     k = q.shape[0]
     g = torch.arange(k, device=q.device) // (k if group_size == -1 else group_size)
     w = (q - zeros.float()[g]) * scales.float()[g]  # [K, N], rows in stored order

@@ -106,22 +106,22 @@ def _to_engine_layout(layer: QuantLinear, quant: QuantConfig, g: int):
         q = w4.unpack_awq(layer.qweight.data)  # [K, N]
         scales = layer.scales.data
         zeros = w4.unpack_awq(layer.qzeros.data) if quant.zero_point else torch.full_like(scales, 8)
-        return w4.pack_int4(q, 0), scales.contiguous(), zeros.to(scales.dtype).contiguous(), None
+        return w4.pack_engine(q), scales.contiguous(), zeros.to(scales.dtype).contiguous(), None
     if quant.layout == "gptq":
         scales = layer.scales.data
         zeros = (w4.unpack_int4(layer.qzeros.data, 1) + quant.gptq_zero_offset) & 0xF if quant.zero_point else None
         if zeros is None:  # symmetric: the stored zeros are 8 (7 in v1 files); use 8 whatever they hold
             zeros = torch.full_like(scales, 8)
-        qweight, g_idx = layer.qweight.data, layer.g_idx
+        qweight, g_idx = w4.pack_engine(w4.unpack_int4(layer.qweight.data, 0)), layer.g_idx  # GPTQ: rows in order
         perm = w4.group_perm(g_idx.data, g, k) if getattr(g_idx, "loaded", False) else None
     else:
         scales = layer.weight_scale.data.t()
         zeros = (w4.unpack_int4(layer.weight_zero_point.data, 0).t() if quant.zero_point
                  else torch.full_like(scales, 8))
-        qweight = w4.pack_int4(w4.unpack_int4(layer.weight_packed.data, 1).t(), 0)
+        qweight = w4.pack_engine(w4.unpack_int4(layer.weight_packed.data, 1).t())
         g_idx = getattr(layer, "weight_g_idx", None)
         perm = w4.group_perm(g_idx.data, g, k) if g_idx is not None and getattr(g_idx, "loaded", False) else None
     if perm is not None:
-        qweight = w4.pack_int4(w4.unpack_int4(qweight, 0)[perm], 0)
+        qweight = w4.pack_engine(w4.unpack_engine(qweight)[perm])
         perm = perm.contiguous()
     return qweight.contiguous(), scales.contiguous(), zeros.to(scales.dtype).contiguous(), perm

@@ -29,7 +29,7 @@ def _weights(seed: int):
         norm=rnd(H, scale=0.1) + 1, qkv=rnd(6 * HEAD, H, scale=H ** -0.5), qn=rnd(HEAD, scale=0.1) + 1,
         kn=rnd(HEAD, scale=0.1) + 1, router=rnd(E, H, scale=H ** -0.5), w13=rnd(E, 2 * I, H, scale=H ** -0.5),
         w2=rnd(E, H, I, scale=I ** -0.5), cos_sin=torch.randn(64, HEAD, generator=g).cuda(),
-        qw=w4.pack_int4(q, 0).cuda(), s=(torch.rand(H // 128, 1024, generator=g) * 0.01).to("cuda", torch.float16),
+        qw=w4.pack_engine(q).cuda(), s=(torch.rand(H // 128, 1024, generator=g) * 0.01).to("cuda", torch.float16),
         z=torch.full((H // 128, 1024), 8.0, device="cuda", dtype=torch.float16))
 
 

@@ -36,7 +36,7 @@ def w4_case(m: int, n: int, k: int, group: int, dtype, device, seed: int, act_or
     zeros = torch.randint(0, 16, (ng, n), generator=g).to(dtype)
     perm = torch.randperm(k, generator=g) if act_order else None
     x = torch.randn(m, k, generator=g).to(dtype)
-    return [t.to(device) if t is not None else None for t in (x, w4.pack_int4(q, 0), scales, zeros, perm)]
+    return [t.to(device) if t is not None else None for t in (x, w4.pack_engine(q), scales, zeros, perm)]
 
 
 def check_w4a16(m: int, n: int, k: int, group: int, dtype, device, seed: int = 0, split_k: int | None = None,
@@ -194,15 +194,16 @@ def test_w4a16_split_k(split_k: int, block_m: int) -> None:
 @pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (6144, 4096, 128), (4096, 14336, 128), (1536, 576, 64),
                                          (75, 512, 64)])
 @pytest.mark.parametrize("split_k", [1, 4])
-@pytest.mark.parametrize("half2", [True, False])
+@pytest.mark.parametrize("half2", ["xpair", "formed", "plain"])
 @pytest.mark.parametrize("pipe", [False, True], ids=["loop", "pipelined"])
-def test_w4a16_gemv_half2(n: int, k: int, group: int, split_k: int, half2: bool, pipe: bool) -> None:
+def test_w4a16_gemv_half2(n: int, k: int, group: int, split_k: int, half2: str, pipe: bool) -> None:
     """The packed 16-bit GEMV (the default for 16-bit activations: kernels/w4a16_gemm.py
-    _word_dot_half2) and the plain one (MINIVLLM_W4A16_GEMV_HALF2=0) against the reference, in
-    both 16-bit dtypes, with act-order and every zero point; each with the plain K loop and the
-    pipelined one (PIPE)."""
+    _word_dot_half2), with its activation pairs loaded as words (XPAIR, the default) or formed in
+    registers (MINIVLLM_W4A16_GEMV_XPAIR=0), and the plain one (MINIVLLM_W4A16_GEMV_HALF2=0)
+    against the reference, in both 16-bit dtypes, with act-order and every zero point; each with
+    the plain K loop and the pipelined one (PIPE)."""
     from minivllm.kernels.w4a16_gemm import w4a16_config
-    cfg = dict(w4a16_config(1), HALF2=half2, PIPE=pipe)
+    cfg = dict(w4a16_config(1), HALF2=half2 != "plain", PIPE=pipe, XPAIR=half2 == "xpair")
     for m in (1, 2):
         assert check_w4a16(m, n, k, group, torch.bfloat16, DEV, seed=m, split_k=split_k, config=cfg) < 2e-2
         assert check_w4a16(m, n, k, group, torch.float16, DEV, seed=m, split_k=split_k, config=cfg,
@@ -214,11 +215,29 @@ def test_w4a16_gemv_half2_large_activations() -> None:
     """Activations near float16's limit: the packed partial (scaled by 1/16) must not overflow."""
     from minivllm.kernels.w4a16_gemm import w4a16_config, w4a16_gemm
     x, qw, s, z, _ = w4_case(1, 256, 1024, 128, torch.float16, DEV, seed=3)
-    x[0, :16:2] = 30000.0  # outlier channels (one word's pairs), as some LLM activations have
+    # outlier channels, as some LLM activations have: two in each half of the packed partials of
+    # words 0 and 1 (rows 2p and 2p + 1 of a word are its pair p's halves)
+    x[0, [0, 1, 2, 3, 8, 9, 10, 11]] = 30000.0
     s = s / 10  # keep the float16 output itself finite
     ref = w4.w4a16_reference(x, qw, s, z, 128, None).float()
-    out = w4a16_gemm(x, qw, s, z, 128, split_k=1, config=dict(w4a16_config(1), HALF2=True))
-    assert torch.isfinite(out).all() and errors(out, ref)[1] < 1e-2
+    for xpair in (True, False):
+        out = w4a16_gemm(x, qw, s, z, 128, split_k=1, config=dict(w4a16_config(1), HALF2=True, XPAIR=xpair))
+        assert torch.isfinite(out).all() and errors(out, ref)[1] < 1e-2, xpair
+
+
+@gpu
+def test_w4a16_gemv_takes_xpair_only_on_word_aligned_rows() -> None:
+    """XPAIR reads x as 32-bit words: the default launch takes it for contiguous rows and falls
+    back to the formed pairs for a view at an odd element offset; both match the reference."""
+    from minivllm.kernels.w4a16_gemm import pairs_are_words, w4a16_gemm
+    x, qw, s, z, _ = w4_case(1, 4096, 4096, 128, torch.float16, DEV, seed=5)
+    wide = torch.zeros(1, 4097, dtype=x.dtype, device=DEV)
+    wide[:, 1:] = x
+    odd = wide[:, 1:]  # the same values, 2 bytes past a word boundary
+    assert pairs_are_words(x) and not pairs_are_words(odd)
+    ref = w4.w4a16_reference(x, qw, s, z, 128, None).float()
+    a, b = w4a16_gemm(x, qw, s, z, 128), w4a16_gemm(odd, qw, s, z, 128)
+    assert errors(a, ref)[1] < 1e-2 and errors(b, ref)[1] < 1e-2
 
 
 @gpu

@@ -93,6 +93,19 @@ def test_awq_packing_follows_autoawq_order() -> None:
     assert torch.equal(w4.unpack_int4(w4.pack_int4(vals, 0), 0), vals)
 
 
+def test_engine_packing_pairs_adjacent_rows() -> None:
+    # the engine's words hold rows 0 2 4 6 1 3 5 7 (row ENGINE_ORDER[p] in bits 4p), so the halves of
+    # (word >> 4p) & 0x000F000F are the adjacent rows 2p and 2p + 1 (the GEMV's activation pairs)
+    word = w4.pack_engine(torch.arange(8).view(8, 1)).item()
+    assert word == 0x75316420
+    for p in range(4):
+        pair = (word >> (4 * p)) & 0x000F000F
+        assert (pair & 0xF, pair >> 16) == (2 * p, 2 * p + 1)
+    vals = torch.randint(0, 16, (32, 24), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(w4.unpack_engine(w4.pack_engine(vals)), vals)
+    assert not torch.equal(w4.pack_engine(vals), w4.pack_int4(vals, 0))  # not GPTQ's in-order words
+
+
 def test_compressed_tensors_packing_is_ours() -> None:
     helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
     q = torch.randint(-8, 8, (6, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
@@ -109,7 +122,7 @@ def test_act_order_layout_and_reference_product() -> None:
     r = export.rtn_w4(w, 32, sym=False, col_norms=w.norm(dim=0))
     perm = w4.group_perm(r.g_idx, 32, 128)
     assert perm is not None and torch.equal(r.g_idx[perm], torch.arange(128) // 32)
-    qweight = w4.pack_int4(r.q.t()[perm], 0)
+    qweight = w4.pack_engine(r.q.t()[perm])
     g = torch.arange(4)
     zeros, scales = r.zeros.t()[g].float(), r.scales.t()[g].float()
     assert torch.allclose(w4.dequantize(qweight, scales, zeros, 32, perm), r.dequantize(), atol=1e-6)
