@@ -295,6 +295,7 @@ def _w4a16_gemv_kernel(
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
     PIPE: tl.constexpr = False,  # next K step's words, scales and zeros loaded before this one's math
     XPAIR: tl.constexpr = False,  # HALF2's activation pairs loaded as 32-bit words (x's rows contiguous, even offsets)
+    BLOCKED: tl.constexpr = False,  # qweight stored column tile by column tile, [N/BLOCK_N, K/8, BLOCK_N] (a probe)
 ):
     """Few rows (batch-1 decode): no tensor cores, so the dequantized tile never changes layout
     for a tl.dot operand; products accumulate elementwise in a [BLOCK_K/8, BLOCK_N] tile and are
@@ -322,6 +323,10 @@ def _w4a16_gemv_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, BLOCK_K // 8)
     n_ok = rn < N
+    if BLOCKED:  # word [r, n] at (n // BLOCK_N) * (K/8) * BLOCK_N + r * BLOCK_N + n % BLOCK_N
+        qw_ptr += pid_n * BLOCK_N * (K // 8 - 1)
+        stride_qk = BLOCK_N
+        stride_qn = 1
     acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
