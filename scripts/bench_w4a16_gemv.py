@@ -178,14 +178,7 @@ def table_launches(rows: list[dict], table: dict | None) -> dict[str, tuple[dict
     return out
 
 
-def blocked(qw: torch.Tensor, block_n: int) -> torch.Tensor:
-    """qweight [K/8, N] rearranged column tile by column tile ([N/BLOCK_N, K/8, BLOCK_N], viewed as
-    [K/8, N]): each program's K slice one contiguous stream (the GEMV's BLOCKED probe)."""
-    kw, n = qw.shape
-    return qw.view(kw, n // block_n, block_n).permute(1, 0, 2).contiguous().view(kw, n)
-
-
-def time_sequence(rows: list[dict], tables: dict[str, dict | None], layouts: tuple[bool, ...] = (False,)) -> dict[str, float]:
+def time_sequence(rows: list[dict], tables: dict[str, dict | None]) -> dict[str, float]:
     """A token's linears as the engine's decode graph runs them, per candidate table: LAYERS layers
     of their own weights (the model's 3.7 GB, so nothing stays in L2), each layer's qkv, o, gate_up
     and down GEMVs back to back in one graph (with PDL where the engine has it). ms a token. The
@@ -195,27 +188,14 @@ def time_sequence(rows: list[dict], tables: dict[str, dict | None], layouts: tup
     layers = [{r["shape"]: weights(r["K"], r["N"], 1)[0] for r in rows} for _ in range(LAYERS)]
     out = {}
     for name, table in tables.items():
-        for block in layouts:
-            launch = table_launches(rows, table)
-            if block:  # the same launches on column-tile-blocked weights (BLOCKED): what the layout alone gives
-                launch = {shape: (dict(cfg, BLOCKED=True), split) for shape, (cfg, split) in launch.items()}
-                qws = [{shape: blocked(layers[i][shape][0], launch[shape][0]["BLOCK_N"]) for shape in launch}
-                       for i in range(LAYERS)]
-                for shape, (cfg, split) in launch.items():  # the same bits as on the engine's layout
-                    qw, sc, z = layers[0][shape]
-                    plain = {k: v for k, v in cfg.items() if k != "BLOCKED"}
-                    assert torch.equal(w4a16_gemm(xs[shape], qws[0][shape], sc, z, GROUP, split_k=split, config=cfg),
-                                       w4a16_gemm(xs[shape], qw, sc, z, GROUP, split_k=split, config=plain)), shape
+        launch = table_launches(rows, table)
 
-            def layer(i: int, launch=launch, block=block) -> None:
-                for shape, (cfg, split) in launch.items():
-                    qw, sc, z = layers[i][shape]
-                    w4a16_gemm(xs[shape], qws[i][shape] if block else qw, sc, z, GROUP, split_k=split, config=cfg)
-            label = name + (" blocked" if block else "")
-            out[label] = time_graph(layer, LAYERS) * LAYERS / 1e3
-            print(f"sequence {label}: {out[label]:.3f} ms a token of linears", flush=True)
-            if block:
-                del qws
+        def layer(i: int, launch=launch) -> None:
+            for shape, (cfg, split) in launch.items():
+                qw, sc, z = layers[i][shape]
+                w4a16_gemm(xs[shape], qw, sc, z, GROUP, split_k=split, config=cfg)
+        out[name] = time_graph(layer, LAYERS) * LAYERS / 1e3
+        print(f"sequence {name}: {out[name]:.3f} ms a token of linears", flush=True)
     del layers
     torch.cuda.empty_cache()
     return out
@@ -250,8 +230,6 @@ def main() -> None:
     ap.add_argument("--tiles", default=None, help='sweep GEMV tiles: "BN,BK,warps,stages ..." (graph times only)')
     ap.add_argument("--fp16", action="store_true", help="float16 activations and scales (W11-awq's dtype)")
     ap.add_argument("--write-from", metavar="JSON", help="no GPU: keep the best tiles of a --tiles sweep's --out file")
-    ap.add_argument("--blocked", action="store_true", help="with --sequence: each table's launches also on "
-                    "column-tile-blocked weights (the GEMV's BLOCKED probe: each program's slice one contiguous stream)")
     ap.add_argument("--sequence", default=None, metavar="T,...", help="time whole tokens' GEMVs in sequence per "
                     "table: 'default' (no table), 'kept' (this GPU's), or GEMV table JSON files")
     args = ap.parse_args()
@@ -290,7 +268,7 @@ def main() -> None:
             if not on_gpu:
                 raise SystemExit("no CUDA device: use --dry-run to check the shape logic only")
             torch.manual_seed(0)
-            report["sequence_ms"] = time_sequence(rows, tables, (False, True) if args.blocked else (False,))
+            report["sequence_ms"] = time_sequence(rows, tables)
     elif tiles and not args.dry_run:
         if not on_gpu:
             raise SystemExit("no CUDA device: use --dry-run to check the shape logic only")

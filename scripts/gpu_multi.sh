@@ -191,8 +191,6 @@ run_step() {  # run_step STEP LANE_DIR PORT
     awq-gemv-tiles)  # issue 25: a tile sweep of the W4A16 GEMV on the same shapes (a few minutes)
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-tiles.json" \
         --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 128,128,4,3 256,128,8,3 32,256,4,3 32,512,4,3 32,256,2,3 64,256,2,3" ;;
-    awq-gemv-blocked)  # issue 25: a token's GEMVs (kept table) on the engine's layout and column-tile-blocked
-      python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq-blocked.json" --sequence "kept" --blocked ;;
     awq-gemv-keep)  # issue 25: awq-gemv-tiles, then its best launches kept in this machine's copy of the GEMV
       # table (--write-from): the later steps of the lease run with them; the table comes back in the folder
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-tiles.json" \

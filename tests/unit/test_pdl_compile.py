@@ -38,6 +38,10 @@ CASES = {
                                                      EVEN=True, PIPE=True),
                         {"x_ptr": "fp16", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "fp16",
                          "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
+    "w4a16_gemv_pipe_l2": (w4._w4a16_gemv_kernel, dict(GROUP=128, BLOCK_N=32, BLOCK_K=512, SPLIT_K=1, HALF2=True,
+                                                        EVEN=True, PIPE=True, XPAIR=True, L2_STEPS=8),
+                           {"x_ptr": "fp16", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "fp16",
+                            "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
     "moe_up": (fm._moe_decode_up_kernel, dict(HAS_STATS=True, HAS_VALID=False, BLOCK_N=2, BLOCK_K=1024),
                {"ids_ptr": "i32", "stats_ptr": "i64", "valid_ptr": "i32"}, 8),
     "moe_down": (fm._moe_decode_down_kernel, dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, PREFETCH=256),
@@ -69,7 +73,8 @@ CASES = {
 # loads allowed before the wait: (kernel, PTX opcode prefix)
 EARLY_LOADS = {"moe_down": "ld.global.cg",
                "dense_gemv_stream": "ld.global.cg",  # (the first weight tile, in registers)
-               "w4a16_gemv_pipe": "ld.global.cg"}  # (the first K step's words, scales, zeros)
+               "w4a16_gemv_pipe": "ld.global.cg",  # (the first K step's words, scales, zeros)
+               "w4a16_gemv_pipe_l2": "ld.global.cg"}  # (the same, and prefetches of the next steps)
 
 
 def _compile(name: str, pdl: bool):
