@@ -129,10 +129,7 @@ def _jobs() -> list[Job]:
           _ours_ab("W11-awq-nopipe", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_PIPE": "0"}),
           _ours_ab("W11-awq-notable", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_TABLE": "0"}),
           # the activation pairs formed in registers instead of loaded as words (w4a16_gemm.GEMV_XPAIR)
-          _ours_ab("W11-awq-noxpair", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_XPAIR": "0"}),
-          # each program's next 2 / all (up to 8) K steps requested into L2 before its PDL wait (GEMV_L2_STEPS)
-          _ours_ab("W11-awq-l2pre2", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_L2_STEPS": "2"}),
-          _ours_ab("W11-awq-l2pre8", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_L2_STEPS": "8"})]
+          _ours_ab("W11-awq-noxpair", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_XPAIR": "0"})]
     # programmatic dependent launch off (kernels/pdl.py; on by default on Hopper): the A/B in one lease
     nopdl = {"MINIVLLM_PDL": "0"}
     j += [_ours_ab("W10-decode-nopdl", lat10, 180, lat10_tiny, nopdl),

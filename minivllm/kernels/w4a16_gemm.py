@@ -74,9 +74,6 @@ GEMV_PIPE = os.environ.get("MINIVLLM_W4A16_GEMV_PIPE", "1") != "0"
 # rows are contiguous at even offsets; MINIVLLM_W4A16_GEMV_XPAIR=0 forms them in registers as before
 # (A/B runs: job ours:W11-awq-noxpair)
 GEMV_XPAIR = os.environ.get("MINIVLLM_W4A16_GEMV_XPAIR", "1") != "0"
-# PIPE + PDL: the K steps after the first that each program asks L2 for before it waits on the
-# previous kernel (L2_STEPS in _w4a16_gemv_kernel; 0 off); A/B jobs ours:W11-awq-l2pre2 / -l2pre8
-GEMV_L2_STEPS = int(os.environ.get("MINIVLLM_W4A16_GEMV_L2_STEPS", "0"))
 # split K until about this many programs per SM. 4, from scripts/bench_w4a16_gemv.py on an H100
 # (lease 7, Llama-3.1-8B batch-1 shapes, in CUDA graphs): at 2, gate_up (448 tiles) ran unsplit
 # in 48.8 us against 41.9 us at split 2; the four linears of a layer take 88 us at 4, 95 us at 2
@@ -298,7 +295,6 @@ def _w4a16_gemv_kernel(
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
     PIPE: tl.constexpr = False,  # next K step's words, scales and zeros loaded before this one's math
     XPAIR: tl.constexpr = False,  # HALF2's activation pairs loaded as 32-bit words (x's rows contiguous, even offsets)
-    L2_STEPS: tl.constexpr = 0,  # PIPE + PDL: K steps after the first requested into L2 before the wait
 ):
     """Few rows (batch-1 decode): no tensor cores, so the dequantized tile never changes layout
     for a tl.dot operand; products accumulate elementwise in a [BLOCK_K/8, BLOCK_N] tile and are
@@ -335,11 +331,6 @@ def _w4a16_gemv_kernel(
         pc = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N // COL_STEP) * COL_STEP, N - 1)
         prefetch_l2(qw_ptr + pw[:, None] * stride_qk + pc[None, :] * stride_qn)
     if PIPE:
-        if PDL and L2_STEPS > 0:  # the slice's next steps stream into L2 while the previous kernel finishes
-            pw = tl.minimum((pid_k * per_split + 1) * (BLOCK_K // 8) + tl.arange(0, L2_STEPS * (BLOCK_K // 8)),
-                            t_end * (BLOCK_K // 8) - 1)
-            pc = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N // COL_STEP) * COL_STEP, N - 1)
-            prefetch_l2(qw_ptr + pw[:, None] * stride_qk + pc[None, :] * stride_qn)
         acc = _w4a16_gemv_pipelined(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, pid_k * per_split, t_end,
                                     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
                                     GROUP, BLOCK_N, BLOCK_K, HALF2, EVEN, PDL, XPAIR)
@@ -546,7 +537,6 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         cfg.setdefault("COL_STEP", min(cfg["BLOCK_N"], 32))
         cfg.setdefault("PIPE", GEMV_PIPE)
         cfg.setdefault("XPAIR", cfg["HALF2"] and GEMV_XPAIR and pairs_are_words(x))
-        cfg.setdefault("L2_STEPS", GEMV_L2_STEPS)
         _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg, **pdl_args(x))
     else:
         _w4a16_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)

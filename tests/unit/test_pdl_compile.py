@@ -38,8 +38,8 @@ CASES = {
                                                      EVEN=True, PIPE=True),
                         {"x_ptr": "fp16", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "fp16",
                          "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
-    "w4a16_gemv_pipe_l2": (w4._w4a16_gemv_kernel, dict(GROUP=128, BLOCK_N=32, BLOCK_K=512, SPLIT_K=1, HALF2=True,
-                                                        EVEN=True, PIPE=True, XPAIR=True, L2_STEPS=8),
+    "w4a16_gemv_xpair": (w4._w4a16_gemv_kernel, dict(GROUP=128, BLOCK_N=32, BLOCK_K=512, SPLIT_K=1, HALF2=True,
+                                                      EVEN=True, PIPE=True, XPAIR=True),
                            {"x_ptr": "fp16", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "fp16",
                             "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
     "moe_up": (fm._moe_decode_up_kernel, dict(HAS_STATS=True, HAS_VALID=False, BLOCK_N=2, BLOCK_K=1024),
@@ -74,7 +74,7 @@ CASES = {
 EARLY_LOADS = {"moe_down": "ld.global.cg",
                "dense_gemv_stream": "ld.global.cg",  # (the first weight tile, in registers)
                "w4a16_gemv_pipe": "ld.global.cg",  # (the first K step's words, scales, zeros)
-               "w4a16_gemv_pipe_l2": "ld.global.cg"}  # (the same, and prefetches of the next steps)
+               "w4a16_gemv_xpair": "ld.global.cg"}  # (the same, with the activation pairs loaded as words)
 
 
 def _compile(name: str, pdl: bool):

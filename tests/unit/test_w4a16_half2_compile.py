@@ -30,7 +30,7 @@ def _compile(dtype: str, half2: bool, split_k: int = 4, pipe: bool = False, xpai
     sig = {n: ("constexpr" if n in ONES else t) for n, t in zip(NAMES, types)}
     consts = {n: 1 for n in ONES}
     consts.update(GROUP=128, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split_k, HALF2=half2, EVEN=True, PREFETCH_WORDS=32,
-                  COL_STEP=32, PDL=False, PIPE=pipe, XPAIR=xpair, L2_STEPS=0)
+                  COL_STEP=32, PDL=False, PIPE=pipe, XPAIR=xpair)
     sig.update({k: "constexpr" for k in consts if k not in ONES})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n not in ONES}
     try:
