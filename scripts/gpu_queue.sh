@@ -16,17 +16,15 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 35, 2026-11-27; a session's 30 minutes count
-# 67-100 % of held time, so order by what closes). Staging all of vLLM takes ~1.5 minutes of held
-# time; name only the test files (and GPU_TESTS_K) that need a run.
-#   1. Issue 25, W11-awq at 49 % of the int4 roofline (3.25 ms a token; target 75 % = 2.12 ms).
-#      The kernels other than the GEMV take ~0.87 ms a token (lease 32's profile-awq1: LM head 0.37,
-#      attention 0.19, norms 0.14, the rest 0.17), so 75 % needs the GEMV at the copy rate. What is
-#      left: a GEMV weight layout each program reads as one contiguous stream, and the norms and
-#      rotary fused into the GEMVs. A same-lease vLLM Marlin pair ('ours:W11-awq+vllm:W11-awq@0',
-#      vLLM staged) was last run in lease 17 (237 tok/s; ours 308 now). Before another GEMV table is
-#      kept: 'awq-gemv-seq@0' (unrun) ranks the tables on whole tokens' GEMVs in one graph, since
-#      lease 35's per-shape sweep winner was not faster in the engine.
+# What the single-GPU issues still need (after lease 39, 2026-11-28; a session's 30 minutes count
+# 67-100 % of held time; staging all of vLLM takes ~1.5 minutes of held time; name only the test
+# files and GPU_TESTS_K that need a run: `test_quant_kernels.py -k w4a16` alone takes ~8 minutes).
+#   1. Issue 25, W11-awq at 53 % of the int4 roofline (3.06 ms a token, 1.36x vLLM's Marlin in
+#      lease 37; target 75 % = 2.12 ms). Lease 36's profile: GEMVs 2.06 ms (each 4-5 us above its
+#      bytes at the copy rate, whatever its size), LM head 0.38, attention 0.19, norms 0.16, small
+#      kernels 0.16, idle 0.18. Not the bound (measured, docs/perf.md 2026-11-28): the loop's
+#      instruction count, the weight layout, an L2 prefetch across the PDL wait. What is left is
+#      fewer launches: a layer's GEMVs and the kernels between them in persistent programs.
 #   2. Issue 22 (W1-bi 1.24-1.29x vLLM on first runs, 1.16-1.20x on second runs): to widen the
 #      second-run margin, the LM head above 128 rows (184 vs 150 us at 256) and gate_up above 256.
 set -u
