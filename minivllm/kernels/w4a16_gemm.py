@@ -142,9 +142,7 @@ cvt.f32.{ty} w4flo, w4lo;
 cvt.f32.{ty} w4fhi, w4hi;
 add.f32 $0, w4flo, w4fhi;
 }}"""
-# (16-bit MAGIC bits, ulp): XPAIR's (ulp 1/16: the nibble is q / 16) and the formed pairs' (ulp 1)
-MAGIC16_F16: tl.constexpr = tl.constexpr(0x5400)  # 64.0
-MAGIC16_BF16: tl.constexpr = tl.constexpr(0x4100)  # 8.0
+# the 16-bit MAGIC bits of the formed pairs (ulp 1); XPAIR's (ulp 1/16) are 64.0 and 8.0 (_zero_bits)
 MAGIC16_F16_UNIT: tl.constexpr = tl.constexpr(0x6400)  # 1024.0
 MAGIC16_BF16_UNIT: tl.constexpr = tl.constexpr(0x4300)  # 128.0
 HALF2_ASM_F16: tl.constexpr = tl.constexpr(_HALF2_ASM.format(magic="0x54005400", ty="f16", rty="f16", rnd=".rn"))
