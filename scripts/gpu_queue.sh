@@ -25,6 +25,9 @@
 #      kernels 0.16, idle 0.18. Not the bound (measured, docs/perf.md 2026-11-28): the loop's
 #      instruction count, the weight layout, an L2 prefetch across the PDL wait. What is left is
 #      fewer launches: a layer's GEMVs and the kernels between them in persistent programs.
+#      Cheaper first: the profile's 0.16 ms a step of device idle (68 us between the step's input
+#      copy and the embedding's index_select alone) may be the profiler's; whether the benchmark
+#      itself idles (async scheduling should hide the host) is unmeasured.
 #   2. Issue 22 (W1-bi 1.24-1.29x vLLM on first runs, 1.16-1.20x on second runs): to widen the
 #      second-run margin, the LM head above 128 rows (184 vs 150 us at 256) and gate_up above 256.
 set -u
