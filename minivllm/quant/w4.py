@@ -33,9 +33,7 @@ from __future__ import annotations
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
-_AWQ_UNDO = tuple(AWQ_ORDER.index(c) for c in range(8))  # column c sits in nibble _AWQ_UNDO[c]
 ENGINE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble p of an engine word holds row ENGINE_ORDER[p] of its 8
-_ENGINE_UNDO = tuple(ENGINE_ORDER.index(r) for r in range(8))  # row r sits in nibble _ENGINE_UNDO[r]
 
 
 def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
@@ -56,30 +54,41 @@ def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim)
 
 
+def _take8(t: torch.Tensor, dim: int, index) -> torch.Tensor:
+    """t with every run of 8 elements along `dim` reordered: element j of a run becomes the run's element index[j]."""
+    dim %= t.dim()
+    runs = t.unflatten(dim, (-1, 8))
+    return runs.index_select(dim + 1, torch.tensor(index, device=t.device)).flatten(dim, dim + 1)
+
+
+def pack_int4_ordered(values: torch.Tensor, dim: int, order) -> torch.Tensor:
+    """pack_int4 with the nibbles interleaved: nibble p of a word holds element order[p] of its 8."""
+    return pack_int4(_take8(values, dim, order), dim)
+
+
+def unpack_int4_ordered(packed: torch.Tensor, dim: int, order) -> torch.Tensor:
+    """Inverse of pack_int4_ordered: values 0..15 in element order, 8x as long on dim."""
+    return _take8(unpack_int4(packed, dim), dim, [order.index(e) for e in range(8)])
+
+
 def pack_engine(values: torch.Tensor) -> torch.Tensor:
     """[K, N] values 0..15 -> the engine's qweight [K/8, N] int32 (row ENGINE_ORDER[p] of each 8 in nibble p)."""
-    k, n = values.shape
-    return pack_int4(values.reshape(k // 8, 8, n)[:, list(ENGINE_ORDER)].reshape(k, n), 0)
+    return pack_int4_ordered(values, 0, ENGINE_ORDER)
 
 
 def unpack_engine(qweight: torch.Tensor) -> torch.Tensor:
     """The engine's qweight [K/8, N] int32 -> [K, N] int32 values 0..15, rows in order."""
-    vals = unpack_int4(qweight, 0)  # nibble order
-    k, n = vals.shape
-    return vals.view(k // 8, 8, n)[:, list(_ENGINE_UNDO)].reshape(k, n)
+    return unpack_int4_ordered(qweight, 0, ENGINE_ORDER)
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """AWQ [R, N/8] int32 -> [R, N] values 0..15 in column order."""
-    vals = unpack_int4(packed, 1)  # nibble order
-    r, n = vals.shape
-    return vals.view(r, n // 8, 8)[:, :, list(_AWQ_UNDO)].reshape(r, n)
+    return unpack_int4_ordered(packed, 1, AWQ_ORDER)
 
 
 def pack_awq(values: torch.Tensor) -> torch.Tensor:
     """[R, N] values 0..15 -> AWQ [R, N/8] int32 (column AWQ_ORDER[i] of each 8 in nibble i)."""
-    r, n = values.shape
-    return pack_int4(values.view(r, n // 8, 8)[:, :, list(AWQ_ORDER)].reshape(r, n), 1)
+    return pack_int4_ordered(values, 1, AWQ_ORDER)
 
 
 def group_perm(g_idx: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor | None:
