@@ -257,13 +257,13 @@ def main() -> None:
               "runs": RUNS, "graph_calls": GRAPH_CALLS, "plan": rows, "results": []}
     if args.sequence:
         from minivllm.kernels.tuned_tables import read_table, table_file
-        from minivllm.kernels.w4a16_gemm import GEMV_CONFIG_DIR
+        from minivllm.kernels.w4a16_gemm import GEMV_CONFIG_DIR, GEMV_TILE_KEYS
         kept = table_file(GEMV_CONFIG_DIR, report["device"] or "NVIDIA H100 80GB HBM3")
         tables = {name: None if name == "default" else read_table(kept if name == "kept" else name)
                   for name in args.sequence.split(",")}
         for name, launch in ((n, table_launches(rows, t)) for n, t in tables.items()):
-            print(f"  table {name}: " + "; ".join(f"{s} {c['BLOCK_N']},{c['BLOCK_K']},{c['num_warps']},"
-                                                 f"{c['num_stages']} split {sp}" for s, (c, sp) in launch.items()))
+            print(f"  table {name}: " + "; ".join(f"{s} {','.join(str(c[key]) for key in GEMV_TILE_KEYS)} split {sp}"
+                                                 for s, (c, sp) in launch.items()))
         if not args.dry_run:
             if not on_gpu:
                 raise SystemExit("no CUDA device: use --dry-run to check the shape logic only")

@@ -80,6 +80,9 @@ profile_invariant_pair() {  # DIR BATCH PROMPT_LEN: Qwen3-0.6B decode in graphs,
   done
 }
 
+# the W4A16 GEMV tiles (BLOCK_N,BLOCK_K,warps,stages) that awq-gemv-tiles and awq-gemv-keep sweep
+AWQ_GEMV_TILES="64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 128,128,4,3 256,128,8,3 32,256,4,3 32,512,4,3 32,256,2,3 64,256,2,3"
+
 run_step() {  # run_step STEP LANE_DIR PORT
   local step=$1 dir=$2 port=$3
   echo "[$(date +%T)] step $step on GPUs $CUDA_VISIBLE_DEVICES"
@@ -190,11 +193,11 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --sequence "default,kept,docs/perf-data/2026-11-27/single-gpu/lease35-w4a16-gemv-table-not-kept.json" ;;
     awq-gemv-tiles)  # issue 25: a tile sweep of the W4A16 GEMV on the same shapes (a few minutes)
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-tiles.json" \
-        --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 128,128,4,3 256,128,8,3 32,256,4,3 32,512,4,3 32,256,2,3 64,256,2,3" ;;
+        --tiles "$AWQ_GEMV_TILES" ;;
     awq-gemv-keep)  # issue 25: awq-gemv-tiles, then its best launches kept in this machine's copy of the GEMV
       # table (--write-from): the later steps of the lease run with them; the table comes back in the folder
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-tiles.json" \
-        --tiles "64,256,4,3 128,256,4,3 128,256,8,3 64,512,4,3 128,512,8,3 128,128,4,3 256,128,8,3 32,256,4,3 32,512,4,3 32,256,2,3 64,256,2,3"
+        --tiles "$AWQ_GEMV_TILES"
       python3 scripts/bench_w4a16_gemv.py --write-from "$dir/awq-gemv-tiles.json"
       cp minivllm/kernels/configs/w4a16_gemv/*.json "$dir/" ;;
     awq-gemv-xpair)  # issue 25: a token's GEMVs in one graph (kept table and default launches), activation
