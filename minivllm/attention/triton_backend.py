@@ -50,6 +50,8 @@ class TritonAttentionBackend:
         from minivllm.kernels import decode_attention, prefill_attention, store_kv
 
         self._store_kv = store_kv.store_kv
+        self._rotary_store_kv = store_kv.rotary_store_kv
+        self._can_rotary_store = store_kv.can_rotary_store
         self._prefill = prefill_attention.prefill_attention
         self._decode = decode_attention.decode_attention
         self._workspace_cls = decode_attention.DecodeWorkspace
@@ -72,6 +74,29 @@ class TritonAttentionBackend:
         v_scale: torch.Tensor | None = None,
     ) -> None:
         self._store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def rotary_store_kv(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        cos_sin: torch.Tensor,  # [max_pos, head_dim] float32: cos | sin
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,  # q/k RMSNorm weights (Qwen3)
+        eps: float = 0.0,
+    ) -> torch.Tensor | None:
+        """Rotary (after the q/k norm, with norm_weights) and store_kv in one kernel: returns the
+        rotated q, or None where the kernel does not take these tensors (the layer then runs
+        the rotary and store_kv apart)."""
+        if not self._can_rotary_store(q, k, v, cos_sin, k_cache, v_cache, norm_weights):
+            return None
+        return self._rotary_store_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                                     norm_weights, eps)
 
     def attend(
         self,

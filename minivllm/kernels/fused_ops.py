@@ -193,6 +193,19 @@ def _rotate_heads(base_ptr, stride_h, num_heads, blk, w_ptr, eps, cos, sin, d, d
                   HALF: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr):
     # one token's heads [blk * ROWS, (blk + 1) * ROWS) of q or k, rotated in place; with NORM
     # each head is RMSNorm-ed first (weight w_ptr), rounded as _rms_norm_kernel stores it
+    h, mask, o1, o2 = rotated_heads(base_ptr, stride_h, num_heads, blk, w_ptr, eps, cos, sin, d, d_mask,
+                                    HALF, ROWS, NORM)
+    p1 = base_ptr + h * stride_h + d
+    tl.store(p1, o1, mask=mask)
+    tl.store(p1 + HALF, o2, mask=mask)
+
+
+@_jit
+def rotated_heads(base_ptr, stride_h, num_heads, blk, w_ptr, eps, cos, sin, d, d_mask,
+                  HALF: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr):
+    """One token's heads [blk * ROWS, (blk + 1) * ROWS) of q or k (at base_ptr, head stride
+    stride_h), NORM-ed and rotated -> (heads [ROWS, 1], mask [ROWS, HALF_PAD], the two rotated
+    halves [ROWS, HALF_PAD] in base_ptr's dtype, as the in-place rotation stores them)."""
     h = blk * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     mask = (h < num_heads) & d_mask
     p1 = base_ptr + h * stride_h + d  # first half; the second half is HALF further
@@ -208,8 +221,7 @@ def _rotate_heads(base_ptr, stride_h, num_heads, blk, w_ptr, eps, cos, sin, d, d
         x2 = ((x2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
-    tl.store(p1, o1.to(base_ptr.dtype.element_ty), mask=mask)
-    tl.store(p1 + HALF, o2.to(base_ptr.dtype.element_ty), mask=mask)
+    return h, mask, o1.to(base_ptr.dtype.element_ty), o2.to(base_ptr.dtype.element_ty)
 
 
 @_jit

@@ -1,9 +1,14 @@
-"""Triton kernel: write the new tokens' K/V into the paged cache.
+"""Triton kernels: write the new tokens' K/V into the paged cache.
 
-One program per token copies that token's [num_kv_heads, head_dim] key and value rows into
-slot `slot_mapping[t]` (= block_id * block_size + offset) of k_cache / v_cache. A slot of -1
+`store_kv`: one program per token copies that token's [num_kv_heads, head_dim] key and value rows
+into slot `slot_mapping[t]` (= block_id * block_size + offset) of k_cache / v_cache. A slot of -1
 (CUDA-graph padding) is skipped. An FP8 (e4m3) cache stores K / k_scale and V / v_scale,
 saturated at +-448. The reference is `store_kv_reference` in minivllm/attention/reference.py.
+
+`rotary_store_kv`: the rotary embedding (with Qwen3's q/k RMSNorm when given) and the store in
+one launch: q is rotated in place, and the rotated keys go straight to the cache with the values
+(fused_ops' apply_rotary / qk_norm_rotary then store_kv, with their roundings: the same bits,
+one launch a layer fewer in decode).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.fused_ops import MAX_NORM_BLOCK, _norm_warps, _rotate_heads, rotated_heads
 from minivllm.kernels.pdl import enter_after_previous, pdl_args
 
 # How the attention kernels widen FP8 (e4m3) K/V tiles in registers: to float16 (default: one
@@ -67,6 +73,130 @@ def _store_kv_kernel(
         v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -448.0, 448.0)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cache_value(x, scale_ptr, KV_FP8: tl.constexpr):
+    """x in the model's dtype -> what the cache holds: x itself, or for an FP8 cache x / scale
+    saturated at +-448 (in float32; the store converts), as _store_kv_kernel computes it."""
+    if KV_FP8:
+        y = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -448.0, 448.0)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    pos_ptr,  # [T] int32/int64
+    q_ptr,  # [T, Hq, D], rotated in place
+    k_ptr, v_ptr,  # [T, Hk, D] each (read only)
+    cs_ptr,  # [max_pos, D] fp32: cos | sin
+    qw_ptr, kw_ptr,  # [D] q / k norm weights (read only if NORM)
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hk, D], last dim contiguous, the same strides
+    slot_ptr,  # [T] int64, -1 = skip
+    k_scale_ptr, v_scale_ptr,  # [1] float32 (read only when KV_FP8)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_cb, stride_cbs, stride_ch,  # the caches' block, slot and head strides
+    num_q_heads, num_k_heads, q_blocks, eps,  # programs 0..q_blocks-1 along axis 1 do q, the rest k and v
+    HALF: tl.constexpr,  # D / 2
+    HALF_PAD: tl.constexpr,  # next_pow2(HALF)
+    ROWS: tl.constexpr,  # heads per program
+    NORM: tl.constexpr,  # Qwen3: each q / k head RMSNorm-ed (weights qw / kw) before the rotation
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    KV_FP8: tl.constexpr,  # the cache is float8 e4m3: store x / scale
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
+):
+    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)[None, :]
+    d_mask = d < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)
+    if blk < q_blocks:
+        _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, qw_ptr, eps, cos, sin, d, d_mask,
+                      HALF, ROWS, NORM)
+    else:
+        h, mask, k1, k2 = rotated_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, kw_ptr, eps,
+                                        cos, sin, d, d_mask, HALF, ROWS, NORM)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        mask = mask & ((h * 0 + slot) >= 0)  # padding tokens (slot -1) store nothing
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cbs + h * stride_ch + d
+        v_src = v_ptr + t * stride_vt + h * stride_vh + d
+        v1 = tl.load(v_src, mask=mask, other=0.0)
+        v2 = tl.load(v_src + HALF, mask=mask, other=0.0)
+        dt = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst, _cache_value(k1, k_scale_ptr, KV_FP8).to(dt), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, _cache_value(k2, k_scale_ptr, KV_FP8).to(dt), mask=mask)
+        tl.store(v_cache_ptr + dst, _cache_value(v1, v_scale_ptr, KV_FP8).to(dt), mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, _cache_value(v2, v_scale_ptr, KV_FP8).to(dt), mask=mask)
+
+
+# rotary_store_kv's single launch, unless MINIVLLM_ROTARY_STORE_KV=0 (A/B runs: the two launches);
+# read at each call
+def rotary_store_enabled() -> bool:
+    return os.environ.get("MINIVLLM_ROTARY_STORE_KV", "1") != "0"
+
+
+def can_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, norm_weights: tuple | None) -> bool:
+    """Whether rotary_store_kv's kernel takes these tensors: CUDA, last dims contiguous, one
+    dtype for q, k, v (and the cache, unless it is FP8), a float32 cos | sin table, caches of one
+    shape and strides, an even head dim (and one the norm kernel holds, with q/k norm weights of
+    q's dtype)."""
+    tensors = (q, k, v, cos_sin, k_cache, v_cache) + (norm_weights or ())
+    head_dim = q.shape[-1]
+    return (rotary_store_enabled() and all(t.is_cuda for t in tensors)
+            and all(t.stride(-1) == 1 for t in (q, k, v, cos_sin, k_cache))
+            and q.dtype == k.dtype == v.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+            and cos_sin.dtype == torch.float32 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+            and k_cache.stride() == v_cache.stride() and k.shape == v.shape and head_dim % 2 == 0
+            and (norm_weights is None or (head_dim <= MAX_NORM_BLOCK
+                                          and all(w.dtype == q.dtype and w.is_contiguous() for w in norm_weights))))
+
+
+def rotary_store_kv(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, Hq, D]: rotated IN PLACE
+    k: torch.Tensor,  # [T, Hk, D]: read only (the rotated keys go to the cache)
+    v: torch.Tensor,  # [T, Hk, D]
+    cos_sin: torch.Tensor,  # [max_pos, D] float32: cos | sin
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [1] float32, FP8 caches only (None: 1.0)
+    v_scale: torch.Tensor | None = None,
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,  # Qwen3's (q_norm, k_norm) weights [D]
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """apply_rotary (qk_norm_rotary with norm_weights) then store_kv in one launch: returns q,
+    rotated in place; the rotated k and v are in their cache slots (callers check
+    can_rotary_store first)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert k.shape == v.shape == (num_tokens, num_k_heads, head_dim), (q.shape, k.shape, v.shape)
+    assert k_cache.shape[2:] == (num_k_heads, head_dim) and positions.shape[0] >= num_tokens
+    assert slot_mapping.shape[0] >= num_tokens and cos_sin.shape[1] == head_dim
+    if num_tokens == 0:
+        return q
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k_scale, v_scale = kv_scale_args(fp8, k_scale, v_scale, k_cache)
+    half = head_dim // 2
+    half_pad = triton.next_power_of_2(half)
+    rows = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, 2048 // half_pad))
+    q_blocks = triton.cdiv(num_q_heads, rows)
+    grid = (num_tokens, q_blocks + triton.cdiv(num_k_heads, rows))
+    q_weight, k_weight = norm_weights if norm_weights is not None else (q, k)
+    _rotary_store_kv_kernel[grid](
+        positions, q, k, v, cos_sin, q_weight, k_weight, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+        *k_cache.stride()[:3], num_q_heads, num_k_heads, q_blocks, eps,
+        HALF=half, HALF_PAD=half_pad, ROWS=rows, NORM=norm_weights is not None, BLOCK_SIZE=k_cache.shape[1],
+        KV_FP8=fp8, num_warps=_norm_warps(rows * half_pad), **pdl_args(q),
+    )
+    return q
 
 
 def store_kv(

@@ -131,17 +131,32 @@ class Attention(nn.Module):
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)
             v = v.view(t, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:  # (one launch on the GPU; the three ops elsewhere)
+            rotated = self._rotate_and_store(positions, q, k, v, meta)
+            if rotated is not None:  # one kernel rotated q and stored the rotated K with V
+                q, k = rotated, None
+            elif self.q_norm is not None:  # (one launch on the GPU; the three ops elsewhere)
                 q, k = qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                       self.rotary.cos_sin)
             else:
                 q, k = self.rotary(positions, q, k)
-        if self.calibrate_kv:
-            calibrate_kv_scales(self, k, v)
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if k is not None:  # K/V not stored yet
+            if self.calibrate_kv:
+                calibrate_kv_scales(self, k, v)
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _rotate_and_store(self, positions, q, k, v, meta) -> torch.Tensor | None:
+        """The backend's one-kernel rotary (after the q/k norm) and K/V store where it has one
+        (Triton on CUDA): -> the rotated q; None where it does not apply, or while this step
+        calibrates the FP8 scales (they come from the rotated K before anything is stored)."""
+        fused = getattr(self.backend, "rotary_store_kv", None)
+        if fused is None or self.calibrate_kv:
+            return None
+        norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        return fused(positions, q, k, v, self.rotary.cos_sin, self.k_cache, self.v_cache, meta.slot_mapping,
+                     self.k_scale, self.v_scale, norms, self.q_norm.eps if norms else 0.0)
 
 
 # calculate_kv_scales: scale = max|x| / range, so the calibration step's largest K sits at 200 and
@@ -169,10 +184,14 @@ class MLP(nn.Module):
         self.fp8_act = False  # set at load time for an FP8 down_proj: SwiGLU quantizes (kernels/fp8_act.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
         if self.fp8_act:
             from minivllm.kernels.fp8_act import silu_and_mul_fp8
-            out = self.down_proj(silu_and_mul_fp8(gate_up))
+            out = self.down_proj(silu_and_mul_fp8(self.gate_up_proj(x)))
         else:
-            out = self.down_proj(silu_and_mul(gate_up))  # silu(gate) * up
+            # a W4A16 gate_up GEMV stores silu(gate) * up itself (one launch fewer, same bits)
+            fused = getattr(self.gate_up_proj, "forward_silu_and_mul", None)
+            act = fused(x) if fused is not None else None
+            if act is None:
+                act = silu_and_mul(self.gate_up_proj(x))  # silu(gate) * up
+            out = self.down_proj(act)
         return out if self.tp is None else self.tp.all_reduce(out)

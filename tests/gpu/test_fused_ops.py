@@ -174,6 +174,55 @@ def check_qk_norm_rotary(tokens: int, num_q: int, num_k: int, head_dim: int, dty
     return fails
 
 
+def check_rotary_store_kv(tokens: int, num_q: int, num_k: int, head_dim: int, dtype: torch.dtype, device: str,
+                          seed: int = 0, norm: bool = False, fp8: bool = False, block_size: int = 16,
+                          max_pos: int = 64) -> list[str]:
+    """store_kv.rotary_store_kv (rotary, with norm Qwen3's q/k RMSNorm first, and the K/V store in
+    one kernel) against the two kernels it replaces, apply_rotary_triton then store_kv: the same
+    bits in q and in every cache slot, for a step whose last token is padding (slot -1: its
+    slot keeps its old bytes); k and v in the qkv buffer are left as they were."""
+    from minivllm.kernels.store_kv import rotary_store_kv, store_kv
+    gen = torch.Generator().manual_seed(seed)
+    q_size, kv_size = num_q * head_dim, num_k * head_dim
+    qkv = _rand((tokens, q_size + 2 * kv_size), dtype, device, gen, scale=2.0)
+    weights = (_rand((head_dim,), dtype, device, gen), _rand((head_dim,), dtype, device, gen)) if norm else None
+    cos_sin = _rand((max_pos, head_dim), torch.float32, device, gen)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
+    num_blocks = tokens // block_size + 2
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    if tokens > 1:
+        slots[-1] = -1
+    slots = slots.to(device)
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    old = _rand((2, num_blocks, block_size, num_k, head_dim), torch.float32, device, gen).to(cache_dtype)
+    scales = (torch.tensor([0.02], device=device), torch.tensor([0.03], device=device)) if fp8 else (None, None)
+
+    def views(buf):
+        return (buf[:, :q_size].view(tokens, num_q, head_dim), buf[:, q_size:q_size + kv_size].view(tokens, num_k, head_dim),
+                buf[:, q_size + kv_size:].view(tokens, num_k, head_dim))
+
+    apart, fused = qkv.clone(), qkv.clone()
+    kc_a, vc_a = old[0].clone(), old[1].clone()
+    kc_f, vc_f = old[0].clone(), old[1].clone()
+    q, k, v = views(apart)
+    q, k = F.apply_rotary_triton(positions, q, k, cos_sin, *(weights or (None, None)), EPS)
+    store_kv(k, v, kc_a, vc_a, slots, *scales)
+    qf, kf, vf = views(fused)
+    got = rotary_store_kv(positions, qf, kf, vf, cos_sin, kc_f, vc_f, slots, *scales, weights, EPS)
+    fails = []
+    if got.data_ptr() != qf.data_ptr():
+        fails.append("rotary_store_kv did not return its (in-place) q")
+
+    def bits(x):
+        return x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+    for name, a, b in [("q", q, got), ("k cache", kc_a, kc_f), ("v cache", vc_a, vc_f),
+                       ("qkv k and v", qkv[:, q_size:], fused[:, q_size:])]:
+        if not torch.equal(bits(a.contiguous()), bits(b.contiguous())):
+            fails.append(f"{name} differs from the unfused kernels")
+    return fails
+
+
 def _rotation_terms(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """|x1 cos| + |x2 sin| and |x2 cos| + |x1 sin|: the magnitude of the terms each rotated element
     sums (x [T, heads, D], the halves as apply_rotary_torch splits them)."""
@@ -272,6 +321,20 @@ def test_qk_norm_rotary(tokens: int, num_q: int, num_k: int, head_dim: int, dtyp
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_silu_and_mul(tokens: int, inter: int, dtype: torch.dtype) -> None:
     assert not check_silu_and_mul(tokens, inter, dtype, "cuda", seed=tokens + inter)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_q,num_k,head_dim", [(32, 8, 128), (16, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("tokens", [1, 3, 130])
+def test_rotary_store_kv_gives_the_unfused_bits(tokens: int, num_q: int, num_k: int, head_dim: int,
+                                                dtype: torch.dtype) -> None:
+    for norm, fp8 in [(False, False), (True, False), (False, True), (True, True)]:
+        if fp8 and dtype == torch.float32:
+            continue
+        fails = check_rotary_store_kv(tokens, num_q, num_k, head_dim, dtype, "cuda", seed=tokens + num_q, norm=norm,
+                                      fp8=fp8)
+        assert not fails, (norm, fp8, fails)
 
 
 @cuda

@@ -32,6 +32,10 @@ for dt, name in ((f32, "fp32"), (f16, "fp16")):
     res[f"silu_and_mul {name} T4 I100"] = checks.check_silu_and_mul(4, 100, dt, "cpu", seed=7)
     res[f"qk_norm_rotary {name} T5 q4 k2 d32"] = checks.check_qk_norm_rotary(5, 4, 2, 32, dt, "cpu", seed=8, max_pos=64)
     res[f"qk_norm_rotary {name} T3 q6 k1 d24"] = checks.check_qk_norm_rotary(3, 6, 1, 24, dt, "cpu", seed=9, max_pos=64)
+    res[f"rotary_store_kv {name} T3 q4 k2 d32"] = checks.check_rotary_store_kv(3, 4, 2, 32, dt, "cpu", seed=10)
+    res[f"rotary_store_kv {name} T5 q6 k1 d24 norm"] = checks.check_rotary_store_kv(5, 6, 1, 24, dt, "cpu", seed=11,
+                                                                                    norm=True, block_size=4)
+res["rotary_store_kv fp16 T4 q4 k2 d32 fp8"] = checks.check_rotary_store_kv(4, 4, 2, 32, f16, "cpu", seed=12, fp8=True)
 res["dispatch cpu"] = checks.check_dispatch("cpu")
 print("RESULT " + json.dumps(res))
 """
@@ -43,7 +47,7 @@ def interpreter_results() -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("kernel", ["rms_norm", "head_norm", "fused_add", "rotary", "qk_norm_rotary", "silu_and_mul",
-                                    "dispatch"])
+                                    "rotary_store_kv", "dispatch"])
 def test_fused_kernel_matches_torch_under_interpreter(interpreter_results: dict[str, list[str]], kernel: str) -> None:
     cases = {name: fails for name, fails in interpreter_results.items() if name.startswith(kernel + " ")}
     assert cases, f"no {kernel} cases ran"

@@ -42,6 +42,10 @@ CASES = {
                                                       EVEN=True, PIPE=True, XPAIR=True),
                            {"x_ptr": "fp16", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "fp16",
                             "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
+    "w4a16_gemv_swiglu": (w4._w4a16_gemv_kernel, dict(GROUP=128, BLOCK_N=32, BLOCK_K=512, SPLIT_K=1, HALF2=True,
+                                                       EVEN=True, PIPE=True, XPAIR=True, SWIGLU=True),
+                          {"x_ptr": "fp16", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "fp16",
+                           "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
     "moe_up": (fm._moe_decode_up_kernel, dict(HAS_STATS=True, HAS_VALID=False, BLOCK_N=2, BLOCK_K=1024),
                {"ids_ptr": "i32", "stats_ptr": "i64", "valid_ptr": "i32"}, 8),
     "moe_down": (fm._moe_decode_down_kernel, dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, PREFETCH=256),
@@ -56,6 +60,10 @@ CASES = {
     "rms_norm": (fo._rms_norm_kernel, dict(H=2048, BLOCK=2048, ROWS=1, HAS_RESIDUAL=True), {"scale_ptr": "fp32"}, 8),
     "rotary": (fo._rotary_kernel, dict(HALF=64, HALF_PAD=64, ROWS=16, NORM=True),
                {"pos_ptr": "i64", "cs_ptr": "fp32"}, 4),
+    "rotary_store_kv": (sk._rotary_store_kv_kernel, dict(HALF=64, HALF_PAD=64, ROWS=16, NORM=True, BLOCK_SIZE=16,
+                                                         KV_FP8=True),
+                        {"pos_ptr": "i64", "cs_ptr": "fp32", "k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv",
+                         "slot_ptr": "i64", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}, 4),
     "silu_mul": (fo._silu_and_mul_kernel, dict(I=768, BLOCK=1024), {}, 2),
     "silu_mul_fp8": (fa._silu_mul_quant_kernel, dict(BLOCK=1024, FP8_MAX=448.0, MIN_S=1e-12),
                      {"q_ptr": "fp8e4nv", "s_ptr": "fp32"}, 2),
@@ -74,7 +82,8 @@ CASES = {
 EARLY_LOADS = {"moe_down": "ld.global.cg",
                "dense_gemv_stream": "ld.global.cg",  # (the first weight tile, in registers)
                "w4a16_gemv_pipe": "ld.global.cg",  # (the first K step's words, scales, zeros)
-               "w4a16_gemv_xpair": "ld.global.cg"}  # (the same, with the activation pairs loaded as words)
+               "w4a16_gemv_xpair": "ld.global.cg",  # (the same, with the activation pairs loaded as words)
+               "w4a16_gemv_swiglu": "ld.global.cg"}  # (the same, gate and up columns)
 
 
 def _compile(name: str, pdl: bool):
