@@ -156,12 +156,17 @@ HALF2_ASM_BF16_UNIT: tl.constexpr = tl.constexpr(_HALF2_ASM.format(magic="0x4300
 
 
 @triton.jit
-def _load(ptrs, mask, EVEN: tl.constexpr, CACHE: tl.constexpr = ""):
-    """tl.load (cache modifier CACHE), masked (0 outside) unless EVEN says the tile lies wholly
-    inside the tensor."""
+def _load(ptrs, mask, EVEN: tl.constexpr, CG: tl.constexpr):
+    """tl.load, masked (0 outside) unless EVEN says the tile lies wholly inside the tensor; CG:
+    through L2 only (.cg). (Every argument is passed: Triton 3.6 does not wrap a helper's default
+    constexpr string.)"""
     if EVEN:
-        return tl.load(ptrs, cache_modifier=CACHE)
-    return tl.load(ptrs, mask=mask, other=0, cache_modifier=CACHE)
+        if CG:
+            return tl.load(ptrs, cache_modifier=".cg")
+        return tl.load(ptrs)
+    if CG:
+        return tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg")
+    return tl.load(ptrs, mask=mask, other=0)
 
 
 @triton.jit
@@ -174,11 +179,11 @@ def _x_pair_bits(x_ptr, m, stride_xm, stride_xk, words, p: tl.constexpr, K, EVEN
     MAGIC)."""
     if XPAIR:
         x_words = x_ptr.to(tl.pointer_type(tl.int32)) + m * (stride_xm // 2)
-        return _load(x_words + words * 4 + p, words < K // 8, EVEN)
+        return _load(x_words + words * 4 + p, words < K // 8, EVEN, False)
     k0 = words * 8 + 2 * p
     row_off = m * stride_xm
-    lo = _load(x_ptr + row_off + k0 * stride_xk, k0 < K, EVEN).to(tl.float32) * 0.0625
-    hi = _load(x_ptr + row_off + (k0 + 1) * stride_xk, k0 + 1 < K, EVEN).to(tl.float32) * 0.0625
+    lo = _load(x_ptr + row_off + k0 * stride_xk, k0 < K, EVEN, False).to(tl.float32) * 0.0625
+    hi = _load(x_ptr + row_off + (k0 + 1) * stride_xk, k0 + 1 < K, EVEN, False).to(tl.float32) * 0.0625
     dt = x_ptr.dtype.element_ty
     lo_bits = lo.to(dt).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi_bits = hi.to(dt).to(tl.int16, bitcast=True).to(tl.int32)
@@ -336,8 +341,8 @@ def _w4a16_gemv_kernel(
     t_end = tl.minimum((pid_k + 1) * per_split, k_tiles)
     if PDL and not PIPE:  # (PIPE loads the first step itself before the wait)
         pw = tl.minimum(pid_k * per_split * (BLOCK_K // 8) + tl.arange(0, PREFETCH_WORDS), t_end * (BLOCK_K // 8) - 1)
-        pc = tl.minimum(_gemv_columns(pid_n, tl.arange(0, BLOCK_N // COL_STEP) * COL_STEP, N, BLOCK_N, SWIGLU)[0],
-                        N - 1)
+        pc, _ = _gemv_columns(pid_n, tl.arange(0, BLOCK_N // COL_STEP) * COL_STEP, N, BLOCK_N, SWIGLU)
+        pc = tl.minimum(pc, N - 1)
         prefetch_l2(qw_ptr + pw[:, None] * stride_qk + pc[None, :] * stride_qn)
     if PIPE:
         acc = _w4a16_gemv_pipelined(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, pid_k * per_split, t_end,
@@ -395,10 +400,10 @@ def _w4a16_gemv_steps(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, t_be
         w_ok = (words < K // 8)[:, None] & n_ok[None, :]
         w_ptrs = qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn
         g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
-        w = _load(w_ptrs, w_ok, EVEN)
-        s = _load(s_ptr + g_off, w_ok, EVEN).to(tl.float32)
+        w = _load(w_ptrs, w_ok, EVEN, False)
+        s = _load(s_ptr + g_off, w_ok, EVEN, False).to(tl.float32)
         if HALF2:  # 16-bit activations: packed math per word (_word_dot_half2); the 16 once, at the end
-            z = _load(z_ptr + g_off, w_ok, EVEN)
+            z = _load(z_ptr + g_off, w_ok, EVEN, False)
             acc += _half2_step(w, z, x_ptr, m, words, K, stride_xm, stride_xk, BLOCK_N, BLOCK_K, EVEN, XPAIR) * s
         else:
             zb = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32) + MAGIC  # 2^23 + z, exact
@@ -440,8 +445,7 @@ def _w4_step_operands(qw_ptr, s_ptr, z_ptr, rn, rw, n_ok, K, t, t_end, stride_qk
     g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
     w_ptrs = qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn
     ok = (words < tl.where(t < t_end, K // 8, 0))[:, None] & n_ok[None, :]  # (unused when EVEN)
-    return (_load(w_ptrs, ok, EVEN, ".cg"), _load(s_ptr + g_off, ok, EVEN, ".cg"),
-            _load(z_ptr + g_off, ok, EVEN, ".cg"))
+    return _load(w_ptrs, ok, EVEN, True), _load(s_ptr + g_off, ok, EVEN, True), _load(z_ptr + g_off, ok, EVEN, True)
 
 
 @triton.jit
