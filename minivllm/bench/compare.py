@@ -130,13 +130,9 @@ def _jobs() -> list[Job]:
           _ours_ab("W11-awq-notable", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_TABLE": "0"}),
           # the activation pairs formed in registers instead of loaded as words (w4a16_gemm.GEMV_XPAIR)
           _ours_ab("W11-awq-noxpair", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_XPAIR": "0"})]
-    # the launches a layer fused away (2026-11-28): silu(gate) * up stored by the gate_up GEMV
-    # (w4a16_gemm.GEMV_SWIGLU), the rotary and the K/V store in one kernel (store_kv.rotary_store_kv),
-    # each off, and both off; W2 (bf16) has only the second
+    # the rotary and the K/V store as two launches instead of one (store_kv.rotary_store_kv)
     norotstore = {"MINIVLLM_ROTARY_STORE_KV": "0"}
-    j += [_ours_ab("W11-awq-noswiglu", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_SWIGLU": "0"}),
-          _ours_ab("W11-awq-norotstore", awq, 130, awq_tiny, norotstore),
-          _ours_ab("W11-awq-nofuse", awq, 130, awq_tiny, dict(norotstore, MINIVLLM_W4A16_GEMV_SWIGLU="0")),
+    j += [_ours_ab("W11-awq-norotstore", awq, 130, awq_tiny, norotstore),
           _ours_ab("W2-norotstore", w2, 120, _LAT_TINY, norotstore)]
     # programmatic dependent launch off (kernels/pdl.py; on by default on Hopper): the A/B in one lease
     nopdl = {"MINIVLLM_PDL": "0"}

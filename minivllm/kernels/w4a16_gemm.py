@@ -74,10 +74,6 @@ GEMV_PIPE = os.environ.get("MINIVLLM_W4A16_GEMV_PIPE", "1") != "0"
 # rows are contiguous at even offsets; MINIVLLM_W4A16_GEMV_XPAIR=0 forms them in registers as before
 # (A/B runs: job ours:W11-awq-noxpair)
 GEMV_XPAIR = os.environ.get("MINIVLLM_W4A16_GEMV_XPAIR", "1") != "0"
-# an MLP's gate_up GEMV stores silu(gate) * up itself (SWIGLU in _w4a16_gemv_kernel, w4a16_gate_up_silu):
-# one launch a layer fewer; MINIVLLM_W4A16_GEMV_SWIGLU=0 runs the product and silu_and_mul apart
-# (A/B runs: job ours:W11-awq-noswiglu)
-GEMV_SWIGLU = os.environ.get("MINIVLLM_W4A16_GEMV_SWIGLU", "1") != "0"
 # split K until about this many programs per SM. 4, from scripts/bench_w4a16_gemv.py on an H100
 # (lease 7, Llama-3.1-8B batch-1 shapes, in CUDA graphs): at 2, gate_up (448 tiles) ran unsplit
 # in 48.8 us against 41.9 us at split 2; the four linears of a layer take 88 us at 4, 95 us at 2
@@ -303,7 +299,6 @@ def _w4a16_gemv_kernel(
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
     PIPE: tl.constexpr = False,  # next K step's words, scales and zeros loaded before this one's math
     XPAIR: tl.constexpr = False,  # HALF2's activation pairs loaded as 32-bit words (x's rows contiguous, even offsets)
-    SWIGLU: tl.constexpr = False,  # W is gate | up (N = 2I): out [M, I] = silu(gate) * up (SPLIT_K 1)
 ):
     """Few rows (batch-1 decode): no tensor cores, so the dequantized tile never changes layout
     for a tl.dot operand; products accumulate elementwise in a [BLOCK_K/8, BLOCK_N] tile and are
@@ -326,23 +321,18 @@ def _w4a16_gemv_kernel(
     PIPE (the default; MINIVLLM_W4A16_GEMV_PIPE=0 off): the loop loads K step t + 1's words,
     scales and zeros before it computes step t, and the first step's before the PDL wait (weights:
     no kernel writes them), as the streaming dense GEMV does (kernels/dense_gemv.py); two steps
-    of weight loads in flight per thread instead of one.
-
-    SWIGLU (an MLP's gate_up weight, `w4a16_gate_up_silu`): the program's BLOCK_N columns are
-    BLOCK_N / 2 gate columns and the up columns I further (_swiglu_columns), and it stores
-    silu(gate) * up for those BLOCK_N / 2 outputs, rounded as the unfused gate_up product and
-    silu_and_mul kernel round them: one launch a layer fewer, the same bits."""
+    of weight loads in flight per thread instead of one."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rn, n_ok = _gemv_columns(pid_n, tl.arange(0, BLOCK_N), N, BLOCK_N, SWIGLU)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, BLOCK_K // 8)
+    n_ok = rn < N
     acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_end = tl.minimum((pid_k + 1) * per_split, k_tiles)
     if PDL and not PIPE:  # (PIPE loads the first step itself before the wait)
         pw = tl.minimum(pid_k * per_split * (BLOCK_K // 8) + tl.arange(0, PREFETCH_WORDS), t_end * (BLOCK_K // 8) - 1)
-        pc, _ = _gemv_columns(pid_n, tl.arange(0, BLOCK_N // COL_STEP) * COL_STEP, N, BLOCK_N, SWIGLU)
-        pc = tl.minimum(pc, N - 1)
+        pc = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N // COL_STEP) * COL_STEP, N - 1)
         prefetch_l2(qw_ptr + pw[:, None] * stride_qk + pc[None, :] * stride_qn)
     if PIPE:
         acc = _w4a16_gemv_pipelined(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, pid_k * per_split, t_end,
@@ -355,37 +345,8 @@ def _w4a16_gemv_kernel(
     out = tl.sum(acc, 0)  # [BLOCK_N]
     if HALF2:
         out = out * 16.0  # the activations entered the packed products divided by 16 (exact)
-    if SWIGLU:
-        _store_swiglu(out, out_ptr, m * stride_om, pid_n, N // 2, stride_on, BLOCK_N)
-    else:
-        store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn * stride_on, m * N + rn, M * N, n_ok, pid_k,
-                   m * tl.num_programs(0) + pid_n, SPLIT_K)
-
-
-@triton.jit
-def _gemv_columns(pid_n, j, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
-    """The weight columns of program pid_n's tile slots j (0 .. BLOCK_N - 1) -> (columns, in range).
-    SWIGLU: slots 0 .. BLOCK_N/2 - 1 are gate columns c .. c + BLOCK_N/2 - 1 (c = pid_n * BLOCK_N/2)
-    and the rest the matching up columns, I = N / 2 further; else the BLOCK_N columns from pid_n * BLOCK_N."""
-    if SWIGLU:
-        out_col = pid_n * (BLOCK_N // 2) + j % (BLOCK_N // 2)
-        return out_col + (j // (BLOCK_N // 2)) * (N // 2), out_col < N // 2
-    col = pid_n * BLOCK_N + j
-    return col, col < N
-
-
-@triton.jit
-def _store_swiglu(out, out_ptr, row_off, pid_n, I, stride_on, BLOCK_N: tl.constexpr):
-    """out [BLOCK_N] float32 (the gate half, then the up half) -> silu(gate) * up at the program's
-    BLOCK_N / 2 output columns. Rounded as the unfused path: gate and up to out's dtype (the
-    gate_up product's store), silu to it (fused_ops' _silu_and_mul_kernel), the product to it."""
-    dt = out_ptr.dtype.element_ty
-    gate, up = tl.split(tl.permute(tl.reshape(out, (2, BLOCK_N // 2)), (1, 0)))  # [BLOCK_N / 2] each
-    gate = gate.to(dt).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dt)
-    y = act.to(tl.float32) * up.to(dt).to(tl.float32)
-    col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(out_ptr + row_off + col * stride_on, y.to(dt), mask=col < I)
+    store_tile(out, out_ptr, ws_ptr, cnt_ptr, m * stride_om + rn * stride_on, m * N + rn, M * N, n_ok, pid_k,
+               m * tl.num_programs(0) + pid_n, SPLIT_K)
 
 
 @triton.jit
@@ -562,57 +523,20 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if cfg["BLOCK_M"] == 1:
-        _launch_gemv(x, qweight, scales, zeros, out, g, cfg, split_k)
-        return out
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
     ws, cnt = split_buffers(split_k, m, n, grid[0] * grid[1], out)
-    _w4a16_kernel[grid](x, qweight, scales, zeros, out, ws, cnt, m, n, k, *x.stride(), *qweight.stride(),
-                        *scales.stride(), *out.stride(), GROUP=g, SPLIT_K=split_k, **cfg)
-    return out
-
-
-def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 out: torch.Tensor, group: int, cfg: dict, split_k: int, swiglu: bool = False) -> None:
-    """One _w4a16_gemv_kernel launch (m >= 1 rows of x); cfg: a W4A16_CONFIGS-style tile with
-    BLOCK_M 1, optionally with the kernel's path flags (HALF2, PIPE, XPAIR, EVEN: defaulted here)."""
-    m, k = x.shape
-    n = qweight.shape[1]
-    cfg = {key: v for key, v in cfg.items() if key != "BLOCK_M"}
-    cols = n // 2 if swiglu else n  # the output's width
-    grid = (triton.cdiv(cols, cfg["BLOCK_N"] // 2 if swiglu else cfg["BLOCK_N"]), m, split_k)
-    ws, cnt = split_buffers(split_k, m, n, grid[0] * grid[1], out)
-    cfg.setdefault("HALF2", GEMV_HALF2 and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16))
-    per_half = cfg["BLOCK_N"] // 2 if swiglu else cfg["BLOCK_N"]  # the tile's contiguous columns
-    cfg.setdefault("EVEN", k % cfg["BLOCK_K"] == 0 and cols % per_half == 0)
-    cfg.setdefault("COL_STEP", min(per_half, 32))
-    cfg.setdefault("PIPE", GEMV_PIPE)
-    cfg.setdefault("XPAIR", cfg["HALF2"] and GEMV_XPAIR and pairs_are_words(x))
-    _w4a16_gemv_kernel[grid](x, qweight, scales, zeros, out, ws, cnt, m, n, k, *x.stride(), *qweight.stride(),
-                             *scales.stride(), *out.stride(), GROUP=group, SPLIT_K=split_k, SWIGLU=swiglu, **cfg,
-                             **pdl_args(x))
-
-
-def w4a16_gate_up_silu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                       group_size: int, config: dict[str, int] | None = None) -> torch.Tensor | None:
-    """x [M, K] against an MLP's fused gate | up weight (N = 2I, gate first) -> silu(gate) * up
-    [M, I] in x's dtype, in one GEMV launch (SWIGLU; the same bits as w4a16_gemm then
-    fused_ops.silu_and_mul). None where that launch does not apply: more rows than the GEMV's,
-    off the GPU, MINIVLLM_W4A16_GEMV_SWIGLU=0, or a weight whose launch cuts K (the fused store
-    needs whole sums). config: the GEMV tile (default: the weight's kept launch, its BLOCK_N
-    columns split between gate and up, so the programs read what the unfused launch's do)."""
-    m, k = x.shape
-    n = qweight.shape[1]
-    g = k if group_size == -1 else group_size
-    if not (GEMV_SWIGLU and x.is_cuda and 0 < m <= W4A16_CONFIGS[0][0] and n % 2 == 0):
-        return None
-    cfg, split_k = (config, 1) if config is not None else gemv_launch(n, k, g, x.device)
-    if split_k is None:
-        split_k = choose_split_k(m, n, k, cfg, num_sms_of(x.device))
-    if split_k != 1:
-        return None
-    out = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
-    _launch_gemv(x, qweight, scales, zeros, out, g, cfg, 1, swiglu=True)
+    args = (x, qweight, scales, zeros, out, ws, cnt, m, n, k, *x.stride(), *qweight.stride(), *scales.stride(),
+            *out.stride())
+    if cfg["BLOCK_M"] == 1:
+        del cfg["BLOCK_M"]
+        cfg.setdefault("HALF2", GEMV_HALF2 and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16))
+        cfg.setdefault("EVEN", k % cfg["BLOCK_K"] == 0 and n % cfg["BLOCK_N"] == 0)
+        cfg.setdefault("COL_STEP", min(cfg["BLOCK_N"], 32))
+        cfg.setdefault("PIPE", GEMV_PIPE)
+        cfg.setdefault("XPAIR", cfg["HALF2"] and GEMV_XPAIR and pairs_are_words(x))
+        _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg, **pdl_args(x))
+    else:
+        _w4a16_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)
     return out
 
 
@@ -626,23 +550,6 @@ def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     _dequant_kernel[grid](qweight, scales, zeros, w, k, n, *qweight.stride(), *scales.stride(), *w.stride(),
                           GROUP=k if group_size == -1 else group_size, BLOCK_W=block_w, BLOCK_N=block_n)
     return w
-
-
-def w4a16_linear_silu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                      group_size: int, perm: torch.Tensor | None = None,
-                      bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [..., K] -> silu(gate) * up [..., N / 2] for an MLP's gate | up layer, in one launch
-    (w4a16_gate_up_silu); None where that does not apply (then: w4a16_linear, silu_and_mul)."""
-    if bias is not None:
-        return None
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
-    if rows.shape[0] > W4A16_CONFIGS[0][0]:
-        return None
-    if perm is not None:
-        rows = rows.index_select(1, perm)
-    y = w4a16_gate_up_silu(rows, qweight, scales, zeros, group_size)
-    return None if y is None else y.view(*lead, y.shape[-1])
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

@@ -184,14 +184,10 @@ class MLP(nn.Module):
         self.fp8_act = False  # set at load time for an FP8 down_proj: SwiGLU quantizes (kernels/fp8_act.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
         if self.fp8_act:
             from minivllm.kernels.fp8_act import silu_and_mul_fp8
-            out = self.down_proj(silu_and_mul_fp8(self.gate_up_proj(x)))
+            out = self.down_proj(silu_and_mul_fp8(gate_up))
         else:
-            # a W4A16 gate_up GEMV stores silu(gate) * up itself (one launch fewer, same bits)
-            fused = getattr(self.gate_up_proj, "forward_silu_and_mul", None)
-            act = fused(x) if fused is not None else None
-            if act is None:
-                act = silu_and_mul(self.gate_up_proj(x))  # silu(gate) * up
-            out = self.down_proj(act)
+            out = self.down_proj(silu_and_mul(gate_up))  # silu(gate) * up
         return out if self.tp is None else self.tp.all_reduce(out)

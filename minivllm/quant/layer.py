@@ -54,12 +54,6 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """For an MLP's gate | up layer: silu(gate) * up where the method computes it with the
-        product (one kernel); None where it does not (the caller applies silu_and_mul)."""
-        fused = getattr(self.method, "apply_silu_and_mul", None)
-        return None if fused is None else fused(self, x)
-
     def extra_repr(self) -> str:
         return f"{self.name}: in={self.in_features}, out={self.output_sizes}, {self.quant.layout}"
 

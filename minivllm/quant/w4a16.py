@@ -91,15 +91,6 @@ class W4A16Method:
         from minivllm.kernels.w4a16_gemm import w4a16_linear
         return w4a16_linear(x, layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.perm, layer.bias)
 
-    def apply_silu_and_mul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor | None:
-        """An MLP's gate | up layer: silu(gate) * up in the GEMV's launch where it can (few rows
-        on the GPU: kernels/w4a16_gemm.py, w4a16_linear_silu); None: the caller runs apply and
-        silu_and_mul."""
-        if getattr(layer, "dense_weight", None) is not None:
-            return None
-        from minivllm.kernels.w4a16_gemm import w4a16_linear_silu
-        return w4a16_linear_silu(x, layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.perm, layer.bias)
-
 
 def _packed_eights(layout: str) -> int:
     """The int32 word of eight zero points that dequantize to zero at q = 8 (dummy weights)."""

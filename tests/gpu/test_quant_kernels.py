@@ -52,20 +52,6 @@ def check_w4a16(m: int, n: int, k: int, group: int, dtype, device, seed: int = 0
     return errors(out, ref)[1]
 
 
-def check_w4a16_swiglu(m: int, inter: int, k: int, group: int, dtype, device, config: dict, seed: int = 0) -> dict:
-    """The GEMV's SWIGLU launch on an MLP's gate | up weight ([K/8, 2 * inter]) against the unfused
-    pair (the same GEMV's product, then the silu_and_mul kernel): {"bitwise": the same bits,
-    "err": relative error against the torch reference on the dequantized weight}."""
-    from minivllm.kernels.fused_ops import silu_and_mul_torch, silu_and_mul_triton
-    from minivllm.kernels.w4a16_gemm import _launch_gemv, w4a16_gemm
-    x, qw, s, z, _ = w4_case(m, 2 * inter, k, group, dtype, device, seed)
-    fused = torch.empty(m, inter, dtype=dtype, device=device)
-    _launch_gemv(x, qw, s, z, fused, group if group != -1 else k, dict(config), 1, swiglu=True)
-    apart = silu_and_mul_triton(w4a16_gemm(x, qw, s, z, group, 1, dict(config, BLOCK_M=1)))
-    ref = silu_and_mul_torch(w4.w4a16_reference(x, qw, s, z, group, None)).float()
-    return {"bitwise": torch.equal(fused.float(), apart.float()), "err": errors(fused, ref)[1]}
-
-
 def check_w4a16_dequant(n: int, k: int, group: int, dtype, device, seed: int = 0) -> float:
     """Largest |kernel - reference| of the float32 dequantized weight: 0 (the kernel's 2^23 + q
     nibbles give q - z exactly, as the reference's int -> float conversion does)."""
@@ -232,34 +218,6 @@ def test_w4a16_gemv_half2(n: int, k: int, group: int, split_k: int, half2: str, 
         assert check_w4a16(m, n, k, group, torch.bfloat16, DEV, seed=m, split_k=split_k, config=cfg) < 2e-2
         assert check_w4a16(m, n, k, group, torch.float16, DEV, seed=m, split_k=split_k, config=cfg,
                            act_order=True) < 1e-2
-
-
-@gpu
-@pytest.mark.parametrize("path", ["xpair", "formed", "plain"])
-def test_w4a16_gemv_swiglu_gives_the_unfused_bits(path: str) -> None:
-    """An MLP's gate_up GEMV storing silu(gate) * up itself (SWIGLU) gives the bits of the product
-    then the silu_and_mul kernel, in both 16-bit dtypes and on every GEMV path, on a tile that
-    divides the weight (Llama-3.1-8B's gate_up at the kept tile) and on ragged ones."""
-    base = {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "HALF2": path != "plain",
-            "XPAIR": path == "xpair"}
-    for m, inter, k, g, cfg in [(1, 14336, 4096, 128, base), (2, 1536, 576, 64, dict(base, BLOCK_K=128)),
-                                (1, 100, 512, 64, dict(base, BLOCK_N=64, BLOCK_K=128, PIPE=False))]:
-        for dt in (torch.float16, torch.bfloat16):
-            res = check_w4a16_swiglu(m, inter, k, g, dt, DEV, cfg, seed=m)
-            assert res["bitwise"] and res["err"] < 2e-2, (m, inter, k, dt, res)
-
-
-@gpu
-def test_w4a16_gate_up_silu_takes_the_kept_launch() -> None:
-    """The engine's entry point: one launch where the kept gate_up launch is unsplit, the unfused
-    pair's bits; None (the caller's two launches) for rows beyond the GEMV's."""
-    from minivllm.kernels.fused_ops import silu_and_mul
-    from minivllm.kernels.w4a16_gemm import w4a16_gate_up_silu, w4a16_gemm
-    x, qw, s, z, _ = w4_case(1, 28672, 4096, 128, torch.float16, DEV, seed=2)
-    fused = w4a16_gate_up_silu(x, qw, s, z, 128)
-    assert fused is not None and torch.equal(fused, silu_and_mul(w4a16_gemm(x, qw, s, z, 128)))
-    x3, qw3, s3, z3, _ = w4_case(3, 512, 256, 64, torch.float16, DEV, seed=3)
-    assert w4a16_gate_up_silu(x3, qw3, s3, z3, 64) is None
 
 
 @gpu

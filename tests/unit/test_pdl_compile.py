@@ -42,10 +42,6 @@ CASES = {
                                                       EVEN=True, PIPE=True, XPAIR=True),
                            {"x_ptr": "fp16", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "fp16",
                             "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
-    "w4a16_gemv_swiglu": (w4._w4a16_gemv_kernel, dict(GROUP=128, BLOCK_N=32, BLOCK_K=512, SPLIT_K=1, HALF2=True,
-                                                       EVEN=True, PIPE=True, XPAIR=True, SWIGLU=True),
-                          {"x_ptr": "fp16", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "fp16",
-                           "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
     "moe_up": (fm._moe_decode_up_kernel, dict(HAS_STATS=True, HAS_VALID=False, BLOCK_N=2, BLOCK_K=1024),
                {"ids_ptr": "i32", "stats_ptr": "i64", "valid_ptr": "i32"}, 8),
     "moe_down": (fm._moe_decode_down_kernel, dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, PREFETCH=256),
@@ -82,8 +78,7 @@ CASES = {
 EARLY_LOADS = {"moe_down": "ld.global.cg",
                "dense_gemv_stream": "ld.global.cg",  # (the first weight tile, in registers)
                "w4a16_gemv_pipe": "ld.global.cg",  # (the first K step's words, scales, zeros)
-               "w4a16_gemv_xpair": "ld.global.cg",  # (the same, with the activation pairs loaded as words)
-               "w4a16_gemv_swiglu": "ld.global.cg"}  # (the same, gate and up columns)
+               "w4a16_gemv_xpair": "ld.global.cg"}  # (the same, with the activation pairs loaded as words)
 
 
 def _compile(name: str, pdl: bool):
