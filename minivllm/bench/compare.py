@@ -134,6 +134,10 @@ def _jobs() -> list[Job]:
     norotstore = {"MINIVLLM_ROTARY_STORE_KV": "0"}
     j += [_ours_ab("W11-awq-norotstore", awq, 130, awq_tiny, norotstore),
           _ours_ab("W2-norotstore", w2, 120, _LAT_TINY, norotstore)]
+    # decode attention's chunks merged by a second kernel instead of the last split program
+    mergekernel = {"MINIVLLM_DECODE_MERGE": "kernel"}
+    j += [_ours_ab("W11-awq-mergekernel", awq, 130, awq_tiny, mergekernel),
+          _ours_ab("W2-mergekernel", w2, 120, _LAT_TINY, mergekernel)]
     # programmatic dependent launch off (kernels/pdl.py; on by default on Hopper): the A/B in one lease
     nopdl = {"MINIVLLM_PDL": "0"}
     j += [_ours_ab("W10-decode-nopdl", lat10, 180, lat10_tiny, nopdl),

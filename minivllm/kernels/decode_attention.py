@@ -11,7 +11,11 @@ per (sequence, kv head, chunk), and a second small kernel merges the chunks.
              chunk = max(MIN_CHUNK, round_up(cdiv(seq_len, num_splits), BLOCK_N)) is computed
              in the kernel from the device seq_lens, so short sequences use fewer chunks, and a
              program whose chunk starts past seq_len writes a neutral partial (lse = -inf, 0).
-    stage 2  grid = (num_seqs, num_heads): out = sum_c 2^(lse_c - max) * o_c / sum_c 2^(lse_c - max)
+    stage 2  out = sum_c 2^(lse_c - max) * o_c / sum_c 2^(lse_c - max), by the last stage-1 program
+             of each (sequence, kv head) to finish (its int32 counter, as kernels/split_k.py's
+             fix-up counts a tile's K slices), over the chunks that hold keys: one launch a
+             layer. MINIVLLM_DECODE_MERGE=kernel runs it as a second kernel instead,
+             grid = (num_seqs, num_heads) (the layout before 2026-11-28, for A/B runs).
 
 With num_splits == 1 stage 1 writes the final output and stage 2 is skipped.
 
@@ -35,6 +39,7 @@ replays. The reference is `paged_attention_reference` in minivllm/attention/refe
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +49,7 @@ import triton.language as tl
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.paged_checks import check_paged_shapes
 from minivllm.kernels.pdl import enter_after_previous, pdl_args
+from minivllm.kernels.split_k import tile_counters
 from minivllm.kernels.prefill_attention import fp16_query, mma, softmax_accumulate
 from minivllm.kernels.store_kv import fp8_widen_f16, kv_scale_args
 
@@ -51,6 +57,10 @@ LOG2E = math.log2(math.e)
 MIN_CHUNK = 128  # fewest keys per split: below this the merge costs more than it saves
 MAX_SPLITS = 64  # most chunks per sequence
 PROGRAMS_PER_SM = 4  # split until about this many stage-1 programs per SM
+# stage 2 in the stage-1 kernel (the last program of each sequence and kv head merges), unless
+# MINIVLLM_DECODE_MERGE=kernel (read at each launch, so a benchmark or test can flip it)
+def merge_in_split() -> bool:
+    return os.environ.get("MINIVLLM_DECODE_MERGE", "split") != "kernel"
 
 
 @dataclass
@@ -112,6 +122,7 @@ def _decode_split_kernel(
     qsl_ptr,  # [num_seqs + 1] int32; decode: query token of sequence s is qsl[s]
     seq_lens_ptr,  # [num_seqs] int32
     block_tables_ptr,  # [num_seqs, max_blocks] int32
+    cnt_ptr,  # MERGE: int32 [num_seqs * num_kv_heads] counters, 0 on entry and on exit (split_k.tile_counters)
     num_splits,
     qk_scale,  # softmax scale * log2(e)
     k_scale_ptr, v_scale_ptr,  # [1] float32: an FP8 cache holds K / k_scale, V / v_scale (read when KV_FP8)
@@ -132,6 +143,8 @@ def _decode_split_kernel(
     IEEE: tl.constexpr,  # float32 cache: full-precision products (prefill_attention.mma)
     WIDEN_F16: tl.constexpr = False,  # FP8 only: the products in float16 (module docstring)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
+    MERGE: tl.constexpr = False,  # split: the last program of (seq, kv head) merges the chunks (stage 2)
+    S_PAD: tl.constexpr = 2,  # MERGE: next_pow2(num_splits)
 ):
     enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     seq = tl.program_id(0)
@@ -174,9 +187,45 @@ def _decode_split_kernel(
     else:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # [G_PAD]
         s64 = seq.to(tl.int64)
-        p_off = s64 * stride_ps + head[:, None] * stride_ph + split * stride_pc + d[None, :] * stride_pd
-        tl.store(part_out_ptr + p_off, o, mask=io_mask)
-        tl.store(part_lse_ptr + s64 * stride_ls + head * stride_lh + split * stride_lc, lse, mask=g < GROUP)
+        p_base = part_out_ptr + s64 * stride_ps + head[:, None] * stride_ph + d[None, :] * stride_pd
+        l_base = part_lse_ptr + s64 * stride_ls + head * stride_lh
+        tl.store(p_base + split * stride_pc, o, mask=io_mask)
+        tl.store(l_base + split * stride_lc, lse, mask=g < GROUP)
+        if MERGE:
+            # Visibility as in split_k.store_tile: the CTA barrier orders every thread's partial
+            # before the (acq_rel, gpu-scope) increment; the last program's acquire then sees all
+            # num_splits partials, read through L2 (.cg)
+            tl.debug_barrier()
+            counter = cnt_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1) == num_splits - 1:
+                n_used = tl.cdiv(seq_len, chunk)  # chunks past it hold no keys: weight 0, skipped
+                res = _merge_chunks(p_base, l_base, g < GROUP, io_mask, n_used, num_splits, stride_pc, stride_lc,
+                                    G_PAD, D_PAD, S_PAD)
+                o_off = t64 * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+                tl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=io_mask)
+                tl.store(counter, 0)  # every program has counted: 0 again for the next launch (graph replays too)
+
+
+@triton.jit
+def _merge_chunks(p_base, l_base, g_ok, io_mask, n_used, num_splits, stride_pc, stride_lc,
+                  G_PAD: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    """Stage 2 for one kv head's query heads: p_base [G_PAD, D_PAD] pointers to chunk 0's
+    normalized partials, l_base [G_PAD] to its log-sum-exps (base 2) -> [G_PAD, D_PAD] float32
+    sum_c 2^(lse_c - max) o_c / sum_c 2^(lse_c - max), over chunks 0 .. n_used - 1 (the weight
+    sums over all num_splits; empty chunks add 0)."""
+    c = tl.arange(0, S_PAD)
+    lse = tl.load(l_base[:, None] + c[None, :] * stride_lc, mask=g_ok[:, None] & (c < num_splits)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")  # [G_PAD, S_PAD]
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every chunk empty (seq_len 0): output 0
+    den = tl.sum(tl.exp2(lse - m[:, None]), 1)
+    den = tl.where(den == 0.0, 1.0, den)
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    for i in range(0, n_used):
+        lse_i = tl.load(l_base + i * stride_lc, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        o_i = tl.load(p_base + i * stride_pc, mask=io_mask, other=0.0, cache_modifier=".cg")
+        acc += o_i * tl.exp2(lse_i - m)[:, None]
+    return acc / den[:, None]
 
 
 @triton.jit
@@ -280,9 +329,10 @@ def decode_attention(
     if workspace is not None:
         assert workspace.part_lse.shape[0] >= num_seqs and workspace.part_lse.shape[1] == num_heads
         assert workspace.num_splits >= num_splits and workspace.part_out.shape[3] == head_dim
+    merge = num_splits > 1 and merge_in_split()
     _launch_split(query, k_cache, v_cache, out, workspace, query_start_loc, seq_lens, block_tables,
-                  scale, num_splits, k_scale, v_scale)
-    if num_splits > 1:
+                  scale, num_splits, k_scale, v_scale, merge)
+    if num_splits > 1 and not merge:
         _launch_merge(out, workspace, query_start_loc, num_seqs, num_splits)
     return out
 
@@ -295,7 +345,7 @@ def _default_splits(query, num_seqs, num_kv_heads, max_seq_len, k_cache, block_t
 
 
 def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, block_tables,
-                  scale, num_splits, k_scale=None, v_scale=None) -> None:
+                  scale, num_splits, k_scale=None, v_scale=None, merge: bool = False) -> None:
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -309,8 +359,9 @@ def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, b
     p_out_strides = (0, 0, 0, 0) if ws is None else ws.part_out.stride()
     p_lse_strides = (0, 0, 0) if ws is None else ws.part_lse.stride()
     grid = (seq_lens.shape[0], num_kv_heads, num_splits)
+    counters = tile_counters(query.device, grid[0] * grid[1]) if merge else out  # (unused without MERGE)
     _decode_split_kernel[grid](
-        query, k_cache, v_cache, out, p_out, p_lse, query_start_loc, seq_lens, block_tables,
+        query, k_cache, v_cache, out, p_out, p_lse, query_start_loc, seq_lens, block_tables, counters,
         num_splits, scale * LOG2E, k_scale, v_scale,
         *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         *p_out_strides, *p_lse_strides,
@@ -319,7 +370,8 @@ def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, b
         BLOCK_SIZE=k_cache.shape[1],
         MIN_CHUNK_N=triton.cdiv(MIN_CHUNK, cfg["BLOCK_N"]) * cfg["BLOCK_N"],
         NUM_SPLITS_IS_ONE=one, KV_FP8=fp8,
-        IEEE=k_cache.dtype == torch.float32, WIDEN_F16=fp8_widen_f16(query), **cfg, **pdl_args(query),
+        IEEE=k_cache.dtype == torch.float32, WIDEN_F16=fp8_widen_f16(query), MERGE=merge,
+        S_PAD=max(2, triton.next_power_of_2(num_splits)), **cfg, **pdl_args(query),
     )
 
 

@@ -225,6 +225,49 @@ def check_decode(case: PagedCase, num_splits: int | None = None, workspace_split
     return errors(out[: case.num_valid], reference(case))
 
 
+def check_decode_merge_modes(case: PagedCase, num_splits: int, graph: bool = False) -> dict:
+    """The chunks merged by the last stage-1 program of each sequence and kv head (the default)
+    against the separate merge kernel (MINIVLLM_DECODE_MERGE=kernel): each one's errors against
+    the reference, the two outputs' difference (only the merge's summation order differs), and
+    whether the counters are all 0 afterwards. graph: the in-kernel merge is captured in a CUDA
+    graph and replayed twice; its result is the last replay's."""
+    import os
+
+    from minivllm.kernels.decode_attention import decode_attention
+    from minivllm.kernels.split_k import COUNTERS
+
+    def run(mode: str) -> torch.Tensor:
+        old = os.environ.get("MINIVLLM_DECODE_MERGE")
+        os.environ["MINIVLLM_DECODE_MERGE"] = mode
+        try:
+            out = torch.full_like(case.query, float("nan"))
+            decode_attention(case.query, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
+                             case.block_tables, case.scale, max_seq_len=max(case.seq_lens_list),
+                             num_splits=num_splits, out=out)
+            if graph:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    decode_attention(case.query, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
+                                     case.block_tables, case.scale, max_seq_len=max(case.seq_lens_list),
+                                     num_splits=num_splits, out=out)
+                for _ in range(2):
+                    out.fill_(float("nan"))
+                    g.replay()
+                torch.cuda.synchronize()
+            return out[: case.num_valid]
+        finally:
+            if old is None:
+                os.environ.pop("MINIVLLM_DECODE_MERGE", None)
+            else:
+                os.environ["MINIVLLM_DECODE_MERGE"] = old
+
+    in_split, kernel = run("split"), run("kernel")
+    ref = reference(case)
+    counters = COUNTERS.get(case.query.device, [])  # (the buffers split_k.tile_counters keeps for this device)
+    return {"in_split": errors(in_split, ref), "kernel": errors(kernel, ref), "apart": errors(in_split, kernel)[0],
+            "counters_zero": bool(counters) and all(bool((c == 0).all()) for c in counters)}
+
+
 def _single_token_rows(case: PagedCase) -> torch.Tensor:
     """[num_valid] bool: rows whose sequence has exactly one new token (the decode rows)."""
     rows = torch.zeros(case.num_valid, dtype=torch.bool)
@@ -335,6 +378,20 @@ def test_decode_fixed_splits(num_splits: int, workspace_splits: int | None, dtyp
     errs = check_decode(case, num_splits=num_splits, workspace_splits=workspace_splits)
     assert ok(errs, dtype), errs
 
+
+
+@pytest.mark.parametrize("num_splits", [2, 16, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_merge_in_split_kernel(num_splits: int, dtype) -> None:
+    """Stage 2 done by each (sequence, kv head)'s last stage-1 program: within tolerance of the
+    reference like the merge kernel, close to it, its counters back at 0, and the same in CUDA
+    graph replays (the counters reset themselves; no memset in the graph)."""
+    specs = random_specs(random.Random(8), 12, 5000, "decode") + [(1, 1), (1, 129), (1, 8192)]
+    case = make_case(specs, 32, 8, 128, 16, dtype, "cuda", seed=8)
+    for graph in (False, True):
+        res = check_decode_merge_modes(case, num_splits, graph)
+        assert ok(res["in_split"], dtype) and ok(res["kernel"], dtype), res
+        assert res["apart"] < (1e-5 if dtype == torch.float32 else 1e-2) and res["counters_zero"], res
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

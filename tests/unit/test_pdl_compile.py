@@ -71,6 +71,12 @@ CASES = {
                                                    KV_FP8=False, IEEE=False),
                      {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
                       "block_tables_ptr": "i32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}, 4),
+    "decode_split_merge": (da._decode_split_kernel, dict(GROUP=4, G_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16,
+                                                         BLOCK_N=128, MIN_CHUNK_N=128, NUM_SPLITS_IS_ONE=False,
+                                                         KV_FP8=False, IEEE=False, MERGE=True, S_PAD=64),
+                           {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
+                            "block_tables_ptr": "i32", "cnt_ptr": "i32", "k_scale_ptr": "fp32",
+                            "v_scale_ptr": "fp32"}, 4),
     "decode_merge": (da._decode_merge_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=8),
                      {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "qsl_ptr": "i32"}, 4),
 }

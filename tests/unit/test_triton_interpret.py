@@ -53,6 +53,12 @@ record("decode fp16 d128 gqa4 bs32 auto", f16, checks.check_decode(case(decode, 
 record("decode fp32 d128 gqa4 1 split", f32, checks.check_decode(case(decode, (8, 2), 128, 16, f32, 8), num_splits=1))
 record("decode fp32 d64 gqa4 3 splits ws8", f32,
        checks.check_decode(case(decode, (8, 2), 64, 16, f32, 9), num_splits=3, workspace_splits=8))
+# stage 2 by the last stage-1 program (the default) vs the merge kernel: 4 and 8 chunks, one sequence of one key
+for splits, dt in ((4, f32), (8, f16)):
+    merged = checks.check_decode_merge_modes(case(decode, (8, 2), 64, 16, dt, 18), splits)
+    res[f"merge {splits} splits {str(dt)[6:]}"] = [merged["in_split"][0], merged["kernel"][0], merged["apart"],
+                                                    checks.ok(merged["in_split"], dt) and checks.ok(merged["kernel"], dt),
+                                                    merged["counters_zero"]]
 record("split fp32 d64 gqa4 mixed 1 split", f32, checks.check_split_roles(case(mixed, (8, 2), 64, 16, f32, 12), 1))
 record("split fp16 d128 gqa2 mixed 3 splits", f16,
        checks.check_split_roles(case(mixed + [(1, 300)], (4, 2), 128, 32, f16, 13, pad_tokens=2), 3))
@@ -73,3 +79,12 @@ def test_kernel_matches_reference_under_interpreter(interpreter_results: dict[st
     assert cases, f"no {kernel} cases ran"
     bad = {name: r[:2] for name, r in cases.items() if not r[2]}
     assert not bad, f"(overall, worst-row) relative error too large (inf: NaN in output or store mismatch): {bad}"
+
+
+def test_decode_merge_in_split_under_interpreter(interpreter_results: dict[str, list]) -> None:
+    """The chunks merged by the last stage-1 program: within tolerance of the reference, as the
+    merge kernel is, the two within rounding of each other, and the counters back at 0."""
+    cases = {name: r for name, r in interpreter_results.items() if name.startswith("merge ")}
+    assert len(cases) == 2, cases
+    bad = {name: r for name, r in cases.items() if not (r[3] and r[2] < (1e-5 if "float32" in name else 1e-3) and r[4])}
+    assert not bad, bad
