@@ -16,19 +16,19 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 39, 2026-11-28; a session's 30 minutes count
-# 67-100 % of held time; staging all of vLLM takes ~1.5 minutes of held time; name only the test
-# files and GPU_TESTS_K that need a run: `test_quant_kernels.py -k w4a16` alone takes ~8 minutes).
-#   1. Issue 25, W11-awq at 53 % of the int4 roofline (3.06 ms a token, 1.36x vLLM's Marlin in
-#      lease 37; target 75 % = 2.12 ms). Lease 36's profile: GEMVs 2.06 ms (each 4-5 us above its
-#      bytes at the copy rate, whatever its size), LM head 0.38, attention 0.19, norms 0.16, small
-#      kernels 0.16, idle 0.18. Not the bound (measured, docs/perf.md 2026-11-28): the loop's
-#      instruction count, the weight layout, an L2 prefetch across the PDL wait. What is left is
-#      fewer launches: a layer's GEMVs and the kernels between them in persistent programs.
-#      Cheaper first: the profile's 0.16 ms a step of device idle (68 us between the step's input
-#      copy and the embedding's index_select alone) may be the profiler's; whether the benchmark
-#      itself idles (async scheduling should hide the host) is unmeasured.
-#   2. Issue 22 (W1-bi 1.24-1.29x vLLM on first runs, 1.16-1.20x on second runs): to widen the
+# What the single-GPU issues still need (after lease 42, 2026-11-28; a session's 30 minutes count
+# in full; staging all of vLLM takes ~1.5 minutes of held time; name only the test files and
+# GPU_TESTS_K that need a run: `test_quant_kernels.py -k w4a16` alone takes ~8 minutes).
+#   1. Issue 25, W11-awq at 52-53 % of the int4 roofline (3.03-3.11 ms a token over leases 37-42,
+#      1.36x vLLM's Marlin in lease 37; target 75 % = 2.12 ms). Leases 40-42 folded the rotary into
+#      the K/V store and the attention merge into the split kernel (W2 -2.2 %, W11-awq within its
+#      lease-to-lease spread); SWIGLU in the gate_up GEMV lost (its 16 + 16-column halves read
+#      64-byte runs). Left: the GEMVs' ~4-5 us each above their bytes (0.6 ms a token), ~190 other
+#      launches. Next: the norms into the o/down GEMVs' split-K fix-up (the last tile program of
+#      the launch adds the residual and normalizes the row), gate/up columns interleaved in the
+#      stored weight so that SWIGLU reads whole lines, then a persistent layer kernel. Run
+#      ours:W11-awq twice per lease: single runs differ by up to 0.06 ms.
+#   2. Issue 22 (closed; W1-bi 1.24-1.29x vLLM on first runs, 1.16-1.20x on second runs): to widen the
 #      second-run margin, the LM head above 128 rows (184 vs 150 us at 256) and gate_up above 256.
 set -u
 cd "$(dirname "$0")/.."
