@@ -9,6 +9,8 @@
 # `wait S` returns when the queue ends or after S seconds, whichever is first, and leaves in $OUT
 # queue.tgz (every lane folder of /tmp/multi so far: records, JSON, logs) and progress.txt.
 #
+# Before a lease that runs changed Triton kernels: `bash scripts/compile_check_device_triton.sh` here
+# (the compile tests under the device's Triton 3.6; lease 40 lost its runs to a 3.9-only construct).
 # Carry order on a fresh lease (after `bash scripts/device_wheels.sh` here), back to back: each of
 # .vllm/p1 .. p5, .vllm/deps, .vllm/x with `bash scripts/vllm_stage.sh`; then .gpu/g1 + .whl; then
 # .gpu/g2 with `source scripts/gpu_env.sh >/dev/null && bash scripts/gpu_queue.sh start ...`

@@ -49,17 +49,19 @@ import triton.language as tl
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.paged_checks import check_paged_shapes
 from minivllm.kernels.pdl import enter_after_previous, pdl_args
-from minivllm.kernels.split_k import tile_counters
 from minivllm.kernels.prefill_attention import fp16_query, mma, softmax_accumulate
+from minivllm.kernels.split_k import tile_counters
 from minivllm.kernels.store_kv import fp8_widen_f16, kv_scale_args
 
 LOG2E = math.log2(math.e)
 MIN_CHUNK = 128  # fewest keys per split: below this the merge costs more than it saves
 MAX_SPLITS = 64  # most chunks per sequence
 PROGRAMS_PER_SM = 4  # split until about this many stage-1 programs per SM
-# stage 2 in the stage-1 kernel (the last program of each sequence and kv head merges), unless
-# MINIVLLM_DECODE_MERGE=kernel (read at each launch, so a benchmark or test can flip it)
+
+
 def merge_in_split() -> bool:
+    """Stage 2 in the stage-1 kernel (the last program of each sequence and kv head merges),
+    unless MINIVLLM_DECODE_MERGE=kernel. Read at each launch, so a benchmark or test can flip it."""
     return os.environ.get("MINIVLLM_DECODE_MERGE", "split") != "kernel"
 
 

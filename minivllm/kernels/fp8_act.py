@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.fp8_gemm import Fp8Rows
-from minivllm.kernels.fused_ops import (_norm_warps, _rms_norm_kernel, fused_add_rms_norm_torch, rms_norm_torch,
+from minivllm.kernels.fused_ops import (_rms_norm_kernel, fused_add_rms_norm_torch, norm_warps, rms_norm_torch,
                                         silu_and_mul_torch)
 from minivllm.kernels.pdl import enter_after_previous, pdl_args
 from minivllm.quant.config import FP8_E4M3_MAX
@@ -98,7 +98,7 @@ def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x.stride(0), 0, residual.stride(0) if residual is not None else 0, q.stride(0), 0,
             res_out.stride(0) if res_out is not None else 0, 1, eps,
             H=hidden, BLOCK=block, ROWS=1, HAS_RESIDUAL=residual is not None, QUANT_FP8=True, scale_ptr=scale,
-            FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=MIN_SCALE, num_warps=_norm_warps(block), **pdl_args(x),
+            FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=MIN_SCALE, num_warps=norm_warps(block), **pdl_args(x),
         )
     return Fp8Rows(q, scale, x.dtype), res_out
 

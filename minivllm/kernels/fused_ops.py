@@ -189,10 +189,10 @@ def _rms_norm_kernel(
 
 
 @_jit
-def _rotate_heads(base_ptr, stride_h, num_heads, blk, w_ptr, eps, cos, sin, d, d_mask,
-                  HALF: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr):
-    # one token's heads [blk * ROWS, (blk + 1) * ROWS) of q or k, rotated in place; with NORM
-    # each head is RMSNorm-ed first (weight w_ptr), rounded as _rms_norm_kernel stores it
+def rotate_heads(base_ptr, stride_h, num_heads, blk, w_ptr, eps, cos, sin, d, d_mask,
+                 HALF: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr):
+    """One token's heads [blk * ROWS, (blk + 1) * ROWS) of q or k, rotated in place; with NORM
+    each head is RMSNorm-ed first (weight w_ptr), rounded as _rms_norm_kernel stores it."""
     h, mask, o1, o2 = rotated_heads(base_ptr, stride_h, num_heads, blk, w_ptr, eps, cos, sin, d, d_mask,
                                     HALF, ROWS, NORM)
     p1 = base_ptr + h * stride_h + d
@@ -249,10 +249,10 @@ def _rotary_kernel(
     cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)
     if blk < q_blocks:
-        _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, qw_ptr, eps, cos, sin, d, d_mask,
+        rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, qw_ptr, eps, cos, sin, d, d_mask,
                       HALF, ROWS, NORM)
     else:
-        _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, kw_ptr, eps, cos, sin, d,
+        rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, kw_ptr, eps, cos, sin, d,
                       d_mask, HALF, ROWS, NORM)
 
 
@@ -279,7 +279,7 @@ def _silu_and_mul_kernel(
 # ------------------------------------------------------------------ launchers (no fallback)
 
 
-def _norm_warps(elements: int) -> int:
+def norm_warps(elements: int) -> int:
     return max(1, min(16, elements // 256))  # ~8 elements (one 16-byte bf16 vector) per thread
 
 
@@ -301,7 +301,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x3, x3, weight, o3, o3,
         x3.stride(0), x3.stride(1), 0, o3.stride(0), o3.stride(1), 0,
         num_heads, eps,
-        H=hidden, BLOCK=block, ROWS=rows, HAS_RESIDUAL=False, num_warps=_norm_warps(rows * block), **pdl_args(x),
+        H=hidden, BLOCK=block, ROWS=rows, HAS_RESIDUAL=False, num_warps=norm_warps(rows * block), **pdl_args(x),
     )
     return out
 
@@ -331,7 +331,7 @@ def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: t
         x, residual, weight, out, residual_out,
         x.stride(0), 0, residual.stride(0), out.stride(0), 0, residual_out.stride(0),
         1, eps,
-        H=hidden, BLOCK=block, ROWS=1, HAS_RESIDUAL=True, num_warps=_norm_warps(block), **pdl_args(x),
+        H=hidden, BLOCK=block, ROWS=1, HAS_RESIDUAL=True, num_warps=norm_warps(block), **pdl_args(x),
     )
     return out, residual_out
 
@@ -360,7 +360,7 @@ def apply_rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         positions, q, k, cos_sin, q_weight if norm else q, k_weight if norm else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
         num_q_heads, num_k_heads, q_blocks, eps,
-        HALF=half, HALF_PAD=half_pad, ROWS=rows, NORM=norm, num_warps=_norm_warps(rows * half_pad), **pdl_args(q),
+        HALF=half, HALF_PAD=half_pad, ROWS=rows, NORM=norm, num_warps=norm_warps(rows * half_pad), **pdl_args(q),
     )
     return q, k
 

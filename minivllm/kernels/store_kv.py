@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.fused_ops import MAX_NORM_BLOCK, _norm_warps, _rotate_heads, rotated_heads
+from minivllm.kernels.fused_ops import MAX_NORM_BLOCK, norm_warps, rotate_heads, rotated_heads
 from minivllm.kernels.pdl import enter_after_previous, pdl_args
 
 # How the attention kernels widen FP8 (e4m3) K/V tiles in registers: to float16 (default: one
@@ -116,7 +116,7 @@ def _rotary_store_kv_kernel(
     cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)
     if blk < q_blocks:
-        _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, qw_ptr, eps, cos, sin, d, d_mask,
+        rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, qw_ptr, eps, cos, sin, d, d_mask,
                       HALF, ROWS, NORM)
     else:
         h, mask, k1, k2 = rotated_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, kw_ptr, eps,
@@ -134,9 +134,9 @@ def _rotary_store_kv_kernel(
         tl.store(v_cache_ptr + dst + HALF, _cache_value(v2, v_scale_ptr, KV_FP8).to(dt), mask=mask)
 
 
-# rotary_store_kv's single launch, unless MINIVLLM_ROTARY_STORE_KV=0 (A/B runs: the two launches);
-# read at each call
 def rotary_store_enabled() -> bool:
+    """rotary_store_kv's single launch, unless MINIVLLM_ROTARY_STORE_KV=0 (A/B runs: the two
+    launches). Read at each call."""
     return os.environ.get("MINIVLLM_ROTARY_STORE_KV", "1") != "0"
 
 
@@ -194,7 +194,7 @@ def rotary_store_kv(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         *k_cache.stride()[:3], num_q_heads, num_k_heads, q_blocks, eps,
         HALF=half, HALF_PAD=half_pad, ROWS=rows, NORM=norm_weights is not None, BLOCK_SIZE=k_cache.shape[1],
-        KV_FP8=fp8, num_warps=_norm_warps(rows * half_pad), **pdl_args(q),
+        KV_FP8=fp8, num_warps=norm_warps(rows * half_pad), **pdl_args(q),
     )
     return q
 
