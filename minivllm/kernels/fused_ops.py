@@ -241,19 +241,26 @@ def _rotary_kernel(
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+    t, blk, d, d_mask, cos, sin = token_cos_sin(pos_ptr, cs_ptr, stride_cs, HALF, HALF_PAD)
+    if blk < q_blocks:
+        rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, qw_ptr, eps, cos, sin, d, d_mask,
+                     HALF, ROWS, NORM)
+    else:
+        rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, kw_ptr, eps, cos, sin, d,
+                     d_mask, HALF, ROWS, NORM)
+
+
+@_jit
+def token_cos_sin(pos_ptr, cs_ptr, stride_cs, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """A rotary program's token t (axis 0) and head block (axis 1), the half-dim lanes d [1, HALF_PAD]
+    with their mask, and the cos and sin rows of t's position [1, HALF_PAD] (float32)."""
     t = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF_PAD)[None, :]
     d_mask = d < HALF
     cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)
-    if blk < q_blocks:
-        rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, qw_ptr, eps, cos, sin, d, d_mask,
-                      HALF, ROWS, NORM)
-    else:
-        rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, kw_ptr, eps, cos, sin, d,
-                      d_mask, HALF, ROWS, NORM)
+    return t, tl.program_id(1), d, d_mask, cos, sin
 
 
 @_jit

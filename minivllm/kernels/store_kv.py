@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.fused_ops import MAX_NORM_BLOCK, norm_warps, rotate_heads, rotated_heads
+from minivllm.kernels.fused_ops import MAX_NORM_BLOCK, norm_warps, rotate_heads, rotated_heads, token_cos_sin
 from minivllm.kernels.pdl import enter_after_previous, pdl_args
 
 # How the attention kernels widen FP8 (e4m3) K/V tiles in registers: to float16 (default: one
@@ -108,16 +108,10 @@ def _rotary_store_kv_kernel(
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
-    t = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, HALF_PAD)[None, :]
-    d_mask = d < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)
+    t, blk, d, d_mask, cos, sin = token_cos_sin(pos_ptr, cs_ptr, stride_cs, HALF, HALF_PAD)
     if blk < q_blocks:
         rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, blk, qw_ptr, eps, cos, sin, d, d_mask,
-                      HALF, ROWS, NORM)
+                     HALF, ROWS, NORM)
     else:
         h, mask, k1, k2 = rotated_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, blk - q_blocks, kw_ptr, eps,
                                         cos, sin, d, d_mask, HALF, ROWS, NORM)
