@@ -12,6 +12,7 @@ An adapter provides:
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -121,6 +122,25 @@ def run_throughput(adapter: Adapter, wl: Workload, repeats: int = 1, want_ttft: 
     return {"figures": figures, "runs": runs}
 
 
+# a step whose host waited less than this for the device found it already idle: with async
+# scheduling the device then waited for the host (a host-bound step)
+HOST_BOUND_WAIT_S = 50e-6
+
+
+def step_phase_summary(steps: list[dict]) -> dict:
+    """One generate's engine steps (run_minivllm's record_steps) -> milliseconds summed per host
+    phase, the wall time of all steps and of the slowest, and how many steps were host-bound
+    (waited under HOST_BOUND_WAIT_S for the device). Tells a slow timed run's cause: the device
+    (more wait) or the host (more host-bound steps, a long slowest step)."""
+    walls = [s.get("wall", 0.0) for s in steps]
+    out = {"steps": len(steps), "wall_ms": round(sum(walls) * 1e3, 2),
+           "slowest_step_ms": round(max(walls, default=0.0) * 1e3, 3),
+           "host_bound_steps": sum(s.get("wait", 0.0) < HOST_BOUND_WAIT_S for s in steps)}
+    for phase in ("schedule", "launch", "wait", "update", "outputs"):
+        out[phase + "_ms"] = round(sum(s.get(phase, 0.0) for s in steps) * 1e3, 2)
+    return out
+
+
 def run_latency(adapter: Adapter, wl: Workload, reps: int = 5) -> dict:
     """W2: TTFT = median wall time of generate(max_tokens=1); decode tok/s = (n - 1) /
     (median T_n - median T_1); every timed run follows reset_prefix_cache()."""
@@ -138,11 +158,16 @@ def run_latency(adapter: Adapter, wl: Workload, reps: int = 5) -> dict:
         t = time.perf_counter()
         adapter.generate([prompt], p1)
         t1s.append(time.perf_counter() - t)
+    record = getattr(adapter, "record_steps", None)  # minivllm: each timed run's engine steps
+    phases = []
     for _ in range(reps):
         adapter.reset_prefix_cache()
-        t = time.perf_counter()
-        (o,) = adapter.generate([prompt], pn)
-        tns.append(time.perf_counter() - t)
+        with (record() if record is not None else contextlib.nullcontext()) as steps:
+            t = time.perf_counter()
+            (o,) = adapter.generate([prompt], pn)
+            tns.append(time.perf_counter() - t)
+        if steps is not None:
+            phases.append(step_phase_summary(steps))
         lengths.append(o.num_tokens)
         if o.ttft_s is not None:
             metric_ttfts.append(o.ttft_s)
@@ -155,5 +180,7 @@ def run_latency(adapter: Adapter, wl: Workload, reps: int = 5) -> dict:
         figures["ttft_metrics_s"] = statistics.median(metric_ttfts)
     details = {"t_max_tokens_1_s": t1s, f"t_max_tokens_{n}_s": tns,
                "method": "TTFT = median wall of generate(max_tokens=1); decode tok/s = (n-1)/(median T_n - median T_1)"}
+    if phases:
+        details[f"steps_max_tokens_{n}"] = phases  # one summary per timed run, in order
     log(f"{adapter.engine} W2: TTFT {m1 * 1e3:.1f} ms, decode {1 / step_s:.1f} tok/s ({step_s * 1e3:.2f} ms/token)")
     return {"figures": figures, "details": details}

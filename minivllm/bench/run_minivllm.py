@@ -15,6 +15,7 @@ ignore_eos forces the output length).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 from minivllm.bench import drive, model_dirs
@@ -57,6 +58,26 @@ class MinivllmAdapter:
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
+
+    @contextlib.contextmanager
+    def record_steps(self):
+        """While inside: one dict per engine step, the engine's host phases (`last_step`:
+        schedule, launch, wait = blocked on the device, update, outputs, in seconds) and the
+        step's wall time ("wall"), appended to the yielded list (procedures.step_phase_summary)."""
+        engine, records = self.engine_obj, []
+        inner = engine.step
+
+        def step():
+            t = time.perf_counter()
+            out = inner()
+            records.append(dict(engine.last_step, wall=time.perf_counter() - t))
+            return out
+
+        engine.step = step
+        try:
+            yield records
+        finally:
+            del engine.step  # the class's method again
 
     def prefix_counters(self) -> tuple[int, int]:
         s = self.engine_obj.get_stats()
