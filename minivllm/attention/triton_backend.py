@@ -93,7 +93,7 @@ class TritonAttentionBackend:
         """Rotary (after the q/k norm, with norm_weights) and store_kv in one kernel: returns the
         rotated q, or None where the kernel does not take these tensors (the layer then runs
         the rotary and store_kv apart)."""
-        if not self._can_rotary_store(q, k, v, cos_sin, k_cache, v_cache, norm_weights):
+        if not self._can_rotary_store(positions, q, k, v, cos_sin, k_cache, v_cache, norm_weights):
             return None
         return self._rotary_store_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale,
                                      norm_weights, eps)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from minivllm.bench import workloads
 from minivllm.bench.common import launch_time, log
+from minivllm.bench.step_stats import PHASES
 from minivllm.bench.workloads import Workload, first_token_params, warmup_workload
 
 
@@ -136,7 +137,7 @@ def step_phase_summary(steps: list[dict]) -> dict:
     out = {"steps": len(steps), "wall_ms": round(sum(walls) * 1e3, 2),
            "slowest_step_ms": round(max(walls, default=0.0) * 1e3, 3),
            "host_bound_steps": sum(s.get("wait", 0.0) < HOST_BOUND_WAIT_S for s in steps)}
-    for phase in ("schedule", "launch", "wait", "update", "outputs"):
+    for phase in PHASES:
         out[phase + "_ms"] = round(sum(s.get(phase, 0.0) for s in steps) * 1e3, 2)
     return out
 

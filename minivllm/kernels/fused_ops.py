@@ -112,10 +112,24 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     Returns the rotated (q, k). On the GPU q and k are rotated IN PLACE (one launch for both)
     and returned; on the CPU new tensors are returned. Either way: use the return values and
     treat the inputs as consumed. Positions must be < max_pos (not checked on the GPU)."""
-    if (_on_triton(positions, q, k, cos_sin) and q.stride(-1) == 1 and k.stride(-1) == 1
-            and q.dtype == k.dtype and cos_sin.stride(-1) == 1 and cos_sin.dtype == torch.float32):
+    if rotary_kernel_takes(positions, q, k, cos_sin):
         return apply_rotary_triton(positions, q, k, cos_sin)
     return apply_rotary_torch(positions, q, k, cos_sin)
+
+
+def rotary_kernel_takes(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+                        norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+    """Whether the Triton rotary kernels (_rotary_kernel, store_kv's _rotary_store_kv_kernel) take
+    these tensors: on CUDA with Triton, q and k of one dtype with contiguous last dims, a float32
+    cos | sin table with a contiguous last dim; with Qwen3's q/k norm weights also contiguous
+    weights of q's dtype and an even head dim the norm kernel holds."""
+    tensors = (positions, q, k, cos_sin) + tuple(norm_weights or ())
+    if not (_on_triton(*tensors) and q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype == k.dtype
+            and cos_sin.stride(-1) == 1 and cos_sin.dtype == torch.float32):
+        return False
+    head_dim = q.shape[-1]
+    return norm_weights is None or (head_dim % 2 == 0 and head_dim <= MAX_NORM_BLOCK
+                                    and all(w.dtype == q.dtype and w.is_contiguous() for w in norm_weights))
 
 
 def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
@@ -124,10 +138,7 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_
     with their roundings (the normed values in q's dtype, as the norm stores them). On the GPU
     one launch that rotates q and k IN PLACE (issue 21: the two norm launches a layer were 96 of
     a batch-1 Qwen3-30B-A3B token's ~900 kernels); elsewhere the three ops. Use the return values."""
-    if (_on_triton(positions, q, k, q_weight, k_weight, cos_sin) and q.stride(-1) == 1 and k.stride(-1) == 1
-            and q.dtype == k.dtype == q_weight.dtype == k_weight.dtype and q_weight.is_contiguous()
-            and k_weight.is_contiguous() and cos_sin.stride(-1) == 1 and cos_sin.dtype == torch.float32
-            and q.shape[-1] % 2 == 0 and q.shape[-1] <= MAX_NORM_BLOCK):
+    if rotary_kernel_takes(positions, q, k, cos_sin, (q_weight, k_weight)):
         return apply_rotary_triton(positions, q, k, cos_sin, q_weight, k_weight, eps)
     return apply_rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos_sin)
 

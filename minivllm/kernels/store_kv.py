@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.fused_ops import MAX_NORM_BLOCK, norm_warps, rotate_heads, rotated_heads, token_cos_sin
+from minivllm.kernels.fused_ops import norm_warps, rotary_kernel_takes, rotate_heads, rotated_heads, token_cos_sin
 from minivllm.kernels.pdl import enter_after_previous, pdl_args
 
 # How the attention kernels widen FP8 (e4m3) K/V tiles in registers: to float16 (default: one
@@ -134,21 +134,17 @@ def rotary_store_enabled() -> bool:
     return os.environ.get("MINIVLLM_ROTARY_STORE_KV", "1") != "0"
 
 
-def can_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, norm_weights: tuple | None) -> bool:
-    """Whether rotary_store_kv's kernel takes these tensors: CUDA, last dims contiguous, one
-    dtype for q, k, v (and the cache, unless it is FP8), a float32 cos | sin table, caches of one
-    shape and strides, an even head dim (and one the norm kernel holds, with q/k norm weights of
-    q's dtype)."""
-    tensors = (q, k, v, cos_sin, k_cache, v_cache) + (norm_weights or ())
-    head_dim = q.shape[-1]
-    return (rotary_store_enabled() and all(t.is_cuda for t in tensors)
-            and all(t.stride(-1) == 1 for t in (q, k, v, cos_sin, k_cache))
-            and q.dtype == k.dtype == v.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
-            and cos_sin.dtype == torch.float32 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
-            and k_cache.stride() == v_cache.stride() and k.shape == v.shape and head_dim % 2 == 0
-            and (norm_weights is None or (head_dim <= MAX_NORM_BLOCK
-                                          and all(w.dtype == q.dtype and w.is_contiguous() for w in norm_weights))))
+def can_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     norm_weights: tuple | None) -> bool:
+    """Whether rotary_store_kv's kernel takes these tensors: what the rotary kernels take
+    (fused_ops.rotary_kernel_takes), and a v like k, an even head dim, caches on CUDA of one shape
+    and strides with a contiguous last dim, in q's dtype or FP8."""
+    return (rotary_store_enabled() and rotary_kernel_takes(positions, q, k, cos_sin, norm_weights)
+            and v.is_cuda and v.stride(-1) == 1 and v.dtype == q.dtype and k.shape == v.shape
+            and q.shape[-1] % 2 == 0 and k_cache.is_cuda and v_cache.is_cuda and k_cache.dim() == 4
+            and k_cache.stride(-1) == 1 and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+            and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride())
 
 
 def rotary_store_kv(
