@@ -37,6 +37,17 @@ def fp8_widen_f16(query: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _cache_value(x, scale_ptr, KV_FP8: tl.constexpr):
+    """x in the model's dtype -> what the cache holds: x itself, or for an FP8 cache x / scale
+    saturated at +-448 (in float32; the store converts). Both store kernels write through it."""
+    if KV_FP8:
+        y = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -448.0, 448.0)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,
@@ -68,22 +79,8 @@ def _store_kv_kernel(
     dst = block * stride_cb + offset * stride_cs + h * stride_ch + d * stride_cd
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
-    if KV_FP8:
-        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -448.0, 448.0)
-        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -448.0, 448.0)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _cache_value(x, scale_ptr, KV_FP8: tl.constexpr):
-    """x in the model's dtype -> what the cache holds: x itself, or for an FP8 cache x / scale
-    saturated at +-448 (in float32; the store converts), as _store_kv_kernel computes it."""
-    if KV_FP8:
-        y = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -448.0, 448.0)
-    else:
-        y = x
-    return y
+    tl.store(k_cache_ptr + dst, _cache_value(k, k_scale_ptr, KV_FP8).to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, _cache_value(v, v_scale_ptr, KV_FP8).to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
