@@ -236,20 +236,21 @@ def check_decode_merge_modes(case: PagedCase, num_splits: int, graph: bool = Fal
     from minivllm.kernels.decode_attention import decode_attention
     from minivllm.kernels.split_k import COUNTERS
 
+    def attend(out: torch.Tensor) -> None:
+        decode_attention(case.query, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
+                         case.block_tables, case.scale, max_seq_len=max(case.seq_lens_list),
+                         num_splits=num_splits, out=out)
+
     def run(mode: str) -> torch.Tensor:
         old = os.environ.get("MINIVLLM_DECODE_MERGE")
         os.environ["MINIVLLM_DECODE_MERGE"] = mode
         try:
             out = torch.full_like(case.query, float("nan"))
-            decode_attention(case.query, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
-                             case.block_tables, case.scale, max_seq_len=max(case.seq_lens_list),
-                             num_splits=num_splits, out=out)
+            attend(out)
             if graph:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    decode_attention(case.query, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens,
-                                     case.block_tables, case.scale, max_seq_len=max(case.seq_lens_list),
-                                     num_splits=num_splits, out=out)
+                    attend(out)
                 for _ in range(2):
                     out.fill_(float("nan"))
                     g.replay()
