@@ -35,7 +35,7 @@ import triton.language as tl
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.pdl import enter_after_previous, pdl_args, prefetch_rows, prefetch_span
 from minivllm.kernels.split_k import split_buffers, split_count, store_tile
-from minivllm.kernels.tuned_tables import read_table, table_file
+from minivllm.kernels.tuned_tables import device_table, table_file
 
 GEMV_MAX_ROWS = 2  # batch-1 decode (and 2-row graphs); more rows: cuBLAS reads the weight once for all
 DEFAULT_TILE = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
@@ -200,8 +200,9 @@ def config_file(device_name: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def load_configs(device_name: str) -> dict:
-    """The sweep's table for this GPU: shape_key -> {"tile": {...}, "gemv_us", "cublas_us"}."""
-    return read_table(config_file(device_name))
+    """The sweep's table for this GPU (or its sibling's, tuned_tables.device_table): shape_key ->
+    {"tile": {...}, "gemv_us", "cublas_us"}."""
+    return device_table(CONFIG_DIR, device_name)
 
 
 def gemv_mode() -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import os
 
-from minivllm.kernels.tuned_tables import read_table, table_file
+from minivllm.kernels.tuned_tables import device_table, table_file
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "fused_moe")
 
@@ -36,8 +36,9 @@ def config_file(device_name: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def load_configs(device_name: str) -> dict:
-    """The sweep's results for this GPU ({} when none were kept)."""
-    return read_table(config_file(device_name))
+    """The sweep's results for this GPU or its sibling's (tuned_tables.device_table; {} when none
+    were kept)."""
+    return device_table(CONFIG_DIR, device_name)
 
 
 def default_config(m: int, num_experts: int, top_k: int) -> dict:

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.split_k import split_buffers, store_tile
-from minivllm.kernels.tuned_tables import read_table, table_file
+from minivllm.kernels.tuned_tables import device_table, read_table
 
 # the fixed launch (no table; the K slices' count is derived from its tiles). BLOCK_N is the
 # widest of BLOCK_N_CHOICES that still gives REFERENCE_ROW_TILES x cdiv(N, BLOCK_N) >= the SM
@@ -105,9 +105,10 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
 def launch_table(device_name: str) -> dict:
     """The kept sweep for this GPU: "N=..,K=.." -> {"split_k": K slices (optional), "rows":
     [[max_rows, tile, in_program], ...] in rising max_rows} (scripts/bench_invariant_gemm.py
-    --write-from); {} when none was kept. MINIVLLM_INVARIANT_GEMM_TABLE=<file>.json replaces it."""
+    --write-from); its sibling's (tuned_tables.device_table) or {} when none was kept.
+    MINIVLLM_INVARIANT_GEMM_TABLE=<file>.json replaces it."""
     path = os.environ.get(TABLE_ENV, "")
-    return read_table(path if path.endswith(".json") else table_file(CONFIG_DIR, device_name))
+    return read_table(path) if path.endswith(".json") else device_table(CONFIG_DIR, device_name)
 
 
 @functools.lru_cache(maxsize=None)

@@ -46,7 +46,7 @@ import triton.language as tl
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.pdl import enter_after_previous, pdl_args, prefetch_l2
 from minivllm.kernels.split_k import split_buffers, split_count, store_tile
-from minivllm.kernels.tuned_tables import read_table, table_file
+from minivllm.kernels.tuned_tables import device_table
 
 # at this many rows and more: dequantize once, then a dense matmul (cuBLAS)
 DENSE_MIN_ROWS = 256
@@ -467,8 +467,9 @@ def gemv_key(n: int, k: int, group: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def gemv_table(device_name: str) -> dict:
-    """The kept GEMV sweep for this GPU model ({} when none was kept)."""
-    return read_table(table_file(GEMV_CONFIG_DIR, device_name))
+    """The kept GEMV sweep for this GPU model or its sibling's (tuned_tables.device_table; {} when
+    none was kept)."""
+    return device_table(GEMV_CONFIG_DIR, device_name)
 
 
 def gemv_entry_launch(entry: dict | None) -> tuple[dict[str, int], int | None]:

@@ -415,8 +415,8 @@ def test_w4a16_gemv_kept_launches() -> None:
     """Every launch the kept GEMV table gives this GPU (kernels/configs/w4a16_gemv/, what the engine
     runs for one or two rows of those weights) against the reference, in both 16-bit dtypes."""
     from minivllm.kernels import w4a16_gemm as w4k
-    from minivllm.kernels.tuned_tables import read_table, table_file
-    table = read_table(table_file(w4k.GEMV_CONFIG_DIR, torch.cuda.get_device_name(0)))
+    from minivllm.kernels.tuned_tables import device_table
+    table = device_table(w4k.GEMV_CONFIG_DIR, torch.cuda.get_device_name(0))
     if not table:
         pytest.skip("no kept GEMV table for this GPU")
     for key in table:

@@ -39,7 +39,9 @@ def test_sweep_file_nearest_token_count(config_dir):
     assert pick(16384) == 64 != 128
     # another shape, dtype or GPU: the default
     assert fmc.pick_config("NVIDIA H100 80GB HBM3", 1, 8, 14336, 4096, 2, "bfloat16") == fmc.default_config(1, 8, 2)
-    assert fmc.pick_config("NVIDIA H200", 1, 128, 768, 2048, 8, "bfloat16") == fmc.default_config(1, 128, 8)
+    assert fmc.pick_config("NVIDIA A100-SXM4-80GB", 1, 128, 768, 2048, 8, "bfloat16") == fmc.default_config(1, 128, 8)
+    # a Hopper sibling without its own table reads the H100's (tuned_tables.SIBLINGS)
+    assert fmc.pick_config("NVIDIA H200", 1, 128, 768, 2048, 8, "bfloat16")["BLOCK_M"] == 16
 
 
 def test_default_grows_blocks_with_rows_per_expert():

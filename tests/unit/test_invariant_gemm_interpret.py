@@ -115,6 +115,7 @@ def test_table_env_names_another_table(monkeypatch, tmp_path):
     import json
 
     from minivllm.kernels import invariant_gemm as ig
+    from minivllm.kernels import tuned_tables
     other = tmp_path / "old.json"
     other.write_text(json.dumps({"N=1024,K=2048": {"split_k": 4, "rows": [[1, [16, 32, 128, 4, 4], False]]}}))
     monkeypatch.setenv(ig.TABLE_ENV, str(other))
@@ -123,7 +124,7 @@ def test_table_env_names_another_table(monkeypatch, tmp_path):
         assert ig.launch_table("NVIDIA H100 80GB HBM3")["N=1024,K=2048"]["split_k"] == 4
         monkeypatch.setenv(ig.TABLE_ENV, "1")
         ig.launch_table.cache_clear()
-        kept = ig.read_table(ig.table_file(ig.CONFIG_DIR, "NVIDIA H100 80GB HBM3"))
+        kept = tuned_tables.read_table(tuned_tables.table_file(ig.CONFIG_DIR, "NVIDIA H100 80GB HBM3"))
         assert ig.launch_table("NVIDIA H100 80GB HBM3") == kept
         assert kept["N=1024,K=2048"]["split_k"] == 1  # lease 31's sweep: one K slice for o_proj
     finally:

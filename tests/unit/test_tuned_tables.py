@@ -1,0 +1,51 @@
+"""Which kept sweep table a GPU reads (kernels/tuned_tables.py): its own, else its sibling's, else none."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minivllm.kernels import tuned_tables
+
+
+@pytest.fixture
+def config_dir(tmp_path):
+    (tmp_path / "NVIDIA_H100_80GB_HBM3.json").write_text(json.dumps({"N=8,K=8": {"from": "h100"}}))
+    (tmp_path / "NVIDIA_A100-SXM4-80GB.json").write_text(json.dumps({"N=8,K=8": {"from": "a100"}}))
+    return str(tmp_path)
+
+
+def test_own_table_first(config_dir, tmp_path):
+    (tmp_path / "NVIDIA_H200.json").write_text(json.dumps({"N=8,K=8": {"from": "h200"}}))
+    assert tuned_tables.device_table(config_dir, "NVIDIA H200")["N=8,K=8"]["from"] == "h200"
+    assert tuned_tables.device_table(config_dir, "NVIDIA H100 80GB HBM3")["N=8,K=8"]["from"] == "h100"
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H800", "NVIDIA GH200 480GB"])
+def test_hopper_without_a_table_borrows_the_h100s(config_dir, name, caplog):
+    with caplog.at_level("INFO", logger=tuned_tables.__name__):
+        assert tuned_tables.device_table(config_dir, name)["N=8,K=8"]["from"] == "h100"
+    assert "NVIDIA H100 80GB HBM3" in caplog.text and name in caplog.text
+
+
+@pytest.mark.parametrize("name", ["NVIDIA A100-SXM4-40GB", "NVIDIA L40S", "NVIDIA H20", "Test GPU"])
+def test_other_gpus_without_a_table_get_none(config_dir, name):
+    assert tuned_tables.device_table(config_dir, name) == {}
+
+
+def test_no_sibling_table_kept(tmp_path):
+    assert tuned_tables.device_table(str(tmp_path), "NVIDIA H200") == {}
+
+
+def test_every_kept_kernel_table_reaches_the_h200():
+    """The shipped tables: each kernel kept for the H100 is what an H200 without its own reads."""
+    import os
+
+    from minivllm.kernels import dense_gemv, fused_moe_config, invariant_gemm, w4a16_gemm
+    for config_dir in (w4a16_gemm.GEMV_CONFIG_DIR, dense_gemv.CONFIG_DIR, fused_moe_config.CONFIG_DIR,
+                       invariant_gemm.CONFIG_DIR):
+        h100 = tuned_tables.read_table(tuned_tables.table_file(config_dir, "NVIDIA H100 80GB HBM3"))
+        assert h100, config_dir
+        if not os.path.isfile(tuned_tables.table_file(config_dir, "NVIDIA H200")):
+            assert tuned_tables.device_table(config_dir, "NVIDIA H200") == h100, config_dir
