@@ -85,6 +85,11 @@ PROGRAMS_PER_SM = 4
 # (A/B runs: job ours:W11-awq-notable)
 GEMV_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "w4a16_gemv")
 GEMV_TABLE = os.environ.get("MINIVLLM_W4A16_GEMV_TABLE", "1") != "0"
+# the several-row kernel's launch per weight and row count on a GPU model: the kept sweep of
+# scripts/sweep_w4a16_tiled.py --write, kernels/configs/w4a16_tiled/<GPU>.json, "N=..,K=..,G=.." ->
+# {"rows": [[max_rows, config, split_k, us, dense_us], ...]}: the first entry whose max_rows >= M
+# (M above the last: the last). Weights without an entry keep W4A16_CONFIGS and choose_split_k.
+TILED_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "w4a16_tiled")
 # the float32 bits of 2^23 (ulp 1): OR-ing a nibble q into them gives the float 2^23 + q exactly
 MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)
 MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2^23
@@ -254,33 +259,67 @@ def _w4a16_kernel(
     GROUP: tl.constexpr,  # input features per group (a multiple of 8)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    UNPACK: tl.constexpr = "reshape",  # how the [BLOCK_K, BLOCK_N] tile is formed (_unpack_tile)
 ):
+    """Several rows (prefill, batched decode): per BLOCK_K step the packed words are unpacked
+    into one [BLOCK_K, BLOCK_N] tile of x's dtype, rows in natural K order, and multiplied with
+    the contiguous [BLOCK_M, BLOCK_K] activation tile in one tl.dot (tensor cores, depth
+    BLOCK_K). The dequantized values are the reference's bits: (q - z) * s in float32, rounded
+    once to x's dtype."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rw = tl.arange(0, BLOCK_K // 8)  # packed rows of a K slice
+    rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_end = tl.minimum((pid_k + 1) * per_split, k_tiles)
     for t in range(pid_k * per_split, t_end):
-        words = t * (BLOCK_K // 8) + rw  # [BK/8] rows of qweight
-        w_ok = (words < K // 8)[:, None] & n_ok[None, :]
-        w = tl.load(qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn, mask=w_ok, other=0)
-        grp = (words * 8) // GROUP
-        g_off = grp[:, None] * stride_sg + rn[None, :] * stride_sn
-        s = tl.load(s_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
-        zb = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32) + MAGIC  # 2^23 + z, exact
-        for j in tl.static_range(8):
-            wj = (_nibble(w, j) - zb) * s  # [BK/8, BN]: rows 8r + row(j); the difference is q - z exactly
-            k = words * 8 + _nibble_row(j)
-            xj = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :] * stride_xk,
-                         mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK/8]
-            acc += tl.dot(xj, wj.to(xj.dtype))
+        k = t * BLOCK_K + rk  # [BK] input features of this step, natural order
+        k_ok = k < K
+        q = _unpack_tile(qw_ptr, t, rn, n_ok, K, stride_qk, stride_qn, BLOCK_N, BLOCK_K, UNPACK)  # [BK, BN] 2^23 + q
+        if GROUP % BLOCK_K == 0:  # the step lies in one group: one scale and zero row
+            g_off = ((t * BLOCK_K) // GROUP) * stride_sg + rn * stride_sn
+            s = tl.load(s_ptr + g_off, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            zb = tl.load(z_ptr + g_off, mask=n_ok, other=0.0).to(tl.float32)[None, :] + MAGIC
+        else:  # several groups a step: a row of each feature's group (cache hits)
+            g_off = (k // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
+            g_ok = k_ok[:, None] & n_ok[None, :]
+            s = tl.load(s_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
+            zb = tl.load(z_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32) + MAGIC
+        xt = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :] * stride_xk,
+                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+        w = ((q - zb) * s).to(xt.dtype)  # q - z exactly (2^23 + q - (2^23 + z)), then the reference's rounding
+        acc += tl.dot(xt, w)
     store_tile(acc, out_ptr, ws_ptr, cnt_ptr, rm[:, None] * stride_om + rn[None, :] * stride_on,
-                rm[:, None] * N + rn[None, :], M * N, m_ok[:, None] & n_ok[None, :], pid_k,
-                pid_m * tl.num_programs(0) + pid_n, SPLIT_K)
+               rm[:, None] * N + rn[None, :], M * N, m_ok[:, None] & n_ok[None, :], pid_k,
+               pid_m * tl.num_programs(0) + pid_n, SPLIT_K)
+
+
+@triton.jit
+def _unpack_tile(qw_ptr, t, rn, n_ok, K, stride_qk, stride_qn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UNPACK: tl.constexpr):
+    """K step t's [BLOCK_K, BLOCK_N] weights as float32 2^23 + q, row i = input feature
+    t * BLOCK_K + i. Row 8r + i of a word's eight sits in nibble (i % 2) * 4 + i // 2 (the inverse
+    of _nibble_row). "reshape": the [BLOCK_K/8, BLOCK_N] words loaded once, shifted into
+    [BLOCK_K/8, 8, BLOCK_N] and reshaped (the compiler may move the tile through shared memory);
+    "gather": each of the BLOCK_K rows loads its word (eight loads a word, served by L1)."""
+    if UNPACK == "reshape":
+        rw = t * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        w = tl.load(qw_ptr + rw[:, None] * stride_qk + rn[None, :] * stride_qn,
+                    mask=(rw < K // 8)[:, None] & n_ok[None, :], other=0)  # [BK/8, BN]
+        i = tl.arange(0, 8)
+        shift = 4 * ((i % 2) * 4 + i // 2)  # [8]
+        q = (w[:, None, :] >> shift[None, :, None]) & 0xF  # [BK/8, 8, BN]
+        q = tl.reshape(q, [BLOCK_K, BLOCK_N])
+    else:
+        k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = tl.load(qw_ptr + (k // 8)[:, None] * stride_qk + rn[None, :] * stride_qn,
+                    mask=(k < K)[:, None] & n_ok[None, :], other=0)  # [BK, BN], each word 8 times
+        i = k % 8
+        q = (w >> (4 * ((i % 2) * 4 + i // 2))[:, None]) & 0xF
+    return (q | MAGIC_BITS).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -492,6 +531,25 @@ def gemv_launch(n: int, k: int, group: int, device: torch.device) -> tuple[dict[
     return gemv_entry_launch(entry)
 
 
+@functools.lru_cache(maxsize=None)
+def tiled_table(device_name: str) -> dict:
+    """The kept several-row sweep for this GPU model or its sibling's ({} when none was kept)."""
+    return device_table(TILED_CONFIG_DIR, device_name)
+
+
+def tiled_launch(m: int, n: int, k: int, group: int, device: torch.device) -> tuple[dict, int | None]:
+    """(config, split_k) of the several-row kernel for m rows of this weight: the kept entry of
+    the nearest row count at or above m on a GPU that has one; else W4A16_CONFIGS' and None."""
+    rows = []
+    if GEMV_TABLE and device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        rows = tiled_table(torch.cuda.get_device_name(index)).get(gemv_key(n, k, group), {}).get("rows", [])
+    if not rows:
+        return dict(w4a16_config(m)), None
+    _, cfg, split = next((r[:3] for r in rows if r[0] >= m), rows[-1][:3])
+    return dict(cfg), split
+
+
 def pairs_are_words(x: torch.Tensor) -> bool:
     """Whether x's activations pair up into aligned 32-bit words: 16-bit, unit stride along K, and
     every row starting at an even element of a 4-byte aligned buffer (the GEMV's XPAIR loads)."""
@@ -514,8 +572,11 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     n = qweight.shape[1]
     assert qweight.shape[0] * 8 == k and scales.shape == zeros.shape and scales.shape[1] == n, (x.shape, qweight.shape)
     g = k if group_size == -1 else group_size
-    if config is None and m <= W4A16_CONFIGS[0][0]:  # the GEMV's rows: its tuned launch for this weight
-        cfg, kept_split = gemv_launch(n, k, g, x.device)
+    if config is None:  # the tuned launch for this weight and row count
+        if m <= W4A16_CONFIGS[0][0]:
+            cfg, kept_split = gemv_launch(n, k, g, x.device)
+        else:
+            cfg, kept_split = tiled_launch(m, n, k, g, x.device)
         split_k = kept_split if split_k is None else split_k
     else:
         cfg = dict(config or w4a16_config(m))

@@ -190,6 +190,40 @@ def test_w4a16_split_k(split_k: int, block_m: int) -> None:
     assert check_w4a16(3, 4096, 4096, 128, torch.bfloat16, DEV, split_k=split_k, config=cfg) < 2e-2
 
 
+@gpu
+@pytest.mark.parametrize("unpack", ["reshape", "gather"])
+@pytest.mark.parametrize("m, block_m, block_k, group", [(128, 128, 64, 128), (100, 64, 128, 64), (33, 32, 128, 128),
+                                                        (7, 16, 64, 32)])
+def test_w4a16_tiled_unpackings(unpack: str, m: int, block_m: int, block_k: int, group: int) -> None:
+    """The several-row kernel's two ways of unpacking the words, with one scale row a K step
+    (group >= BLOCK_K) and several (group < BLOCK_K), ragged row tiles, against the reference."""
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 8 if block_m >= 64 else 4,
+           "num_stages": 3, "UNPACK": unpack}
+    for dtype, tol in ((torch.float16, 1e-2), (torch.bfloat16, 2e-2)):
+        assert check_w4a16(m, 4096, 4096, group, dtype, DEV, seed=m, split_k=1, config=cfg) < tol, dtype
+        assert check_w4a16(m, 1536, 576, 64, dtype, DEV, seed=m + 1, split_k=1, config=cfg) < tol, dtype
+
+
+@gpu
+def test_w4a16_tiled_kept_launches() -> None:
+    """Every launch the kept several-row table gives this GPU (kernels/configs/w4a16_tiled/) on
+    its weight, at its row count and at a ragged count below it, against the reference; the
+    engine's call (no config) takes the kept launch."""
+    from minivllm.kernels import w4a16_gemm as w4k
+    from minivllm.kernels.tuned_tables import device_table
+    table = device_table(w4k.TILED_CONFIG_DIR, torch.cuda.get_device_name(0))
+    if not table:
+        pytest.skip("no kept several-row table for this GPU")
+    for key, entry in table.items():
+        n, k, g = (int(part.split("=")[1]) for part in key.split(","))
+        for max_rows, cfg, split, *_ in entry["rows"]:
+            assert w4k.tiled_launch(max_rows, n, k, g, torch.device(DEV)) == (cfg, split), key
+            for m in (max_rows, max_rows - 5):
+                assert check_w4a16(m, n, k, g, torch.float16, DEV, seed=m, split_k=split, config=cfg) < 1e-2, key
+            x, qw, s, z, _ = w4_case(max_rows, n, k, g, torch.float16, DEV, seed=5)
+            assert torch.equal(w4k.w4a16_gemm(x, qw, s, z, g), w4k.w4a16_gemm(x, qw, s, z, g, split, dict(cfg)))
+
+
 def _gemv_path_cases() -> list:
     """The default path (packed, XPAIR, pipelined) on every shape and split; each other path
     (the formed pairs, the plain math, the unpipelined loop: the A/B switches) on one shape whose

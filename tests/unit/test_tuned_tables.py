@@ -49,3 +49,24 @@ def test_every_kept_kernel_table_reaches_the_h200():
         assert h100, config_dir
         if not os.path.isfile(tuned_tables.table_file(config_dir, "NVIDIA H200")):
             assert tuned_tables.device_table(config_dir, "NVIDIA H200") == h100, config_dir
+
+
+def test_tiled_launch_takes_the_nearest_kept_row_count_at_or_above(monkeypatch):
+    """w4a16_gemm.tiled_launch: the kept entry whose max_rows is the first >= M (above the last:
+    the last); a weight without an entry, or the CPU, keeps W4A16_CONFIGS and no fixed split."""
+    import torch
+
+    from minivllm.kernels import w4a16_gemm as w4k
+    small = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "UNPACK": "gather"}
+    large = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "UNPACK": "reshape"}
+    table = {"N=4096,K=4096,G=128": {"rows": [[32, small, 4, 10.0, 50.0], [128, large, 1, 30.0, 60.0]]}}
+    monkeypatch.setattr(w4k, "tiled_table", lambda name: table)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA H200")
+    cuda = torch.device("cuda")
+    assert w4k.tiled_launch(3, 4096, 4096, 128, cuda) == (small, 4)
+    assert w4k.tiled_launch(32, 4096, 4096, 128, cuda) == (small, 4)
+    assert w4k.tiled_launch(33, 4096, 4096, 128, cuda) == (large, 1)
+    assert w4k.tiled_launch(200, 4096, 4096, 128, cuda) == (large, 1)
+    assert w4k.tiled_launch(64, 6144, 4096, 128, cuda) == (w4k.w4a16_config(64), None)
+    assert w4k.tiled_launch(64, 4096, 4096, 128, torch.device("cpu")) == (w4k.w4a16_config(64), None)

@@ -97,3 +97,28 @@ def test_xpair_loads_cut_the_loop(dtype: str) -> None:
         / weights_per_thread
     gain, bound = (0.9, 3.8) if dtype == "fp16" else (0.93, 3.9)
     assert xpair < gain * formed and xpair < bound, (formed, xpair)
+
+
+@pytest.mark.parametrize("unpack", ["reshape", "gather"])
+@pytest.mark.parametrize("dtype, group, block_k", [("fp16", 128, 64), ("bf16", 128, 128), ("bf16", 64, 128)])
+def test_tiled_kernel_compiles_to_wgmma(unpack: str, dtype: str, group: int, block_k: int) -> None:
+    """The several-row kernel (prefill, batched decode) builds for sm_90 with either way of
+    unpacking the words, one scale row a step or several groups a step, and its product runs on
+    Hopper's warpgroup tensor-core instruction (what makes it a GEMM, not a loop of GEMVs)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minivllm.kernels import w4a16_gemm as w
+    types = [f"*{dtype}", "*i32", f"*{dtype}", f"*{dtype}", f"*{dtype}", "*fp32", "*i32"] + ["i32"] * 11
+    ones = {"stride_xk", "stride_qn", "stride_sn", "stride_on"}
+    sig = {n: ("constexpr" if n in ones else t) for n, t in zip(NAMES, types)}
+    consts = {n: 1 for n in ones}
+    consts.update(GROUP=group, BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, SPLIT_K=1, UNPACK=unpack)
+    sig.update({k: "constexpr" for k in consts if k not in ones})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n not in ones}
+    try:
+        src = ASTSource(fn=w._w4a16_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    except TypeError as e:  # another Triton's ASTSource
+        pytest.skip(f"this Triton's ASTSource differs: {e}")
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+    assert "wgmma.mma_async" in kernel.asm["ptx"]
