@@ -200,6 +200,11 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --tiles "$AWQ_GEMV_TILES"
       python3 scripts/bench_w4a16_gemv.py --write-from "$dir/awq-gemv-tiles.json"
       cp minivllm/kernels/configs/w4a16_gemv/*.json "$dir/" ;;
+    awq-tiled-sweep)  # issue 25: the several-row W4A16 kernel's launches at 128 and 32 rows (W11's prefill,
+      # batched decode), kept in this machine's copy of its table for the later steps; the table comes back
+      python3 scripts/sweep_w4a16_tiled.py --rows "${AWQ_TILED_ROWS:-128,32}" --budget-s "${AWQ_TILED_BUDGET_S:-120}" \
+        --write --out "$dir/awq-tiled-sweep.json"
+      cp minivllm/kernels/configs/w4a16_tiled/*.json "$dir/" ;;
     awq-gemv-xpair)  # issue 25: a token's GEMVs in one graph (kept table and default launches), activation
       # pairs loaded as words (the default) and formed in registers (MINIVLLM_W4A16_GEMV_XPAIR=0)
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq-xpair.json" --sequence "default,kept"
