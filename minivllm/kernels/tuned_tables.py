@@ -6,7 +6,7 @@ sweeps that write them are in scripts/.
 
 A GPU without a kept table of its own borrows its sibling's: the H200 (same 132 SMs and sm_90
 instruction set as the H100, more and faster HBM) runs the H100's tuned launches until a sweep on
-it is kept. A sibling's tuned launch is a valid launch everywhere (the tables pick tiles, warps
+it is kept, and the other way round. A sibling's tuned launch is a valid launch everywhere (the tables pick tiles, warps
 and K slices, never a correctness-relevant setting), and on the same architecture it is much
 closer to the best than the untuned defaults."""
 
@@ -19,9 +19,9 @@ import re
 
 logger = logging.getLogger(__name__)
 
-# (device-name pattern, the GPU whose tables it borrows when it has none of its own)
+# (device-name pattern, the GPUs whose tables it borrows, in order, when it has none of its own)
 SIBLINGS = (
-    (re.compile(r"\bH(100|200|800)\b|\bGH200\b"), "NVIDIA H100 80GB HBM3"),
+    (re.compile(r"\bH(100|200|800)\b|\bGH200\b"), ("NVIDIA H100 80GB HBM3", "NVIDIA H200")),
 )
 
 
@@ -44,9 +44,12 @@ def device_table(config_dir: str, device_name: str) -> dict:
     own = table_file(config_dir, device_name)
     if os.path.isfile(own):
         return read_table(own)
-    for pattern, sibling in SIBLINGS:
-        path = table_file(config_dir, sibling)
-        if pattern.search(device_name) and os.path.isfile(path):
-            logger.info("no tuned %s table for %s: using %s's", os.path.basename(config_dir), device_name, sibling)
-            return read_table(path)
+    for pattern, siblings in SIBLINGS:
+        if not pattern.search(device_name):
+            continue
+        for sibling in siblings:
+            path = table_file(config_dir, sibling)
+            if os.path.isfile(path):
+                logger.info("no tuned %s table for %s: using %s's", os.path.basename(config_dir), device_name, sibling)
+                return read_table(path)
     return {}
