@@ -6,12 +6,13 @@ zeros [K/G, N]; an act-order permutation is applied to x (x[:, perm]).
 
     grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K)
 
-A program owns a BLOCK_M x BLOCK_N output tile and a share of K. Per BLOCK_K slice it loads the
-[BLOCK_K/8, BLOCK_N] packed words once and, for each nibble p, dequantizes the rows 8r + row(p),
-(q - z) * s in float32, to x's dtype and multiplies them with the matching columns of x
-(x[:, k0 + 8r + row(p)], a stride-8 load of the small activation tile): 8 tl.dot of depth
-BLOCK_K/8, so no unpacked tile is ever reshaped. G is a multiple of 8, so the 8 rows of a word
-share one group: the scale and zero tiles are [BLOCK_K/8, BLOCK_N] too.
+A program owns a BLOCK_M x BLOCK_N output tile and a share of K. Per BLOCK_K slice it unpacks the
+packed words into one [BLOCK_K, BLOCK_N] tile in natural K order (`_unpack_tile`: row 8r + i sits
+in nibble (i % 2) * 4 + i // 2 of word r), dequantizes it, (q - z) * s in float32 rounded once to
+x's dtype (the reference's bits), and multiplies it with the contiguous [BLOCK_M, BLOCK_K]
+activation tile in one tensor-core tl.dot. Until 2026-11-28 it ran 8 tl.dot of depth BLOCK_K/8 on
+stride-8 activation columns, one per nibble: W11-awq's 128-token prefill took 61 ms on an H200,
+against 10.9 ms now and vLLM's 12.7 (docs/perf.md, leases 43-45).
 
 One or two rows (batch-1 decode) take `_w4a16_gemv_kernel` instead (BLOCK_M 1 in the configs):
 elementwise products, no tensor cores. Decode is bound by the weight reads: SPLIT_K > 1 cuts K so
@@ -28,9 +29,10 @@ and there is one per weight): q | 0x4B000000 read as float32 is 2^23 + q exactly
 once per loaded zero tile. Zero points are integers 0..15 (quant/w4.py), so both sums are exact
 and f - zb = q - z exactly: the same bits as (q.to(float32) - z) * s.
 
-Tile configs: `W4A16_CONFIGS` (scripts/sweep_w4a16.py times the candidates on the GPU and prints
-this table); for one or two rows, the kept per-weight launch of the GEMV when this GPU has one
-(`gemv_launch`, from scripts/bench_w4a16_gemv.py --tiles / --write-from). The reference is
+Tile configs: `W4A16_CONFIGS`; for one or two rows, the kept per-weight launch of the GEMV when
+this GPU has one (`gemv_launch`, from scripts/bench_w4a16_gemv.py --tiles / --write-from); for
+more rows, the kept per-weight, per-row-count launch (`tiled_launch`, from
+scripts/sweep_w4a16_tiled.py --write). The reference is
 quant/w4.py: w4a16_reference.
 """
 
@@ -50,15 +52,17 @@ from minivllm.kernels.tuned_tables import device_table
 
 # at this many rows and more: dequantize once, then a dense matmul (cuBLAS)
 DENSE_MIN_ROWS = 256
-# (max rows) -> tile config; the first entry whose bound is >= M is used. Split-K is chosen at run
-# time from the number of output tiles (choose_split_k). Defaults before the sweep has run on H100.
-# BLOCK_M 1: the GEMV kernel (one row per program, no tensor cores).
+# (max rows) -> tile config; the first entry whose bound is >= M is used where no kept table entry
+# (tiled_launch, gemv_launch) applies. Split-K is chosen at run time from the number of output tiles
+# (choose_split_k). BLOCK_M 1: the GEMV kernel (one row per program, no tensor cores). The
+# several-row tiles are lease 44-45's H200 sweep winners (scripts/sweep_w4a16_tiled.py: BLOCK_M 32
+# and BLOCK_K 64 at 32 rows on every weight; BLOCK_M 64-128 at 128 rows).
 W4A16_CONFIGS: list[tuple[int, dict[str, int]]] = [
     (2, {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),
-    (16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),
-    (32, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),
-    (64, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}),
-    (1 << 30, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}),
+    (16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}),
+    (32, {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}),
+    (64, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}),
+    (1 << 30, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}),
 ]
 MAX_SPLIT_K = 16
 # the GEMV's packed half2 path for 16-bit activations (_word_dot_half2), on unless
@@ -558,10 +562,12 @@ def pairs_are_words(x: torch.Tensor) -> bool:
 
 
 def choose_split_k(m: int, n: int, k: int, cfg: dict[str, int], num_sms: int) -> int:
-    """Cut K until the grid has about PROGRAMS_PER_SM programs per SM (a power of two, at most
+    """Cut K until the grid has about PROGRAMS_PER_SM programs per SM for the GEMV, one for the
+    several-row kernel, whose tensor-core tiles each keep an SM busy (a power of two, at most
     MAX_SPLIT_K and the number of K slices)."""
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
-    return split_count(tiles, triton.cdiv(k, cfg["BLOCK_K"]), num_sms, PROGRAMS_PER_SM, MAX_SPLIT_K)
+    per_sm = PROGRAMS_PER_SM if cfg["BLOCK_M"] == 1 else 1
+    return split_count(tiles, triton.cdiv(k, cfg["BLOCK_K"]), num_sms, per_sm, MAX_SPLIT_K)
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -70,3 +70,25 @@ def test_tiled_launch_takes_the_nearest_kept_row_count_at_or_above(monkeypatch):
     assert w4k.tiled_launch(200, 4096, 4096, 128, cuda) == (large, 1)
     assert w4k.tiled_launch(64, 6144, 4096, 128, cuda) == (w4k.w4a16_config(64), None)
     assert w4k.tiled_launch(64, 4096, 4096, 128, torch.device("cpu")) == (w4k.w4a16_config(64), None)
+
+
+def test_kept_tiled_tables_are_well_formed_and_reach_the_h100():
+    """The shipped several-row W4A16 tables (configs/w4a16_tiled/): rising row counts, launches the
+    kernel takes; an H100, which has none of its own, reads the H200's."""
+    import glob
+    import os
+
+    from minivllm.kernels import w4a16_gemm as w4k
+    paths = glob.glob(os.path.join(w4k.TILED_CONFIG_DIR, "*.json"))
+    assert paths
+    for path in paths:
+        for key, entry in tuned_tables.read_table(path).items():
+            bounds = [row[0] for row in entry["rows"]]
+            assert bounds == sorted(set(bounds)) and bounds[0] > w4k.W4A16_CONFIGS[0][0], key
+            for _, cfg, split, us, dense_us in entry["rows"]:
+                assert cfg["BLOCK_M"] in (16, 32, 64, 128) and cfg["BLOCK_N"] in (32, 64, 128, 256), key
+                assert cfg["BLOCK_K"] in (32, 64, 128, 256) and cfg["UNPACK"] in ("reshape", "gather"), key
+                assert split in (1, 2, 4, 8, 16) and us > 0 and dense_us > 0, key
+    if not os.path.isfile(tuned_tables.table_file(w4k.TILED_CONFIG_DIR, "NVIDIA H100 80GB HBM3")):
+        h200 = tuned_tables.read_table(tuned_tables.table_file(w4k.TILED_CONFIG_DIR, "NVIDIA H200"))
+        assert tuned_tables.device_table(w4k.TILED_CONFIG_DIR, "NVIDIA H100 80GB HBM3") == h200
