@@ -1,6 +1,6 @@
 """Tile sweep of the several-row W4A16 GEMM (kernels/w4a16_gemm.py `_w4a16_kernel`: prefill and
 batched decode) on the GPU, Llama-3.1-8B's linear shapes, AWQ group 128, float16 activations (W11).
-Each candidate launch (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, the words' unpacking, K slices)
+Each candidate launch (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, K slices)
 is compiled once and timed on the four weights (triton.testing.do_bench, median), beside
 dequantize + cuBLAS (the path at DENSE_MIN_ROWS rows and more) and cuBLAS on the float16 weight
 (the ceiling: same product, 4x the weight bytes, no dequantization).
@@ -24,14 +24,13 @@ GROUP = 128
 
 
 def candidates(m: int):
-    """Launches worth timing for m rows, likeliest first. Lease 44 (H200): the reshape unpacking
-    won every weight at 32 and 128 rows; at 128 rows BLOCK_N 128 without K slices left o and down
-    at 64 programs on 132 SMs (down 218 us, dequant + cuBLAS 87), so K slices and BLOCK_N 64 are
-    candidates there too."""
+    """Launches worth timing for m rows, likeliest first. Lease 44 (H200): 4 warps won every weight
+    at 32 and 128 rows; at 128 rows BLOCK_N 128 without K slices left o and down at 64 programs
+    on 132 SMs (down 218 us, dequant + cuBLAS 87), so K slices and BLOCK_N 64 are candidates
+    there too (lease 45: down 80 us at BLOCK_N 64, 4 slices)."""
     bms = [b for b in (16, 32, 64, 128) if m // 2 <= b <= max(16, m)] or [16]
-    for unpack in ("reshape", "gather"):
-        for bk, bm, bn, split in itertools.product((128, 64), bms, (128, 64), (2, 1, 4)):
-            yield {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3, "UNPACK": unpack}, split
+    for bk, bm, bn, split in itertools.product((128, 64), bms, (128, 64), (2, 1, 4)):
+        yield {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3}, split
 
 
 def bench(fn) -> float:

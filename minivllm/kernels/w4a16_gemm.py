@@ -263,7 +263,6 @@ def _w4a16_kernel(
     GROUP: tl.constexpr,  # input features per group (a multiple of 8)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    UNPACK: tl.constexpr = "reshape",  # how the [BLOCK_K, BLOCK_N] tile is formed (_unpack_tile)
 ):
     """Several rows (prefill, batched decode): per BLOCK_K step the packed words are unpacked
     into one [BLOCK_K, BLOCK_N] tile of x's dtype, rows in natural K order, and multiplied with
@@ -282,7 +281,7 @@ def _w4a16_kernel(
     for t in range(pid_k * per_split, t_end):
         k = t * BLOCK_K + rk  # [BK] input features of this step, natural order
         k_ok = k < K
-        q = _unpack_tile(qw_ptr, t, rn, n_ok, K, stride_qk, stride_qn, BLOCK_N, BLOCK_K, UNPACK)  # [BK, BN] 2^23 + q
+        q = _unpack_tile(qw_ptr, t, rn, n_ok, K, stride_qk, stride_qn, BLOCK_N, BLOCK_K)  # [BK, BN] 2^23 + q
         if GROUP % BLOCK_K == 0:  # the step lies in one group: one scale and zero row
             g_off = ((t * BLOCK_K) // GROUP) * stride_sg + rn * stride_sn
             s = tl.load(s_ptr + g_off, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -302,27 +301,18 @@ def _w4a16_kernel(
 
 
 @triton.jit
-def _unpack_tile(qw_ptr, t, rn, n_ok, K, stride_qk, stride_qn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UNPACK: tl.constexpr):
+def _unpack_tile(qw_ptr, t, rn, n_ok, K, stride_qk, stride_qn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """K step t's [BLOCK_K, BLOCK_N] weights as float32 2^23 + q, row i = input feature
-    t * BLOCK_K + i. Row 8r + i of a word's eight sits in nibble (i % 2) * 4 + i // 2 (the inverse
-    of _nibble_row). "reshape": the [BLOCK_K/8, BLOCK_N] words loaded once, shifted into
-    [BLOCK_K/8, 8, BLOCK_N] and reshaped (the compiler may move the tile through shared memory);
-    "gather": each of the BLOCK_K rows loads its word (eight loads a word, served by L1)."""
-    if UNPACK == "reshape":
-        rw = t * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-        w = tl.load(qw_ptr + rw[:, None] * stride_qk + rn[None, :] * stride_qn,
-                    mask=(rw < K // 8)[:, None] & n_ok[None, :], other=0)  # [BK/8, BN]
-        i = tl.arange(0, 8)
-        shift = 4 * ((i % 2) * 4 + i // 2)  # [8]
-        q = (w[:, None, :] >> shift[None, :, None]) & 0xF  # [BK/8, 8, BN]
-        q = tl.reshape(q, [BLOCK_K, BLOCK_N])
-    else:
-        k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = tl.load(qw_ptr + (k // 8)[:, None] * stride_qk + rn[None, :] * stride_qn,
-                    mask=(k < K)[:, None] & n_ok[None, :], other=0)  # [BK, BN], each word 8 times
-        i = k % 8
-        q = (w >> (4 * ((i % 2) * 4 + i // 2))[:, None]) & 0xF
+    t * BLOCK_K + i: the [BLOCK_K/8, BLOCK_N] words loaded once, shifted into [BLOCK_K/8, 8,
+    BLOCK_N] and reshaped. Row 8r + i of a word's eight sits in nibble (i % 2) * 4 + i // 2 (the
+    inverse of _nibble_row). (Loading each word once per row it holds instead, eight loads a
+    word, was 4-10x slower on every weight at 32 and 128 rows: H200, leases 44-45.)"""
+    rw = t * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    w = tl.load(qw_ptr + rw[:, None] * stride_qk + rn[None, :] * stride_qn,
+                mask=(rw < K // 8)[:, None] & n_ok[None, :], other=0)  # [BK/8, BN]
+    i = tl.arange(0, 8)
+    shift = 4 * ((i % 2) * 4 + i // 2)  # [8]
+    q = tl.reshape((w[:, None, :] >> shift[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N])
     return (q | MAGIC_BITS).to(tl.float32, bitcast=True)
 
 

@@ -99,12 +99,11 @@ def test_xpair_loads_cut_the_loop(dtype: str) -> None:
     assert xpair < gain * formed and xpair < bound, (formed, xpair)
 
 
-@pytest.mark.parametrize("unpack", ["reshape", "gather"])
 @pytest.mark.parametrize("dtype, group, block_k", [("fp16", 128, 64), ("bf16", 128, 128), ("bf16", 64, 128)])
-def test_tiled_kernel_compiles_to_wgmma(unpack: str, dtype: str, group: int, block_k: int) -> None:
-    """The several-row kernel (prefill, batched decode) builds for sm_90 with either way of
-    unpacking the words, one scale row a step or several groups a step, and its product runs on
-    Hopper's warpgroup tensor-core instruction (what makes it a GEMM, not a loop of GEMVs)."""
+def test_tiled_kernel_compiles_to_wgmma(dtype: str, group: int, block_k: int) -> None:
+    """The several-row kernel (prefill, batched decode) builds for sm_90 with one scale row a step
+    or several groups a step, and its product runs on Hopper's warpgroup tensor-core instruction
+    (what makes it a GEMM, not a loop of GEMVs)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -113,7 +112,7 @@ def test_tiled_kernel_compiles_to_wgmma(unpack: str, dtype: str, group: int, blo
     ones = {"stride_xk", "stride_qn", "stride_sn", "stride_on"}
     sig = {n: ("constexpr" if n in ones else t) for n, t in zip(NAMES, types)}
     consts = {n: 1 for n in ones}
-    consts.update(GROUP=group, BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, SPLIT_K=1, UNPACK=unpack)
+    consts.update(GROUP=group, BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, SPLIT_K=1)
     sig.update({k: "constexpr" for k in consts if k not in ones})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n not in ones}
     try:
