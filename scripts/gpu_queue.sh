@@ -18,20 +18,20 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 42, 2026-11-28; a session's 30 minutes count
-# in full; staging all of vLLM takes ~1.5 minutes of held time; name only the test files and
-# GPU_TESTS_K that need a run: `test_quant_kernels.py -k w4a16` alone takes ~8 minutes).
-#   1. Issue 25, W11-awq at 52-53 % of the int4 roofline (3.03-3.11 ms a token over leases 37-42,
-#      1.36x vLLM's Marlin in lease 37; target 75 % = 2.12 ms). Leases 40-42 folded the rotary into
-#      the K/V store and the attention merge into the split kernel (W2 -2.2 %, W11-awq within its
-#      lease-to-lease spread); SWIGLU in the gate_up GEMV lost (its 16 + 16-column halves read
-#      64-byte runs). Left: the GEMVs' ~4-5 us each above their bytes (0.6 ms a token), ~190 other
-#      launches. Next: the norms into the o/down GEMVs' split-K fix-up (the last tile program of
-#      the launch adds the residual and normalizes the row), gate/up columns interleaved in the
-#      stored weight so that SWIGLU reads whole lines, then a persistent layer kernel. Run
-#      ours:W11-awq twice per lease: single runs differ by up to 0.06 ms.
-#   2. Issue 22 (closed; W1-bi 1.24-1.29x vLLM on first runs, 1.16-1.20x on second runs): to widen the
-#      second-run margin, the LM head above 128 rows (184 vs 150 us at 256) and gate_up above 256.
+# What the single-GPU issues still need (after lease 45, 2026-11-28; the lent machine is now an
+# H200: kind nvidia-h200; a session's 30 minutes count in full, the start ~40 s; staging all of vLLM
+# takes ~2 minutes of held time; name only the test files and GPU_TESTS_K that need a run).
+#   1. Issue 25, W11-awq at 41 % of the H200's int4 roofline (2.736 ms a token; 1.44x vLLM's Marlin,
+#      lease 43; 53 % on the H100; target 75 % = 1.51 ms on the H200). Leases 40-42 folded launches
+#      (W2 -2.2 %, W11-awq within noise). What is left is launches and the GEMVs' fixed cost: the next
+#      step is a persistent kernel over a layer's GEMVs (grid barriers, next weight loaded before the
+#      barrier); measure first a chain of the 128 GEMVs alone against awq-gemv-seq's 1.96 ms (H100).
+#   2. Issue 25, AWQ prefill: TTFT 10.9 ms vs vLLM 12.7 (leases 43/45, not yet in one lease). Not run on
+#      the GPU yet: `test_quant_kernels.py -k tiled` at bdba175 (its cases changed) and lease 45's
+#      128-row launches against the reference (test_w4a16_tiled_kept_launches). Dequant + cuBLAS beat
+#      the kernel on qkv and o at 128 rows (9 and 2 us): a per-weight choice needs two timings.
+#   3. FP8 W1-8B vs vLLM on the H200 (1.04x on the H100, lease 18); the fused MoE, dense GEMV and
+#      invariant GEMM run on the H100's tables there (tuned_tables.SIBLINGS): a sweep each if they matter.
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue
