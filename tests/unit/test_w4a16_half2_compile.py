@@ -21,23 +21,29 @@ NAMES = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "M
 ONES = {"M", "stride_xk", "stride_qn", "stride_sn", "stride_on"}  # what the JIT specializes to 1 at batch 1
 
 
-def _compile(dtype: str, half2: bool, split_k: int = 4, pipe: bool = False, xpair: bool = False, block_n: int = 64):
+def _compile_sm90(fn, dtype: str, ones: set[str], consts: dict, num_warps: int = 4):
+    """fn (a kernel taking NAMES' arguments, then constexprs) compiled for sm_90: the arguments in
+    `ones` specialized to 1 as the JIT does, the others' pointers 16-byte aligned."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from minivllm.kernels import w4a16_gemm as w
     types = [f"*{dtype}", "*i32", f"*{dtype}", f"*{dtype}", f"*{dtype}", "*fp32", "*i32"] + ["i32"] * 11
-    sig = {n: ("constexpr" if n in ONES else t) for n, t in zip(NAMES, types)}
-    consts = {n: 1 for n in ONES}
-    consts.update(GROUP=128, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split_k, HALF2=half2, EVEN=True, PREFETCH_WORDS=32,
-                  COL_STEP=32, PDL=False, PIPE=pipe, XPAIR=xpair)
-    sig.update({k: "constexpr" for k in consts if k not in ONES})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n not in ONES}
+    sig = {n: ("constexpr" if n in ones else t) for n, t in zip(NAMES, types)}
+    consts = {**{n: 1 for n in ones}, **consts}
+    sig.update({k: "constexpr" for k in consts if k not in ones})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n not in ones}
     try:
-        src = ASTSource(fn=w._w4a16_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     except TypeError as e:  # another Triton's ASTSource
         pytest.skip(f"this Triton's ASTSource differs: {e}")
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
+
+
+def _compile(dtype: str, half2: bool, split_k: int = 4, pipe: bool = False, xpair: bool = False, block_n: int = 64):
+    from minivllm.kernels import w4a16_gemm as w
+    return _compile_sm90(w._w4a16_gemv_kernel, dtype, ONES, dict(
+        GROUP=128, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split_k, HALF2=half2, EVEN=True, PREFETCH_WORDS=32,
+        COL_STEP=32, PDL=False, PIPE=pipe, XPAIR=xpair))
 
 
 def _loop_instructions(kernel) -> collections.Counter:
@@ -104,22 +110,9 @@ def test_tiled_kernel_compiles_to_wgmma(dtype: str, group: int, block_k: int) ->
     """The several-row kernel (prefill, batched decode) builds for sm_90 with one scale row a step
     or several groups a step, and its product runs on Hopper's warpgroup tensor-core instruction
     (what makes it a GEMM, not a loop of GEMVs)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from minivllm.kernels import w4a16_gemm as w
-    types = [f"*{dtype}", "*i32", f"*{dtype}", f"*{dtype}", f"*{dtype}", "*fp32", "*i32"] + ["i32"] * 11
-    ones = {"stride_xk", "stride_qn", "stride_sn", "stride_on"}
-    sig = {n: ("constexpr" if n in ones else t) for n, t in zip(NAMES, types)}
-    consts = {n: 1 for n in ones}
-    consts.update(GROUP=group, BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, SPLIT_K=1)
-    sig.update({k: "constexpr" for k in consts if k not in ones})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n not in ones}
-    try:
-        src = ASTSource(fn=w._w4a16_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    except TypeError as e:  # another Triton's ASTSource
-        pytest.skip(f"this Triton's ASTSource differs: {e}")
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+    kernel = _compile_sm90(w._w4a16_kernel, dtype, {"stride_xk", "stride_qn", "stride_sn", "stride_on"},
+                           dict(GROUP=group, BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, SPLIT_K=1), num_warps=8)
     assert "wgmma.mma_async" in kernel.asm["ptx"]
 
 
