@@ -25,7 +25,8 @@
 #      lease 43; 53 % on the H100; target 75 % = 1.51 ms on the H200). Leases 40-42 folded launches
 #      (W2 -2.2 %, W11-awq within noise). What is left is launches and the GEMVs' fixed cost: the next
 #      step is a persistent kernel over a layer's GEMVs (grid barriers, next weight loaded before the
-#      barrier); measure first a chain of the 128 GEMVs alone against awq-gemv-seq's 1.96 ms (H100).
+#      barrier). First run step `gemv-chain` (4d05952: kernels/gemv_chain.py, never run on a GPU yet):
+#      a token's 128 GEMVs as one persistent launch vs 128 launches in a graph, same bits checked.
 #   2. Issue 25, AWQ prefill: TTFT 10.9 ms vs vLLM 12.7 (leases 43/45, not yet in one lease). Not run on
 #      the GPU yet: `test_quant_kernels.py -k tiled` at bdba175 (its cases changed) and lease 45's
 #      128-row launches against the reference (test_w4a16_tiled_kept_launches). Dequant + cuBLAS beat
