@@ -17,7 +17,8 @@ Per stage s (one GEMV: meta row s = qweight, scales, zeros, x, out addresses, N,
   4. arrive (the barrier's release: this program's stores, and its fix-ups', are published).
 
 The barrier is one int32 counter, 0 at launch (the caller zeroes it), that each program increments
-once per stage; stage s waits for programs * s arrivals. Under Triton's interpreter programs run one
+once per stage; stage s waits for programs * s arrivals. A wait gives up after MAX_POLLS reads and
+flags it (`_wait`): a grid too large to be resident ends with the flag set instead of hanging. Under Triton's interpreter programs run one
 after another, so only a grid of one program can be run there (tests/unit/test_gemv_chain_interpret.py).
 scripts/bench_gemv_chain.py times it on the GPU against the same GEMVs as separate launches in a
 CUDA graph with PDL (the engine's way) and checks that both give the same bits.
@@ -45,26 +46,40 @@ def _arrive(bar_ptr):
 
 
 @triton.jit
-def _wait(bar_ptr, target, ASM: tl.constexpr):
-    """Until `target` arrivals have been counted (acquire: the arrived programs' stores are
-    visible). ASM (the GPU): spin on a plain acquire load, which does not queue behind the
-    arrivals' atomics at L2 as a spinning read-modify-write would; else (Triton's interpreter,
-    which has no inline assembly) on an atomic add of 0."""
+def _poll(bar_ptr, ASM: tl.constexpr):
+    """The arrivals counted so far, read with acquire semantics. ASM (the GPU): a plain acquire
+    load, which does not queue behind the arrivals' atomics at L2 as a spinning read-modify-write
+    would; else (Triton's interpreter, which has no inline assembly) an atomic add of 0."""
     if ASM:
-        while tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
-                                        [bar_ptr.to(tl.int64, bitcast=True)], dtype=tl.int32, is_pure=False,
-                                        pack=1) < target:
-            pass
+        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
+                                         [bar_ptr.to(tl.int64, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        while tl.atomic_add(bar_ptr, 0, sem="acquire") < target:
-            pass
+        return tl.atomic_add(bar_ptr, 0, sem="acquire")
+
+
+@triton.jit
+def _wait(bar_ptr, target, ASM: tl.constexpr, MAX_POLLS: tl.constexpr):
+    """Until `target` arrivals have been counted (the arrived programs' stores are then visible).
+    A barrier that does not open within MAX_POLLS reads (programs that are not all resident)
+    sets the flag after the counter (bar_ptr + 1) and lets the program go on, and every later wait
+    of the launch is skipped: the launch ends, with wrong results and the flag set, instead of
+    hanging the GPU (GemvChain.timed_out)."""
+    if tl.load(bar_ptr + 1, volatile=True) == 0:
+        polls = 0
+        seen = _poll(bar_ptr, ASM)
+        while (seen < target) & (polls < MAX_POLLS):
+            seen = _poll(bar_ptr, ASM)
+            polls += 1
+        if seen < target:
+            tl.atomic_xchg(bar_ptr + 1, 1)
     tl.debug_barrier()
 
 
 @triton.jit
 def _gemv_chain_kernel(meta_ptr, bar_ptr, ws_ptr, cnt_ptr, n_stages,
                        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       HALF2: tl.constexpr, EVEN: tl.constexpr, PREFETCH_STEPS: tl.constexpr):
+                       HALF2: tl.constexpr, EVEN: tl.constexpr, PREFETCH_STEPS: tl.constexpr,
+                       MAX_POLLS: tl.constexpr):
     """HALF2: the GPU (packed half2 math with paired activation loads, as the engine's GEMV; the
     spin on an acquire load); else the plain math and an atomic spin (Triton's interpreter).
     EVEN: every stage's N and K are multiples of BLOCK_N and BLOCK_K (no masks)."""
@@ -88,7 +103,7 @@ def _gemv_chain_kernel(meta_ptr, bar_ptr, ws_ptr, cnt_ptr, n_stages,
                 pw = tl.minimum(first_word + tl.arange(0, PREFETCH_STEPS * (BLOCK_K // 8)), K // 8 - 1)
                 pc = tl.minimum((pid // SPLIT_K) * BLOCK_N + tl.arange(0, BLOCK_N // 32) * 32, N - 1)
                 prefetch_l2(qw_ptr + pw[:, None] * N + pc[None, :])
-        _wait(bar_ptr, programs * s, HALF2)
+        _wait(bar_ptr, programs * s, HALF2, MAX_POLLS)
         for item in range(pid, tiles * SPLIT_K, programs):
             pid_n = item // SPLIT_K
             pid_k = item % SPLIT_K
@@ -126,15 +141,15 @@ class GemvChain:
 
     def __init__(self, meta: torch.Tensor, max_n: int, programs: int, group: int = 128, block_n: int = 32,
                  block_k: int = 256, split_k: int = 4, half2: bool = True, even: bool = False,
-                 prefetch_steps: int = 1, num_warps: int = 4):
+                 prefetch_steps: int = 1, num_warps: int = 4, max_polls: int = 1 << 22):
         self.meta, self.programs = meta, programs
         device = meta.device
-        self.bar = torch.zeros(1, dtype=torch.int32, device=device)
+        self.bar = torch.zeros(2, dtype=torch.int32, device=device)  # arrivals, timed-out flag
         self.ws = torch.empty(split_k * max_n, dtype=torch.float32, device=device)
         self.cnt = tile_counters(device, triton.cdiv(max_n, block_n))
         self.kw = dict(GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HALF2=half2, EVEN=even,
                        PREFETCH_STEPS=prefetch_steps if device.type == "cuda" else 0,  # (inline PTX)
-                       num_warps=num_warps)
+                       MAX_POLLS=max_polls, num_warps=num_warps)
         self.checked = device.type != "cuda"
 
     def _args(self):
@@ -148,6 +163,10 @@ class GemvChain:
             self.checked = True
         self.bar.zero_()
         _gemv_chain_kernel[(self.programs,)](*self._args(), **self.kw)
+
+    def timed_out(self) -> bool:
+        """Whether a barrier of the last launch gave up waiting (its results are then wrong)."""
+        return bool(self.bar[1].item())
 
     def resident_limit(self) -> int:
         """How many programs of the compiled kernel fit on the GPU at once (registers, shared

@@ -125,7 +125,8 @@ def test_gemv_chain_compiles_for_sm90() -> None:
 
     from minivllm.kernels import gemv_chain
     sig = {"meta_ptr": "*i64", "bar_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "n_stages": "i32"}
-    consts = dict(GROUP=128, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, HALF2=True, EVEN=True, PREFETCH_STEPS=1)
+    consts = dict(GROUP=128, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, HALF2=True, EVEN=True, PREFETCH_STEPS=1,
+                  MAX_POLLS=1 << 22)
     sig.update({k: "constexpr" for k in consts})
     try:
         src = ASTSource(fn=gemv_chain._gemv_chain_kernel, signature=sig, constexprs=consts)
