@@ -106,7 +106,7 @@ def main() -> None:
     for name in ("separate-same", "separate-kept"):
         print(f"{name}: {report['ms'][name]:.3f} ms a token", flush=True)
     meta = chain_meta(stages)
-    limit = GemvChain(meta, max(n for n, _ in SHAPES), 1, even=True).resident_limit()  # (each timed chain checks its own)
+    limit = GemvChain(meta, max(n for n, _ in SHAPES), 1, even=True).resident_limit()  # (each chain checks its own)
     report["resident_limit"] = limit
     print(f"resident programs at most: {limit}", flush=True)
     for programs in args.programs.split(","):
@@ -123,8 +123,9 @@ def main() -> None:
                 print(f"{name}: a barrier gave up waiting (programs not all resident?): not timed", flush=True)
                 report.setdefault("timed_out", []).append(name)
                 continue
-            same = all(torch.equal(a.view(torch.int16), out.view(torch.int16)) for a, (*_, out) in zip(sep_outs, stages))
-            diff = max(((a.float() - out.float()).norm() / a.float().norm()).item() for a, (*_, out) in zip(sep_outs, stages))
+            pairs = [(a, out) for a, (*_, out) in zip(sep_outs, stages)]
+            same = all(torch.equal(a.view(torch.int16), out.view(torch.int16)) for a, out in pairs)
+            diff = max(((a.float() - out.float()).norm() / a.float().norm()).item() for a, out in pairs)
             report.setdefault("same_bits", {})[name] = same
             report.setdefault("max_rel_diff", {})[name] = diff
             if not same:  # (timed anyway when close: a reduction order can differ between two kernels)

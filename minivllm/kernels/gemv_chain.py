@@ -18,8 +18,9 @@ Per stage s (one GEMV: meta row s = qweight, scales, zeros, x, out addresses, N,
 
 The barrier is one int32 counter, 0 at launch (the caller zeroes it), that each program increments
 once per stage; stage s waits for programs * s arrivals. A wait gives up after MAX_POLLS reads and
-flags it (`_wait`): a grid too large to be resident ends with the flag set instead of hanging. Under Triton's interpreter programs run one
-after another, so only a grid of one program can be run there (tests/unit/test_gemv_chain_interpret.py).
+flags it (`_wait`): a grid too large to be resident ends with the flag set instead of hanging.
+Under Triton's interpreter programs run one after another, so there a grid of one program runs
+the chain and a grid of two exercises the give-up (tests/unit/test_gemv_chain_interpret.py).
 scripts/bench_gemv_chain.py times it on the GPU against the same GEMVs as separate launches in a
 CUDA graph with PDL (the engine's way) and checks that both give the same bits.
 """
@@ -120,7 +121,10 @@ def _gemv_chain_kernel(meta_ptr, bar_ptr, ws_ptr, cnt_ptr, n_stages,
         _arrive(bar_ptr)
 
 
-def chain_meta(stages: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+Stage = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # qweight, scales, zeros, x, out
+
+
+def chain_meta(stages: list[Stage]) -> torch.Tensor:
     """int64 [len(stages), META_FIELDS] for (qweight [K/8, N], scales, zeros [K/G, N], x [>= K],
     out [N]) per stage, all float16 but qweight, contiguous, on one device; the tensors must
     outlive every launch that reads the table."""
@@ -128,7 +132,8 @@ def chain_meta(stages: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
     for qw, sc, z, x, out in stages:
         k, n = qw.shape[0] * 8, qw.shape[1]
         assert sc.shape == z.shape and sc.shape[1] == n and x.numel() >= k and out.numel() == n, (qw.shape, x.shape)
-        assert all(t.is_contiguous() for t in (qw, sc, z, x, out)) and sc.dtype == z.dtype == x.dtype == out.dtype == torch.float16
+        assert all(t.is_contiguous() for t in (qw, sc, z, x, out))
+        assert sc.dtype == z.dtype == x.dtype == out.dtype == torch.float16
         rows.append([qw.data_ptr(), sc.data_ptr(), z.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, 0])
     return torch.tensor(rows, dtype=torch.int64, device=stages[0][0].device)
 
