@@ -35,7 +35,8 @@ from minivllm.kernels.pdl import prefetch_l2
 from minivllm.kernels.split_k import store_tile, tile_counters
 from minivllm.kernels.w4a16_gemm import _w4a16_gemv_pipelined
 
-META_FIELDS = 8  # qweight, scales, zeros, x, out (addresses), N, K, unused
+# a stage's row of the table: qweight, scales, zeros, x, out (addresses), N, K, unused
+META_FIELDS: tl.constexpr = tl.constexpr(8)
 
 
 @triton.jit
@@ -88,7 +89,7 @@ def _gemv_chain_kernel(meta_ptr, bar_ptr, ws_ptr, cnt_ptr, n_stages,
     programs = tl.num_programs(0)
     rw = tl.arange(0, BLOCK_K // 8)
     for s in range(n_stages):
-        row = meta_ptr + s * 8
+        row = meta_ptr + s * META_FIELDS
         qw_ptr = tl.load(row + 0).to(tl.pointer_type(tl.int32))
         sc_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float16))
         z_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float16))

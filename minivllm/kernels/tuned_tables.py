@@ -6,9 +6,9 @@ sweeps that write them are in scripts/.
 
 A GPU without a kept table of its own borrows its sibling's: the H200 (same 132 SMs and sm_90
 instruction set as the H100, more and faster HBM) runs the H100's tuned launches until a sweep on
-it is kept, and the other way round. A sibling's tuned launch is a valid launch everywhere (the tables pick tiles, warps
-and K slices, never a correctness-relevant setting), and on the same architecture it is much
-closer to the best than the untuned defaults."""
+it is kept, and the other way round. A sibling's tuned launch is a valid launch everywhere (the
+tables pick tiles, warps and K slices, never a correctness-relevant setting), and on the same
+architecture it is much closer to the best than the untuned defaults."""
 
 from __future__ import annotations
 

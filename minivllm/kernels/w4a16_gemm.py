@@ -515,14 +515,19 @@ def gemv_entry_launch(entry: dict | None) -> tuple[dict[str, int], int | None]:
     return cfg, entry["split_k"]
 
 
+def _kept_entry(table_of, n: int, k: int, group: int, device: torch.device) -> dict | None:
+    """This weight's entry in the kept table that table_of (device name -> table) gives a CUDA
+    device; None on other devices, for weights without one, or with MINIVLLM_W4A16_GEMV_TABLE=0."""
+    if not GEMV_TABLE or device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return table_of(torch.cuda.get_device_name(index)).get(gemv_key(n, k, group))
+
+
 def gemv_launch(n: int, k: int, group: int, device: torch.device) -> tuple[dict[str, int], int | None]:
     """(config, split_k) of the batch-1 GEMV for this weight on this device: the kept table's
     entry on a GPU that has one (gemv_entry_launch)."""
-    entry = None
-    if GEMV_TABLE and device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
-        entry = gemv_table(torch.cuda.get_device_name(index)).get(gemv_key(n, k, group))
-    return gemv_entry_launch(entry)
+    return gemv_entry_launch(_kept_entry(gemv_table, n, k, group, device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -534,10 +539,7 @@ def tiled_table(device_name: str) -> dict:
 def tiled_launch(m: int, n: int, k: int, group: int, device: torch.device) -> tuple[dict, int | None]:
     """(config, split_k) of the several-row kernel for m rows of this weight: the kept entry of
     the nearest row count at or above m on a GPU that has one; else W4A16_CONFIGS' and None."""
-    rows = []
-    if GEMV_TABLE and device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
-        rows = tiled_table(torch.cuda.get_device_name(index)).get(gemv_key(n, k, group), {}).get("rows", [])
+    rows = (_kept_entry(tiled_table, n, k, group, device) or {}).get("rows", [])
     if not rows:
         return dict(w4a16_config(m)), None
     _, cfg, split = next((r[:3] for r in rows if r[0] >= m), rows[-1][:3])
@@ -575,7 +577,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
             cfg, kept_split = tiled_launch(m, n, k, g, x.device)
         split_k = kept_split if split_k is None else split_k
     else:
-        cfg = dict(config or w4a16_config(m))
+        cfg = dict(config)
     if split_k is None:
         split_k = choose_split_k(m, n, k, cfg, num_sms_of(x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
