@@ -32,24 +32,6 @@ GROUP = 128
 RUNS = 20
 
 
-def token_stages(device: str = "cuda"):
-    """LAYERS x 4 stages of random fp16-scaled int4 weights; each stage reads the previous one's
-    output (o reads qkv's first 4096 values, down gate_up's first 14336: the shapes of a layer)."""
-    from minivllm.quant import w4
-    torch.manual_seed(0)
-    prev = torch.randn(SHAPES[0][1], device=device, dtype=torch.float16)
-    stages = []
-    for _ in range(LAYERS):
-        for n, k in SHAPES:
-            q = torch.randint(0, 16, (k, n), device=device)
-            scales = (torch.rand(k // GROUP, n, device=device) * 0.02 + 0.002).mul((256 / k) ** 0.5).half()
-            zeros = torch.randint(0, 16, (k // GROUP, n), device=device).half()
-            out = torch.empty(n, device=device, dtype=torch.float16)
-            stages.append((w4.pack_engine(q).contiguous(), scales, zeros, prev, out))
-            prev = out
-    return stages
-
-
 def graph_ms(fn, runs: int = RUNS) -> float:
     """Median ms of one replay of a CUDA graph of fn() (run eagerly twice first)."""
     fn()
@@ -90,9 +72,9 @@ def main() -> None:
     p.add_argument("--prefetch", default="0,1,2")
     args = p.parse_args()
     from minivllm.bench.common import measure_copy_bandwidth
-    from minivllm.kernels.gemv_chain import GemvChain, chain_meta
+    from minivllm.kernels.gemv_chain import GemvChain, chain_meta, random_stages
 
-    stages = token_stages()
+    stages = random_stages(SHAPES * LAYERS, GROUP, "cuda")  # a layer's four GEMVs x 32, one token's
     gemv_bytes = sum(qw.numel() * 4 + sc.numel() * 2 + z.numel() * 2 for qw, sc, z, _, _ in stages)
     bandwidth = measure_copy_bandwidth()["bandwidth_Bps"]
     report = {"device": torch.cuda.get_device_name(0), "gemv_bytes": gemv_bytes, "copy_TBps": bandwidth / 1e12,

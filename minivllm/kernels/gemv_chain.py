@@ -34,6 +34,7 @@ import triton.language as tl
 from minivllm.kernels.pdl import prefetch_l2
 from minivllm.kernels.split_k import store_tile, tile_counters
 from minivllm.kernels.w4a16_gemm import _w4a16_gemv_pipelined
+from minivllm.quant import w4
 
 # a stage's row of the table: qweight, scales, zeros, x, out (addresses), N, K, unused
 META_FIELDS: tl.constexpr = tl.constexpr(8)
@@ -137,6 +138,24 @@ def chain_meta(stages: list[Stage]) -> torch.Tensor:
         assert sc.dtype == z.dtype == x.dtype == out.dtype == torch.float16
         rows.append([qw.data_ptr(), sc.data_ptr(), z.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, 0])
     return torch.tensor(rows, dtype=torch.int64, device=stages[0][0].device)
+
+
+def random_stages(shapes: list[tuple[int, int]], group: int, device, seed: int = 0) -> list[Stage]:
+    """Random float16 chain stages of (N, K) on `device` (the test's and the benchmark's data):
+    stage i reads stage i - 1's output (its first K values), stage 0 a random x; each out starts
+    NaN, so an element no program wrote shows. Scales shrink with sqrt(K): values stay O(1)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    prev = torch.randn(shapes[0][1], generator=g, device=device).half()
+    stages = []
+    for n, k in shapes:
+        assert prev.numel() >= k, "a stage reads more values than the one before it wrote"
+        q = torch.randint(0, 16, (k, n), generator=g, device=device)
+        scales = ((torch.rand(k // group, n, generator=g, device=device) * 0.02 + 0.002) * (256 / k) ** 0.5).half()
+        zeros = torch.randint(0, 16, (k // group, n), generator=g, device=device).half()
+        out = torch.full((n,), float("nan"), dtype=torch.float16, device=device)
+        stages.append((w4.pack_engine(q).contiguous(), scales, zeros, prev, out))
+        prev = out
+    return stages
 
 
 class GemvChain:

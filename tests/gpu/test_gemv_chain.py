@@ -21,33 +21,16 @@ from test_triton_kernels import errors  # noqa: E402
 from minivllm.quant import w4  # noqa: E402
 
 
-def chain_stages(shapes: list[tuple[int, int]], group: int, device, seed: int):
-    """Random weights for stages of (N, K), float16; stage i reads stage i - 1's output (its first
-    K values), stage 0 a random x. Scales shrink with sqrt(K) so values stay O(1) along the chain."""
-    g = torch.Generator().manual_seed(seed)
-    prev = torch.randn(shapes[0][1], generator=g).half().to(device)
-    stages = []
-    for n, k in shapes:
-        assert prev.numel() >= k, "a stage reads more values than the one before it wrote"
-        q = torch.randint(0, 16, (k, n), generator=g)
-        scales = ((torch.rand(k // group, n, generator=g) * 0.02 + 0.002) * (256 / k) ** 0.5).half()
-        zeros = torch.randint(0, 16, (k // group, n), generator=g).half()
-        out = torch.full((n,), float("nan"), dtype=torch.float16, device=device)
-        stages.append(tuple(t.to(device) for t in (w4.pack_engine(q).contiguous(), scales, zeros)) + (prev, out))
-        prev = out
-    return stages
-
-
 def check_chain(shapes: list[tuple[int, int]], group: int, device, programs: int | None, block_n: int = 32,
                 block_k: int = 64, split_k: int = 2, seed: int = 0, max_polls: int = 1 << 22) -> dict:
     """{"same_bits": every stage's output equals the separate launches', "max_err": the largest
     relative error of a stage against the reference on its own input, "counters_zero": the
     split-K tile counters are all 0 afterwards, "programs": the grid, "timed_out": a barrier gave
     up}. programs None: as many as fit at once on the GPU."""
-    from minivllm.kernels.gemv_chain import GemvChain, chain_meta
+    from minivllm.kernels.gemv_chain import GemvChain, chain_meta, random_stages
     from minivllm.kernels.split_k import COUNTERS
     from minivllm.kernels.w4a16_gemm import w4a16_gemm
-    stages = chain_stages(shapes, group, device, seed)
+    stages = random_stages(shapes, group, device, seed)
     even = all(n % block_n == 0 and k % block_k == 0 for n, k in shapes)
     half2 = torch.device(device).type == "cuda"
     chain = GemvChain(chain_meta(stages), max(n for n, _ in shapes), programs or 1, group=group, block_n=block_n,
