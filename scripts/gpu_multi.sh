@@ -205,10 +205,6 @@ run_step() {  # run_step STEP LANE_DIR PORT
       python3 scripts/sweep_w4a16_tiled.py --rows "${AWQ_TILED_ROWS:-128,32}" --budget-s "${AWQ_TILED_BUDGET_S:-120}" \
         --write --out "$dir/awq-tiled-sweep.json"
       cp minivllm/kernels/configs/w4a16_tiled/*.json "$dir/" ;;
-    gemv-chain)  # issue 25: a token's 128 W4A16 GEMVs as one persistent launch with grid barriers vs 128 launches
-      # in a graph with PDL (scripts/bench_gemv_chain.py; under timeout: a barrier that never opens would hang)
-      timeout 300 python3 scripts/bench_gemv_chain.py --out "$dir/gemv-chain.json"
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_chain.py 2>&1 | tail -5 ;;
     awq-gemv-xpair)  # issue 25: a token's GEMVs in one graph (kept table and default launches), activation
       # pairs loaded as words (the default) and formed in registers (MINIVLLM_W4A16_GEMV_XPAIR=0)
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq-xpair.json" --sequence "default,kept"

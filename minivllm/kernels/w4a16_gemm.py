@@ -18,7 +18,8 @@ One or two rows (batch-1 decode) take `_w4a16_gemv_kernel` instead (BLOCK_M 1 in
 elementwise products, no tensor cores. Decode is bound by the weight reads: SPLIT_K > 1 cuts K so
 that enough programs stream the weights. Prefill steps of DENSE_MIN_ROWS rows or more dequantize
 the weight once into the activation dtype (`_dequant_kernel`) and run cuBLAS: then the weight is
-read once for thousands of rows.
+read once for thousands of rows. Fewer rows do the same where the kept several-row sweep timed it
+faster than the kernel (`dense_beats_kernel`).
 
 Split-K: every program's partial goes through kernels/split_k.py's fix-up (`store_tile`): the
 tile's last program adds the partials in a fixed order and stores the result, in the same launch.
@@ -93,6 +94,10 @@ GEMV_TABLE = os.environ.get("MINIVLLM_W4A16_GEMV_TABLE", "1") != "0"
 # scripts/sweep_w4a16_tiled.py --write, kernels/configs/w4a16_tiled/<GPU>.json, "N=..,K=..,G=.." ->
 # {"rows": [[max_rows, config, split_k, us, dense_us], ...]}: the first entry whose max_rows >= M
 # (M above the last: the last). Weights without an entry keep W4A16_CONFIGS and choose_split_k.
+# below DENSE_MIN_ROWS, dequant + cuBLAS for a weight and row count where the kept several-row sweep
+# timed it faster than the kernel (dense_beats_kernel; lease 45, H200, 128 rows: qkv 39.5 against
+# 48.7 us, o 30.9 against 33.3); MINIVLLM_W4A16_DENSE_CHOICE=0 keeps the kernel (job ours:W11-awq-nodense)
+DENSE_CHOICE = os.environ.get("MINIVLLM_W4A16_DENSE_CHOICE", "1") != "0"
 TILED_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "w4a16_tiled")
 # the float32 bits of 2^23 (ulp 1): OR-ing a nibble q into them gives the float 2^23 + q exactly
 MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)
@@ -546,6 +551,20 @@ def tiled_launch(m: int, n: int, k: int, group: int, device: torch.device) -> tu
     return dict(cfg), split
 
 
+def dense_beats_kernel(m: int, n: int, k: int, group: int, device: torch.device) -> bool:
+    """Whether m rows of this weight (below DENSE_MIN_ROWS) go through dequant + cuBLAS: the kept
+    several-row sweep timed that faster than the kernel at the row count whose launch m uses, and m
+    is above half that count (the kernel's time falls with fewer row tiles, dequantizing does
+    not). Never without a kept table or with MINIVLLM_W4A16_DENSE_CHOICE=0."""
+    if not DENSE_CHOICE:
+        return False
+    rows = (_kept_entry(tiled_table, n, k, group, device) or {}).get("rows", [])
+    if not rows:
+        return False
+    entry = next((r for r in rows if r[0] >= m), rows[-1])  # (as tiled_launch picks the launch)
+    return m > entry[0] // 2 and entry[4] < entry[3]
+
+
 def pairs_are_words(x: torch.Tensor) -> bool:
     """Whether x's activations pair up into aligned 32-bit words: 16-bit, unit stride along K, and
     every row starting at an even element of a 4-byte aligned buffer (the GEMV's XPAIR loads)."""
@@ -619,7 +638,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     rows = x.reshape(-1, k)
     if perm is not None:
         rows = rows.index_select(1, perm)
-    if rows.shape[0] >= DENSE_MIN_ROWS:
+    m, n = rows.shape[0], qweight.shape[1]
+    if m >= DENSE_MIN_ROWS or (m > 2 and dense_beats_kernel(m, n, k, k if group_size == -1 else group_size,
+                                                             x.device)):
         y = rows @ w4a16_dequantize(qweight, scales, zeros, group_size, x.dtype)
     else:
         y = w4a16_gemm(rows, qweight, scales, zeros, group_size)

@@ -222,6 +222,27 @@ def test_w4a16_tiled_kept_launches() -> None:
             assert torch.equal(w4k.w4a16_gemm(x, qw, s, z, g), w4k.w4a16_gemm(x, qw, s, z, g, split, dict(cfg)))
 
 
+@gpu
+def test_w4a16_linear_dense_choice() -> None:
+    """Where the kept several-row table timed dequant + cuBLAS faster than the kernel
+    (w4a16_gemm.dense_beats_kernel), w4a16_linear takes that path, and both paths agree with the
+    reference at those row counts."""
+    from minivllm.kernels import w4a16_gemm as w4k
+    from minivllm.kernels.tuned_tables import device_table
+    table = device_table(w4k.TILED_CONFIG_DIR, torch.cuda.get_device_name(0))
+    chosen = [(key, entry["rows"][-1][0]) for key, entry in table.items()
+              if entry["rows"][-1][4] < entry["rows"][-1][3]]
+    if not chosen:
+        pytest.skip("the kept table gives no weight to dequant + cuBLAS below 256 rows")
+    for key, rows in chosen:
+        n, k, g = (int(part.split("=")[1]) for part in key.split(","))
+        assert w4k.dense_beats_kernel(rows, n, k, g, torch.device(DEV)), key
+        x, qw, s, z, _ = w4_case(rows, n, k, g, torch.float16, DEV, seed=rows)
+        dense = x @ w4k.w4a16_dequantize(qw, s, z, g, x.dtype)
+        assert torch.equal(w4k.w4a16_linear(x, qw, s, z, g), dense), key
+        assert check_w4a16(rows, n, k, g, torch.float16, DEV, seed=rows) < 1e-2, key
+
+
 def _gemv_path_cases() -> list:
     """The default path (packed, XPAIR, pipelined) on every shape and split; each other path
     (the formed pairs, the plain math, the unpipelined loop: the A/B switches) on one shape whose

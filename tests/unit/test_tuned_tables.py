@@ -72,6 +72,29 @@ def test_tiled_launch_takes_the_nearest_kept_row_count_at_or_above(monkeypatch):
     assert w4k.tiled_launch(64, 4096, 4096, 128, torch.device("cpu")) == (w4k.w4a16_config(64), None)
 
 
+def test_dense_choice_follows_the_kept_timings(monkeypatch):
+    """w4a16_gemm.dense_beats_kernel: dequant + cuBLAS for the rows of a weight whose kept entry
+    timed it faster than the kernel, above half that entry's row count; never where the kernel
+    won, on the CPU, for a weight without an entry, or with the switch off."""
+    import torch
+
+    from minivllm.kernels import w4a16_gemm as w4k
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    table = {"N=4096,K=4096,G=128": {"rows": [[32, cfg, 4, 20.0, 60.0], [128, cfg, 4, 33.3, 30.9]]},
+             "N=6144,K=4096,G=128": {"rows": [[32, cfg, 4, 30.0, 150.0], [128, cfg, 2, 40.0, 45.0]]}}
+    monkeypatch.setattr(w4k, "tiled_table", lambda name: table)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA H200")
+    cuda = torch.device("cuda")
+    assert [m for m in (3, 32, 33, 64, 65, 128, 200) if w4k.dense_beats_kernel(m, 4096, 4096, 128, cuda)] == [65, 128,
+                                                                                                             200]
+    assert not any(w4k.dense_beats_kernel(m, 6144, 4096, 128, cuda) for m in (3, 64, 128, 200))
+    assert not w4k.dense_beats_kernel(128, 4096, 14336, 128, cuda)
+    assert not w4k.dense_beats_kernel(128, 4096, 4096, 128, torch.device("cpu"))
+    monkeypatch.setattr(w4k, "DENSE_CHOICE", False)
+    assert not w4k.dense_beats_kernel(128, 4096, 4096, 128, cuda)
+
+
 def test_kept_tiled_tables_are_well_formed_and_reach_the_h100():
     """The shipped several-row W4A16 tables (configs/w4a16_tiled/): rising row counts, launches the
     kernel takes; an H100, which has none of its own, reads the H200's."""

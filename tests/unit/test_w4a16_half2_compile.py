@@ -115,23 +115,3 @@ def test_tiled_kernel_compiles_to_wgmma(dtype: str, group: int, block_k: int) ->
                            dict(GROUP=group, BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, SPLIT_K=1), num_warps=8)
     assert "wgmma.mma_async" in kernel.asm["ptx"]
 
-
-def test_gemv_chain_compiles_for_sm90() -> None:
-    """The experimental persistent GEMV chain (kernels/gemv_chain.py) builds for sm_90: its stage
-    table's addresses become typed pointers, the barrier spins on an acquire load and arrives with
-    a release atomic, and the next stage's first weights are requested into L2 before the wait."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from minivllm.kernels import gemv_chain
-    sig = {"meta_ptr": "*i64", "bar_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "n_stages": "i32"}
-    consts = dict(GROUP=128, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, HALF2=True, EVEN=True, PREFETCH_STEPS=1,
-                  MAX_POLLS=1 << 22)
-    sig.update({k: "constexpr" for k in consts})
-    try:
-        src = ASTSource(fn=gemv_chain._gemv_chain_kernel, signature=sig, constexprs=consts)
-    except TypeError as e:  # another Triton's ASTSource
-        pytest.skip(f"this Triton's ASTSource differs: {e}")
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-    assert "ld.acquire.gpu.global.b32" in ptx and "prefetch.global.L2" in ptx
-    assert re.search(r"(atom|red)(\.global)?(\.gpu)?\.release", ptx), "no release atomic"
