@@ -258,6 +258,9 @@ run_step() {  # run_step STEP LANE_DIR PORT
         --out "$dir/profile-fp8.json"
       python3 scripts/kernel_profile.py --model-config qwen3-8b --graphs --batch 256 --max-tokens 16 \
         --out "$dir/profile-bf16-8b.json" ;;
+    profile-awq1-graphs)  # issue 25: profile-awq1's CUDA-graph half alone (critical-path kernel times)
+      python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128 \
+        --max-tokens 64 --out "$dir/profile-awq1-graphs.json" ;;
     profile-awq1)  # issue 25: kernel times of W11-awq's batch-1 decode (Llama-3.1-8B AWQ), eager and in graphs
       python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --batch 1 --prompt-len 128 --max-tokens 64 \
         --out "$dir/profile-awq1.json"
