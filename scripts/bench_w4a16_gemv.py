@@ -25,10 +25,6 @@ kernels/configs/w4a16_gemv/<GPU>.json, which w4a16_gemm reads for one or two row
 back to back in one CUDA graph (the model's 3.7 GB of weights) per GEMV table, as the engine's
 decode graph runs them; the per-shape sweep times each GEMV alone and can rank tables otherwise.
 
---streamk 2,4,6: the stream-K GEMV (kernels/w4a16_streamk.py) at those programs per SM with each
-shape's kept tile (or each of --tiles), then a token's GEMVs with each shape's best stream-K
-launch against the kept split-K table, in --sequence's way.
-
 --dry-run (no GPU needed) prints the shapes, their bytes, the default split-K (for an H100's
 132 SMs unless a GPU is present) and the weight copies, and times nothing. A full run takes
 about a minute, mostly Triton compiles; no network is used.
@@ -169,46 +165,6 @@ def sweep_tiles(rows: list[dict], tiles: list[tuple[int, int, int, int]]) -> lis
     return results
 
 
-def sweep_stream_k(rows: list[dict], tiles: list[tuple[int, int, int, int]] | None, per_sm: list[int],
-                   num_sms: int) -> list[dict]:
-    """Graph time of the stream-K GEMV (kernels/w4a16_streamk.py) per shape, tile (the kept one
-    when `tiles` is None) and programs per SM: [{shape, tile, per_sm, graph_us, int4_GBps}]."""
-    from minivllm.kernels.w4a16_gemm import GEMV_TILE_KEYS, gemv_launch, w4a16_gemm
-    results = []
-    for row in rows:
-        k, n = row["K"], row["N"]
-        kept, _ = gemv_launch(n, k, GROUP, torch.device("cuda"))
-        x = torch.randn(1, k, device="cuda", dtype=DTYPE)
-        ws = weights(k, n, row["copies"])
-        for tile in tiles or [tuple(kept[key] for key in GEMV_TILE_KEYS)]:
-            for ps in per_sm:
-                cfg = dict(zip(GEMV_TILE_KEYS, tile), BLOCK_M=1, STREAMK=ps * num_sms)
-
-                def call(i: int, cfg=cfg) -> torch.Tensor:
-                    qw, sc, z = ws[i]
-                    return w4a16_gemm(x, qw, sc, z, GROUP, config=cfg)
-                try:
-                    call(0)
-                    us = time_graph(call, row["copies"])
-                except Exception as e:  # noqa: BLE001 - a launch the compiler refuses: skip it
-                    print(f"{row['shape']:8s} stream-K {tile} x{ps}: failed ({type(e).__name__}: {e})")
-                    continue
-                results.append({"shape": row["shape"], "tile": list(tile), "per_sm": ps, "graph_us": us,
-                                "int4_GBps": row["int4_bytes"] / us / 1e3})
-                print(f"{row['shape']:8s} stream-K tile {','.join(map(str, tile))} {ps:2d}/SM: {us:8.1f} us "
-                      f"{row['int4_bytes'] / us / 1e3:7.0f} GB/s", flush=True)
-        del ws
-        torch.cuda.empty_cache()
-    return results
-
-
-def stream_k_table(best: dict[str, dict], rows: list[dict], num_sms: int) -> dict:
-    """A --sequence launch set from a stream-K sweep's best per shape: shape -> (config, None)."""
-    from minivllm.kernels.w4a16_gemm import GEMV_TILE_KEYS
-    return {r["shape"]: (dict(zip(GEMV_TILE_KEYS, best[r["shape"]]["tile"]), BLOCK_M=1,
-                              STREAMK=best[r["shape"]]["per_sm"] * num_sms), None) for r in rows}
-
-
 LAYERS = 32  # Llama-3.1-8B's
 
 
@@ -232,7 +188,7 @@ def time_sequence(rows: list[dict], tables: dict[str, dict | None]) -> dict[str,
     layers = [{r["shape"]: weights(r["K"], r["N"], 1)[0] for r in rows} for _ in range(LAYERS)]
     out = {}
     for name, table in tables.items():
-        launch = table.pop("launches") if table and "launches" in table else table_launches(rows, table)
+        launch = table_launches(rows, table)
 
         def layer(i: int, launch=launch) -> None:
             for shape, (cfg, split) in launch.items():
@@ -276,9 +232,6 @@ def main() -> None:
     ap.add_argument("--write-from", metavar="JSON", help="no GPU: keep the best tiles of a --tiles sweep's --out file")
     ap.add_argument("--sequence", default=None, metavar="T,...", help="time whole tokens' GEMVs in sequence per "
                     "table: 'default' (no table), 'kept' (this GPU's), or GEMV table JSON files")
-    ap.add_argument("--streamk", default=None, metavar="N,...", help="the stream-K GEMV at N programs per SM, per "
-                    "shape (the kept tile, or --tiles'), then a token's GEMVs with each shape's best against the kept "
-                    "split-K launches in --sequence's way")
     args = ap.parse_args()
     if args.write_from:
         with open(args.write_from) as f:
@@ -302,25 +255,7 @@ def main() -> None:
               f"default split {r['default_split']}; splits {r['splits']}")
     report = {"device": torch.cuda.get_device_name(0) if on_gpu else None, "num_sms": num_sms, "group": GROUP,
               "runs": RUNS, "graph_calls": GRAPH_CALLS, "plan": rows, "results": []}
-    if args.streamk and not args.dry_run:
-        if not on_gpu:
-            raise SystemExit("no CUDA device: use --dry-run to check the shape logic only")
-        torch.manual_seed(0)
-        report["streamk"] = sweep_stream_k(rows, tiles, [int(v) for v in args.streamk.split(",")], num_sms)
-        best = {}
-        for res in report["streamk"]:
-            if res["shape"] not in best or res["graph_us"] < best[res["shape"]]["graph_us"]:
-                best[res["shape"]] = res
-        report["streamk_best"] = best
-        print("best stream-K per shape: " + "; ".join(f"{s} {b['tile']} {b['per_sm']}/SM {b['graph_us']:.1f} us"
-                                                       for s, b in best.items()), flush=True)
-        if len(best) == len(rows):
-            from minivllm.kernels.tuned_tables import read_table, table_file
-            from minivllm.kernels.w4a16_gemm import GEMV_CONFIG_DIR
-            kept = read_table(table_file(GEMV_CONFIG_DIR, report["device"]))
-            report["sequence_ms"] = time_sequence(rows, {"kept": kept, "streamk": {
-                "launches": stream_k_table(best, rows, num_sms)}})
-    elif args.sequence:
+    if args.sequence:
         from minivllm.kernels.tuned_tables import read_table, table_file
         from minivllm.kernels.w4a16_gemm import GEMV_CONFIG_DIR, GEMV_TILE_KEYS
         kept = table_file(GEMV_CONFIG_DIR, report["device"] or "NVIDIA H100 80GB HBM3")

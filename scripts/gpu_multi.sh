@@ -205,9 +205,6 @@ run_step() {  # run_step STEP LANE_DIR PORT
       python3 scripts/sweep_w4a16_tiled.py --rows "${AWQ_TILED_ROWS:-128,32}" --budget-s "${AWQ_TILED_BUDGET_S:-120}" \
         --write --out "$dir/awq-tiled-sweep.json"
       cp minivllm/kernels/configs/w4a16_tiled/*.json "$dir/" ;;
-    awq-streamk)  # issue 25: the stream-K GEMV (kernels/w4a16_streamk.py) per shape at 2-8 programs per SM, then a
-      # token's 128 GEMVs with each shape's best against the kept split-K launches (bench_w4a16_gemv.py --streamk)
-      python3 scripts/bench_w4a16_gemv.py --fp16 --streamk 2,3,4,6,8 --out "$dir/awq-streamk.json" ;;
     awq-gemv-xpair)  # issue 25: a token's GEMVs in one graph (kept table and default launches), activation
       # pairs loaded as words (the default) and formed in registers (MINIVLLM_W4A16_GEMV_XPAIR=0)
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq-xpair.json" --sequence "default,kept"

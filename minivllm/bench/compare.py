@@ -131,8 +131,6 @@ def _jobs() -> list[Job]:
           # the activation pairs formed in registers instead of loaded as words (w4a16_gemm.GEMV_XPAIR)
           _ours_ab("W11-awq-noxpair", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_XPAIR": "0"}),
           _ours_ab("W11-awq-nodense", awq, 130, awq_tiny, {"MINIVLLM_W4A16_DENSE_CHOICE": "0"})]
-    # the stream-K GEMV (kernels/w4a16_streamk.py) at N programs per SM for every one-row product
-    j += [_ours_ab(f"W11-awq-streamk{n}", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_STREAMK": str(n)}) for n in (3, 4, 6)]
     # the rotary and the K/V store as two launches instead of one (store_kv.rotary_store_kv)
     norotstore = {"MINIVLLM_ROTARY_STORE_KV": "0"}
     j += [_ours_ab("W11-awq-norotstore", awq, 130, awq_tiny, norotstore),

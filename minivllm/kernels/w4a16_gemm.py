@@ -79,9 +79,6 @@ GEMV_PIPE = os.environ.get("MINIVLLM_W4A16_GEMV_PIPE", "1") != "0"
 # rows are contiguous at even offsets; MINIVLLM_W4A16_GEMV_XPAIR=0 forms them in registers as before
 # (A/B runs: job ours:W11-awq-noxpair)
 GEMV_XPAIR = os.environ.get("MINIVLLM_W4A16_GEMV_XPAIR", "1") != "0"
-# programs per SM of the stream-K GEMV (kernels/w4a16_streamk.py) for one or two rows; 0 (the
-# default): the split-K GEMV. A config's "STREAMK" (programs in all) overrides it
-GEMV_STREAMK = int(os.environ.get("MINIVLLM_W4A16_GEMV_STREAMK", "0") or 0)
 # split K until about this many programs per SM. 4, from scripts/bench_w4a16_gemv.py on an H100
 # (lease 7, Llama-3.1-8B batch-1 shapes, in CUDA graphs): at 2, gate_up (448 tiles) ran unsplit
 # in 48.8 us against 41.9 us at split 2; the four linears of a layer take 88 us at 4, 95 us at 2
@@ -600,36 +597,26 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         split_k = kept_split if split_k is None else split_k
     else:
         cfg = dict(config)
+    if split_k is None:
+        split_k = choose_split_k(m, n, k, cfg, num_sms_of(x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    streamk = cfg.pop("STREAMK", 0) or (GEMV_STREAMK * num_sms_of(x.device) if GEMV_STREAMK else 0)
-    if cfg["BLOCK_M"] == 1 and streamk:
-        from minivllm.kernels.w4a16_streamk import stream_k_gemv
-        return stream_k_gemv(x, qweight, scales, zeros, g, out, streamk, _gemv_switches(cfg, x, k, n))
-    if split_k is None:
-        split_k = choose_split_k(m, n, k, cfg, num_sms_of(x.device))
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
     ws, cnt = split_buffers(split_k, m, n, grid[0] * grid[1], out)
     args = (x, qweight, scales, zeros, out, ws, cnt, m, n, k, *x.stride(), *qweight.stride(), *scales.stride(),
             *out.stride())
     if cfg["BLOCK_M"] == 1:
-        _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **_gemv_switches(cfg, x, k, n), **pdl_args(x))
+        del cfg["BLOCK_M"]
+        cfg.setdefault("HALF2", GEMV_HALF2 and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16))
+        cfg.setdefault("EVEN", k % cfg["BLOCK_K"] == 0 and n % cfg["BLOCK_N"] == 0)
+        cfg.setdefault("COL_STEP", min(cfg["BLOCK_N"], 32))
+        cfg.setdefault("PIPE", GEMV_PIPE)
+        cfg.setdefault("XPAIR", cfg["HALF2"] and GEMV_XPAIR and pairs_are_words(x))
+        _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg, **pdl_args(x))
     else:
         _w4a16_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)
     return out
-
-
-def _gemv_switches(cfg: dict, x: torch.Tensor, k: int, n: int) -> dict:
-    """A GEMV config (BLOCK_M 1) -> the kernel's keywords: its tile plus the path switches
-    (module constants) that the config does not set."""
-    cfg = {key: v for key, v in cfg.items() if key != "BLOCK_M"}
-    cfg.setdefault("HALF2", GEMV_HALF2 and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16))
-    cfg.setdefault("EVEN", k % cfg["BLOCK_K"] == 0 and n % cfg["BLOCK_N"] == 0)
-    cfg.setdefault("COL_STEP", min(cfg["BLOCK_N"], 32))
-    cfg.setdefault("PIPE", GEMV_PIPE)
-    cfg.setdefault("XPAIR", cfg["HALF2"] and GEMV_XPAIR and pairs_are_words(x))
-    return cfg
 
 
 def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

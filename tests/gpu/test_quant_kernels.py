@@ -223,46 +223,6 @@ def test_w4a16_tiled_kept_launches() -> None:
 
 
 @gpu
-@pytest.mark.parametrize("programs", [100, 264, 528])
-@pytest.mark.parametrize("n, k, tile", [(6144, 4096, (32, 256, 2)), (4096, 4096, (32, 256, 4)),
-                                        (28672, 4096, (32, 512, 4)), (4096, 14336, (32, 256, 4)), (75, 512, (32, 128, 4))])
-@pytest.mark.parametrize("m", [1, 2])
-def test_w4a16_gemv_stream_k(programs: int, n: int, k: int, tile: tuple, m: int) -> None:
-    """The stream-K GEMV (kernels/w4a16_streamk.py) on W11's shapes and a ragged one, at program
-    counts that cut tiles into two or more parts: the reference's numbers, the same bits on a
-    second call, the counters 0 again."""
-    cfg = {"BLOCK_M": 1, "BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": tile[2], "num_stages": 3,
-           "STREAMK": programs}
-    r = check_w4a16_split_fixup(m, n, k, 128, torch.float16, DEV, None, cfg, seed=programs + m)
-    assert r["err"] < 1e-2 and r["same_bits"] and r["counters_zero"], r
-
-
-@gpu
-def test_w4a16_gemv_stream_k_by_switch(monkeypatch) -> None:
-    """MINIVLLM_W4A16_GEMV_STREAMK (w4a16_gemm.GEMV_STREAMK, programs per SM) sends the engine's
-    one-row products through the stream-K kernel, with the kept tile, in a CUDA graph too."""
-    from minivllm.kernels import w4a16_gemm as w4k
-    from minivllm.kernels import w4a16_streamk as w4s
-    x, qw, s, z, _ = w4_case(1, 4096, 14336, 128, torch.float16, DEV, seed=7)
-    ref = w4.w4a16_reference(x, qw, s, z, 128, None).float()
-    launches = []
-    real = w4s.stream_k_gemv
-    monkeypatch.setattr(w4s, "stream_k_gemv", lambda *a: launches.append(a[6:]) or real(*a))
-    monkeypatch.setattr(w4k, "GEMV_STREAMK", 3)
-    eager = w4k.w4a16_gemm(x, qw, s, z, 128)
-    kept, _ = w4k.gemv_launch(4096, 14336, 128, x.device)
-    assert launches and launches[0][0] == 3 * torch.cuda.get_device_properties(0).multi_processor_count
-    assert all(launches[0][1][key] == kept[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps"))
-    assert errors(eager, ref)[1] < 1e-2
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = w4k.w4a16_gemm(x, qw, s, z, 128)
-    graph.replay()
-    graph.replay()
-    assert torch.equal(captured, eager)
-
-
-@gpu
 def test_w4a16_linear_dense_choice() -> None:
     """Where the kept several-row table timed dequant + cuBLAS faster than the kernel
     (w4a16_gemm.dense_beats_kernel), w4a16_linear takes that path, and both paths agree with the

@@ -24,7 +24,6 @@ from minivllm.kernels import fused_moe as fm  # noqa: E402
 from minivllm.kernels import fused_ops as fo  # noqa: E402
 from minivllm.kernels import store_kv as sk  # noqa: E402
 from minivllm.kernels import w4a16_gemm as w4  # noqa: E402
-from minivllm.kernels import w4a16_streamk as w4s  # noqa: E402
 from minivllm.kernels.pdl import pdl_args  # noqa: E402
 
 # kernel -> (constexprs beyond the defaults, pointer dtypes by name (default bf16), num_warps)
@@ -41,10 +40,6 @@ CASES = {
                          "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
     "w4a16_gemv_xpair": (w4._w4a16_gemv_kernel, dict(GROUP=128, BLOCK_N=32, BLOCK_K=512, SPLIT_K=1, HALF2=True,
                                                       EVEN=True, PIPE=True, XPAIR=True),
-                           {"x_ptr": "fp16", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "fp16",
-                            "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
-    "w4a16_gemv_streamk": (w4s._w4a16_gemv_streamk_kernel, dict(GROUP=128, BLOCK_N=32, BLOCK_K=256, MAX_PARTS=4,
-                                                                 HALF2=True, EVEN=True, XPAIR=True),
                            {"x_ptr": "fp16", "qw_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": "fp16",
                             "ws_ptr": "fp32", "cnt_ptr": "i32"}, 4),
     "moe_up": (fm._moe_decode_up_kernel, dict(HAS_STATS=True, HAS_VALID=False, BLOCK_N=2, BLOCK_K=1024),
@@ -89,8 +84,7 @@ CASES = {
 EARLY_LOADS = {"moe_down": "ld.global.cg",
                "dense_gemv_stream": "ld.global.cg",  # (the first weight tile, in registers)
                "w4a16_gemv_pipe": "ld.global.cg",  # (the first K step's words, scales, zeros)
-               "w4a16_gemv_xpair": "ld.global.cg",  # (the same, with the activation pairs loaded as words)
-               "w4a16_gemv_streamk": "ld.global.cg"}  # (its run's first unit's words, scales, zeros)
+               "w4a16_gemv_xpair": "ld.global.cg"}  # (the same, with the activation pairs loaded as words)
 
 
 def _compile(name: str, pdl: bool):
