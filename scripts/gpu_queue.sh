@@ -18,21 +18,19 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 45, 2026-11-28; the lent machine is now an
-# H200: kind nvidia-h200; a session's 30 minutes count in full, the start ~40 s; staging all of vLLM
-# takes ~2 minutes of held time; name only the test files and GPU_TESTS_K that need a run).
-#   1. Issue 25, W11-awq at 41 % of the H200's int4 roofline (2.736 ms a token; 1.44x vLLM's Marlin,
-#      lease 43; 53 % on the H100; target 75 % = 1.51 ms on the H200). Leases 40-42 folded launches
-#      (W2 -2.2 %, W11-awq within noise). What is left is launches and the GEMVs' fixed cost: the next
-#      step is a persistent kernel over a layer's GEMVs (grid barriers, next weight loaded before the
-#      barrier). First run step `gemv-chain` (4d05952: kernels/gemv_chain.py, never run on a GPU yet):
-#      a token's 128 GEMVs as one persistent launch vs 128 launches in a graph, same bits checked.
-#   2. Issue 25, AWQ prefill: TTFT 10.9 ms vs vLLM 12.7 (leases 43/45, not yet in one lease). Not run on
-#      the GPU yet: `test_quant_kernels.py -k tiled` at bdba175 (its cases changed) and lease 45's
-#      128-row launches against the reference (test_w4a16_tiled_kept_launches). Dequant + cuBLAS beat
-#      the kernel on qkv and o at 128 rows (9 and 2 us): a per-weight choice needs two timings.
-#   3. FP8 W1-8B vs vLLM on the H200 (1.04x on the H100, lease 18); the fused MoE, dense GEMV and
-#      invariant GEMM run on the H100's tables there (tuned_tables.SIBLINGS): a sweep each if they matter.
+# What the single-GPU issues still need (after lease 48, 2026-11-28; the lent machine is an H200:
+# kind nvidia-h200; a session's 30 minutes count in full, the start ~40 s; staging all of vLLM takes
+# ~8 minutes of held time on this link (7 carrying calls of ~60 s each, then the install): plan the
+# vLLM rows of a session into one lease; name only the test files and GPU_TESTS_K that need a run).
+#   1. Issue 25, W11-awq at 41.7 % of the H200's int4 roofline (2.738-2.747 ms a token, leases 47-48;
+#      1.45x vLLM's Marlin in lease 47; target 75 % = 1.53 ms). Lease 47's profile: GEMVs 1.89 ms of
+#      it (0.89 ms of bytes), LM head 0.25, decode attention 0.20, norms 0.15. Tried and removed: a
+#      persistent grid-barrier chain of the GEMVs (lease 46: 5.2 vs 1.7 ms) and a stream-K GEMV
+#      (lease 48: slower on every shape). What bounds the large GEMVs at 55-67 % of the copy rate is
+#      not identified (not the issue rate, the weight layout, L2 prefetch or per-program cost).
+#   2. FP8 W1-8B on the H200: 1.01x vLLM by the first run, 0.99x by the best of two (lease 47).
+#   3. The fused MoE, dense GEMV and invariant GEMM run on the H100's tables there
+#      (tuned_tables.SIBLINGS): a sweep each if they matter.
 set -u
 cd "$(dirname "$0")/.."
 Q=/tmp/queue
