@@ -205,6 +205,8 @@ run_step() {  # run_step STEP LANE_DIR PORT
       python3 scripts/sweep_w4a16_tiled.py --rows "${AWQ_TILED_ROWS:-128,32}" --budget-s "${AWQ_TILED_BUDGET_S:-120}" \
         --write --out "$dir/awq-tiled-sweep.json"
       cp minivllm/kernels/configs/w4a16_tiled/*.json "$dir/" ;;
+    gemv-read-probe)  # issue 25: the W4A16 GEMV's reads alone on its own tiles vs a flat read vs the GEMV
+      python3 scripts/probe_gemv_read.py --out "$dir/gemv-read-probe.json" ;;
     awq-gemv-xpair)  # issue 25: a token's GEMVs in one graph (kept table and default launches), activation
       # pairs loaded as words (the default) and formed in registers (MINIVLLM_W4A16_GEMV_XPAIR=0)
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq-xpair.json" --sequence "default,kept"

@@ -1,0 +1,160 @@
+"""Probe (issue 25): how fast can the batch-1 W4A16 GEMV's READS alone go, on its own tiles?
+
+The GEMV (kernels/w4a16_gemm.py) runs Llama-3.1-8B's large weights at 55-67 % of the H200's copy
+rate, and neither fewer instructions (XPAIR), another weight layout, L2 prefetch nor longer
+programs (stream-K, lease 48) moved it. This times kernels that read exactly what the GEMV reads,
+tile for tile, with its grid, its K steps and its next-step-before-this-step loop, but do no
+dequantization or products (they XOR the words and add the scales into a value that is stored,
+so nothing is optimized away):
+
+    read-gemv   the kept launch's tile and split: [BLOCK_K/8, BLOCK_N] words + the scale and
+                zero tiles per step, as the GEMV loads them
+    read-words  the same without the scale and zero tiles
+    read-wide   the words alone with 128-column tiles (512-byte rows)
+    stream      one flat read of the words at 16 KB a program-step (the access pattern's best)
+    gemv        the engine's GEMV at the kept launch, for scale
+
+If read-gemv runs near `stream`, the loads are not what holds the GEMV back (its math and the
+chain from load to product are); if read-gemv is as slow as the GEMV, its tiles' access is.
+
+    python3 scripts/probe_gemv_read.py [--out probe.json]        (GPU; ~1 minute)
+    TRITON_INTERPRET=1 python3 scripts/probe_gemv_read.py --check  (CPU: the kernels' sums are right)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
+GROUP = 128
+
+
+@triton.jit
+def _read_tiles_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr):
+    """The GEMV's loads (K slice pid_k of column tile pid_n), step t + 1's issued before step t is
+    used; out[pid_k, pid_n * BLOCK_N + j] = XOR of the words (+ the scales' and zeros' bits)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BLOCK_K // 8)
+    steps = K // BLOCK_K
+    per = tl.cdiv(steps, SPLIT_K)
+    t0, t1 = pid_k * per, tl.minimum((pid_k + 1) * per, steps)
+    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.int32)
+    w = tl.load(qw_ptr + (t0 * (BLOCK_K // 8) + rw)[:, None] * N + rn[None, :], cache_modifier=".cg")
+    for t in range(t0, t1):
+        nxt = tl.minimum(t + 1, t1 - 1)
+        words = nxt * (BLOCK_K // 8) + rw
+        w_n = tl.load(qw_ptr + words[:, None] * N + rn[None, :], cache_modifier=".cg")
+        acc ^= w
+        if SCALES:
+            g_off = ((t * BLOCK_K + rw * 8) // GROUP)[:, None] * N + rn[None, :]
+            s = tl.load(s_ptr + g_off, cache_modifier=".cg").to(tl.int16, bitcast=True).to(tl.int32)
+            z = tl.load(z_ptr + g_off, cache_modifier=".cg").to(tl.int16, bitcast=True).to(tl.int32)
+            acc += s ^ z
+        w = w_n
+    tl.store(out_ptr + pid_k * N + rn, tl.xor_sum(acc, 0))
+
+
+@triton.jit
+def _stream_kernel(qw_ptr, out_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """Flat read: program p XORs words [p * STEPS * BLOCK, (p + 1) * STEPS * BLOCK)."""
+    p = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(STEPS):
+        idx = (p * STEPS + i) * BLOCK + offs
+        acc ^= tl.load(qw_ptr + idx, mask=idx < n_words, other=0, cache_modifier=".cg")
+    tl.store(out_ptr + p, tl.xor_sum(acc, 0))
+
+
+def read_tiles(qw, s, z, cfg: dict, split: int, scales: bool) -> torch.Tensor:
+    k, n = qw.shape[0] * 8, qw.shape[1]
+    out = torch.empty(split, n, dtype=torch.int32, device=qw.device)
+    _read_tiles_kernel[(n // cfg["BLOCK_N"], 1, split)](qw, s, z, out, n, k, BLOCK_N=cfg["BLOCK_N"],
+                                                         BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=GROUP,
+                                                         SCALES=scales, num_warps=cfg["num_warps"],
+                                                         num_stages=cfg.get("num_stages", 3))
+    return out
+
+
+def stream(qw, block: int = 4096, steps: int = 4) -> torch.Tensor:
+    n_words = qw.numel()
+    programs = triton.cdiv(n_words, block * steps)
+    out = torch.empty(programs, dtype=torch.int32, device=qw.device)
+    _stream_kernel[(programs,)](qw, out, n_words, BLOCK=block, STEPS=steps, num_warps=8)
+    return out
+
+
+def check() -> None:
+    """CPU (TRITON_INTERPRET=1): the read kernels' XORs equal torch's on a small weight."""
+    g = torch.Generator().manual_seed(0)
+    k, n = 512, 64
+    qw = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g, dtype=torch.int32)
+    s = torch.rand(k // GROUP, n, generator=g).half()
+    z = torch.randint(0, 16, (k // GROUP, n), generator=g).half()
+    for split in (1, 2):
+        got = read_tiles(qw, s, z, {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}, split, False)
+        want = torch.stack([_xor_rows(part) for part in qw.chunk(split, 0)])
+        assert torch.equal(got, want), (split, got, want)
+    flat = stream(qw, block=256, steps=2)
+    assert int(_xor_rows(flat.view(-1, 1))[0]) == int(_xor_rows(qw.view(-1, 1))[0])
+    print("check: the read kernels' XORs match")
+
+
+def _xor_rows(t: torch.Tensor) -> torch.Tensor:
+    acc = torch.zeros(t.shape[1], dtype=torch.int32)
+    for row in t:
+        acc ^= row
+    return acc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--check", action="store_true", help="CPU check of the kernels under TRITON_INTERPRET=1")
+    args = ap.parse_args()
+    if args.check:
+        check()
+        return
+    from minivllm.bench.gpu_timing import copies_for, time_graph
+    from minivllm.kernels.w4a16_gemm import gemv_launch, w4a16_gemm
+    report = {"device": torch.cuda.get_device_name(0), "shapes": {}}
+    for name, (k, n) in SHAPES.items():
+        cfg, split = gemv_launch(n, k, GROUP, torch.device("cuda"))
+        split = split or 1
+        nbytes = k * n // 2 + 2 * 2 * (k // GROUP) * n
+        copies = copies_for(nbytes)
+        ws = [(torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda"),
+               (torch.rand(k // GROUP, n, device="cuda") * 0.01).half(),
+               torch.randint(0, 16, (k // GROUP, n), device="cuda").half()) for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+        wide = dict(cfg, BLOCK_N=128)
+        runs = {"gemv": lambda i: w4a16_gemm(x, *ws[i], GROUP),
+                "read-gemv": lambda i: read_tiles(*ws[i], cfg, split, True),
+                "read-words": lambda i: read_tiles(*ws[i], cfg, split, False),
+                "read-wide": lambda i: read_tiles(*ws[i], wide, split, False),
+                "stream": lambda i: stream(ws[i][0])}
+        row = {"tile": [cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]], "split": split, "bytes": nbytes}
+        for label, fn in runs.items():
+            read = nbytes if label in ("gemv", "read-gemv") else k * n // 2  # (the others read the words only)
+            us = time_graph(fn, copies)
+            row[label] = {"us": us, "TBps": read / us / 1e6}
+            print(f"{name:8s} {label:11s} {us:7.2f} us {read / us / 1e6:5.2f} TB/s", flush=True)
+        report["shapes"][name] = row
+        del ws
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    main()
