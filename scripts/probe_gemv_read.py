@@ -9,6 +9,8 @@ so nothing is optimized away):
 
     read-gemv   the kept launch's tile and split: [BLOCK_K/8, BLOCK_N] words + the scale and
                 zero tiles per step, as the GEMV loads them
+    read-sz-*   the same words with the scales and zeros read otherwise (_read_tiles_kernel's SZ
+                modes: through L1, a row per group, packed in one int32 tile, the group rows alone)
     read-words  the same without the scale and zero tiles
     read-wide   the words alone with 128-column tiles (512-byte rows)
     stream      one flat read of the words at 16 KB a program-step (the access pattern's best)
@@ -16,6 +18,9 @@ so nothing is optimized away):
 
 If read-gemv runs near `stream`, the loads are not what holds the GEMV back (its math and the
 chain from load to product are); if read-gemv is as slow as the GEMV, its tiles' access is.
+Lease 49 (H200): read-words ran at the flat read's rate (gate_up 15.2 us, 3.86 TB/s) and read-gemv
+5 us slower (20.2 us), the GEMV 2 us above that: the scale and zero tiles, 6 % of the bytes, cost
+a quarter of the time. The read-sz-* modes ask which way of reading them costs least.
 
     python3 scripts/probe_gemv_read.py [--out probe.json]        (GPU; ~1 minute)
     TRITON_INTERPRET=1 python3 scripts/probe_gemv_read.py --check  (CPU: the kernels' sums are right)
@@ -35,11 +40,23 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "dow
 GROUP = 128
 
 
+# how _read_tiles_kernel reads the scales and zeros (SZ): the words are read as the GEMV reads them
+SZ_NONE, SZ_TILES, SZ_TILES_L1, SZ_ROWS, SZ_PACKED, SZ_GROUP_TILE = 0, 1, 2, 3, 4, 5
+
+
 @triton.jit
-def _read_tiles_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr):
-    """The GEMV's loads (K slice pid_k of column tile pid_n), step t + 1's issued before step t is
-    used; out[pid_k, pid_n * BLOCK_N + j] = XOR of the words (+ the scales' and zeros' bits)."""
+def _read_tiles_kernel(qw_ptr, s_ptr, z_ptr, sz_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, GROUP: tl.constexpr, SZ: tl.constexpr):
+    """The GEMV's loads (K slice pid_k of column tile pid_n), step t + 1's words issued before
+    step t is used; out[pid_k, pid_n * BLOCK_N + j] = XOR of the words and of the scales' and
+    zeros' bits, read per SZ:
+      SZ_TILES      [BLOCK_K/8, BLOCK_N] tiles through L2 (.cg), a group's row once per word row:
+                    the GEMV's reads
+      SZ_TILES_L1   the same tiles through L1 (default caching): the word rows of one group hit
+      SZ_ROWS       one [BLOCK_N] row per group, spread over the word rows with selects
+      SZ_PACKED     one int32 tile of (scale, zero) pairs (sz_ptr: [K/G, N]) through L2
+      SZ_GROUP_TILE one [BLOCK_K/G, BLOCK_N] tile of the step's groups, XOR-ed on its own (the
+                    loads alone, no spreading: a lower bound for any row-per-group scheme)"""
     pid_n, pid_k = tl.program_id(0), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, BLOCK_K // 8)
@@ -47,19 +64,40 @@ def _read_tiles_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, BLOCK_N: tl.constexp
     per = tl.cdiv(steps, SPLIT_K)
     t0, t1 = pid_k * per, tl.minimum((pid_k + 1) * per, steps)
     acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.int32)
+    side = tl.zeros([BLOCK_N], dtype=tl.int32)
     w = tl.load(qw_ptr + (t0 * (BLOCK_K // 8) + rw)[:, None] * N + rn[None, :], cache_modifier=".cg")
     for t in range(t0, t1):
         nxt = tl.minimum(t + 1, t1 - 1)
         words = nxt * (BLOCK_K // 8) + rw
         w_n = tl.load(qw_ptr + words[:, None] * N + rn[None, :], cache_modifier=".cg")
         acc ^= w
-        if SCALES:
-            g_off = ((t * BLOCK_K + rw * 8) // GROUP)[:, None] * N + rn[None, :]
-            s = tl.load(s_ptr + g_off, cache_modifier=".cg").to(tl.int16, bitcast=True).to(tl.int32)
-            z = tl.load(z_ptr + g_off, cache_modifier=".cg").to(tl.int16, bitcast=True).to(tl.int32)
-            acc += s ^ z
+        g_off = ((t * BLOCK_K + rw * 8) // GROUP)[:, None] * N + rn[None, :]
+        if SZ == 1:
+            acc += _bits(tl.load(s_ptr + g_off, cache_modifier=".cg")) ^ _bits(tl.load(z_ptr + g_off, cache_modifier=".cg"))
+        if SZ == 2:
+            acc += _bits(tl.load(s_ptr + g_off)) ^ _bits(tl.load(z_ptr + g_off))
+        if SZ == 3:
+            g0 = (t * BLOCK_K) // GROUP
+            sv = tl.broadcast_to(_bits(tl.load(s_ptr + g0 * N + rn, cache_modifier=".cg"))[None, :], (BLOCK_K // 8, BLOCK_N))
+            zv = tl.broadcast_to(_bits(tl.load(z_ptr + g0 * N + rn, cache_modifier=".cg"))[None, :], (BLOCK_K // 8, BLOCK_N))
+            for j in tl.static_range(1, BLOCK_K // GROUP):
+                later = (rw >= j * (GROUP // 8))[:, None]
+                sv = tl.where(later, _bits(tl.load(s_ptr + (g0 + j) * N + rn, cache_modifier=".cg"))[None, :], sv)
+                zv = tl.where(later, _bits(tl.load(z_ptr + (g0 + j) * N + rn, cache_modifier=".cg"))[None, :], zv)
+            acc += sv ^ zv
+        if SZ == 4:
+            acc += tl.load(sz_ptr + g_off, cache_modifier=".cg")
+        if SZ == 5:
+            gr = (t * BLOCK_K) // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            tile = tl.load(s_ptr + gr[:, None] * N + rn[None, :], cache_modifier=".cg")
+            side ^= tl.xor_sum(_bits(tile) ^ _bits(tl.load(z_ptr + gr[:, None] * N + rn[None, :], cache_modifier=".cg")), 0)
         w = w_n
-    tl.store(out_ptr + pid_k * N + rn, tl.xor_sum(acc, 0))
+    tl.store(out_ptr + pid_k * N + rn, tl.xor_sum(acc, 0) ^ side)
+
+
+@triton.jit
+def _bits(v):
+    return v.to(tl.int16, bitcast=True).to(tl.int32)
 
 
 @triton.jit
@@ -74,14 +112,18 @@ def _stream_kernel(qw_ptr, out_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.cons
     tl.store(out_ptr + p, tl.xor_sum(acc, 0))
 
 
-def read_tiles(qw, s, z, cfg: dict, split: int, scales: bool) -> torch.Tensor:
+def read_tiles(qw, s, z, sz, cfg: dict, split: int, mode: int) -> torch.Tensor:
     k, n = qw.shape[0] * 8, qw.shape[1]
     out = torch.empty(split, n, dtype=torch.int32, device=qw.device)
-    _read_tiles_kernel[(n // cfg["BLOCK_N"], 1, split)](qw, s, z, out, n, k, BLOCK_N=cfg["BLOCK_N"],
-                                                         BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=GROUP,
-                                                         SCALES=scales, num_warps=cfg["num_warps"],
-                                                         num_stages=cfg.get("num_stages", 3))
+    _read_tiles_kernel[(n // cfg["BLOCK_N"], 1, split)](qw, s, z, sz, out, n, k, BLOCK_N=cfg["BLOCK_N"],
+                                                         BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=GROUP, SZ=mode,
+                                                         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
     return out
+
+
+def packed_sz(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """int32 [K/G, N]: each column's 16-bit scale in the low half, its zero in the high half."""
+    return (s.view(torch.int16).to(torch.int32) & 0xFFFF) | (z.view(torch.int16).to(torch.int32) << 16)
 
 
 def stream(qw, block: int = 4096, steps: int = 4) -> torch.Tensor:
@@ -100,9 +142,15 @@ def check() -> None:
     s = torch.rand(k // GROUP, n, generator=g).half()
     z = torch.randint(0, 16, (k // GROUP, n), generator=g).half()
     for split in (1, 2):
-        got = read_tiles(qw, s, z, {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}, split, False)
+        got = read_tiles(qw, s, z, packed_sz(s, z), {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}, split, SZ_NONE)
         want = torch.stack([_xor_rows(part) for part in qw.chunk(split, 0)])
         assert torch.equal(got, want), (split, got, want)
+        # every scale mode reads the same values: the same XOR whichever way the rows are spread
+        cfg = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
+        modes = [read_tiles(qw, s, z, packed_sz(s, z), cfg, split, mode) for mode in (SZ_TILES, SZ_TILES_L1, SZ_ROWS)]
+        assert all(torch.equal(modes[0], m) for m in modes[1:]), (split, modes)
+        for mode in (SZ_PACKED, SZ_GROUP_TILE):  # (other values: they only have to run)
+            assert read_tiles(qw, s, z, packed_sz(s, z), cfg, split, mode).shape == (split, n)
     flat = stream(qw, block=256, steps=2)
     assert int(_xor_rows(flat.view(-1, 1))[0]) == int(_xor_rows(qw.view(-1, 1))[0])
     print("check: the read kernels' XORs match")
@@ -136,14 +184,16 @@ def main() -> None:
                torch.randint(0, 16, (k // GROUP, n), device="cuda").half()) for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.float16)
         wide = dict(cfg, BLOCK_N=128)
-        runs = {"gemv": lambda i: w4a16_gemm(x, *ws[i], GROUP),
-                "read-gemv": lambda i: read_tiles(*ws[i], cfg, split, True),
-                "read-words": lambda i: read_tiles(*ws[i], cfg, split, False),
-                "read-wide": lambda i: read_tiles(*ws[i], wide, split, False),
-                "stream": lambda i: stream(ws[i][0])}
+        sz = [packed_sz(w[1], w[2]) for w in ws]
+        runs = {"gemv": lambda i: w4a16_gemm(x, *ws[i], GROUP)}
+        for label, mode in (("read-gemv", SZ_TILES), ("read-sz-l1", SZ_TILES_L1), ("read-sz-rows", SZ_ROWS),
+                            ("read-sz-packed", SZ_PACKED), ("read-sz-groups", SZ_GROUP_TILE), ("read-words", SZ_NONE)):
+            runs[label] = (lambda i, mode=mode: read_tiles(*ws[i], sz[i], cfg, split, mode))
+        runs["read-wide"] = lambda i: read_tiles(*ws[i], sz[i], wide, split, SZ_NONE)
+        runs["stream"] = lambda i: stream(ws[i][0])
         row = {"tile": [cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]], "split": split, "bytes": nbytes}
         for label, fn in runs.items():
-            read = nbytes if label in ("gemv", "read-gemv") else k * n // 2  # (the others read the words only)
+            read = k * n // 2 if label in ("read-words", "read-wide", "stream") else nbytes  # (those: the words only)
             us = time_graph(fn, copies)
             row[label] = {"us": us, "TBps": read / us / 1e6}
             print(f"{name:8s} {label:11s} {us:7.2f} us {read / us / 1e6:5.2f} TB/s", flush=True)
