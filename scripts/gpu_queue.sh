@@ -28,6 +28,12 @@
 #      persistent grid-barrier chain of the GEMVs (lease 46: 5.2 vs 1.7 ms) and a stream-K GEMV
 #      (lease 48: slower on every shape). What bounds the large GEMVs at 55-67 % of the copy rate is
 #      not identified (not the issue rate, the weight layout, L2 prefetch or per-program cost).
+#      Lease 49's probe (scripts/probe_gemv_read.py) split the GEMVs: the words read at the flat rate,
+#      the scale/zero tiles cost 10.7 us of a layer's 51 (0.34 ms a token) for 6 % of the bytes, the
+#      math 7.4. Next lease, no vLLM needed: carry .whl, then
+#        GPU_TESTS=tests/gpu/test_quant_kernels.py GPU_TESTS_K="sz_l1" ... start
+#        'gemv-read-probe+ours:W11-awq+ours:W11-awq-szl1+ours:W11-awq+gpu-tests@0'
+#      (the probe's read-sz-* modes say which way of reading the scales costs least; SZ_L1 is one).
 #   2. FP8 W1-8B on the H200: 1.01x vLLM by the first run, 0.99x by the best of two (lease 47).
 #   3. The fused MoE, dense GEMV and invariant GEMM run on the H100's tables there
 #      (tuned_tables.SIBLINGS): a sweep each if they matter.

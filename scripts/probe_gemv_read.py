@@ -15,6 +15,7 @@ so nothing is optimized away):
     read-wide   the words alone with 128-column tiles (512-byte rows)
     stream      one flat read of the words at 16 KB a program-step (the access pattern's best)
     gemv        the engine's GEMV at the kept launch, for scale
+    gemv-sz-l1  the same with its scale and zero tiles through L1 (MINIVLLM_W4A16_GEMV_SZ_L1)
 
 If read-gemv runs near `stream`, the loads are not what holds the GEMV back (its math and the
 chain from load to product are); if read-gemv is as slow as the GEMV, its tiles' access is.
@@ -185,7 +186,8 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.float16)
         wide = dict(cfg, BLOCK_N=128)
         sz = [packed_sz(w[1], w[2]) for w in ws]
-        runs = {"gemv": lambda i: w4a16_gemm(x, *ws[i], GROUP)}
+        runs = {"gemv": lambda i: w4a16_gemm(x, *ws[i], GROUP),
+                "gemv-sz-l1": lambda i: w4a16_gemm(x, *ws[i], GROUP, split, dict(cfg, SZ_L1=True))}
         for label, mode in (("read-gemv", SZ_TILES), ("read-sz-l1", SZ_TILES_L1), ("read-sz-rows", SZ_ROWS),
                             ("read-sz-packed", SZ_PACKED), ("read-sz-groups", SZ_GROUP_TILE), ("read-words", SZ_NONE)):
             runs[label] = (lambda i, mode=mode: read_tiles(*ws[i], sz[i], cfg, split, mode))

@@ -223,6 +223,21 @@ def test_w4a16_tiled_kept_launches() -> None:
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w4a16_gemv_sz_l1_same_bits(dtype) -> None:
+    """SZ_L1 (the scale and zero tiles through L1, MINIVLLM_W4A16_GEMV_SZ_L1) changes where they
+    are cached, not what is read: the default launch's bits on W11's weights, ragged N and K too."""
+    from minivllm.kernels import w4a16_gemm as w4k
+    for n, k, g in [(6144, 4096, 128), (4096, 4096, 128), (28672, 4096, 128), (4096, 14336, 128), (75, 520, 8 * 65)]:
+        for m in (1, 2):
+            x, qw, s, z, _ = w4_case(m, n, k, g, dtype, DEV, seed=m)
+            cfg, split = w4k.gemv_launch(n, k, g, x.device)
+            base = w4k.w4a16_gemm(x, qw, s, z, g, split, dict(cfg, PIPE=True))
+            l1 = w4k.w4a16_gemm(x, qw, s, z, g, split, dict(cfg, PIPE=True, SZ_L1=True))
+            assert torch.equal(base, l1), (n, k, m)
+
+
+@gpu
 def test_w4a16_linear_dense_choice() -> None:
     """Where the kept several-row table timed dequant + cuBLAS faster than the kernel
     (w4a16_gemm.dense_beats_kernel), w4a16_linear takes that path, and both paths agree with the

@@ -33,6 +33,8 @@ for name, m, n, k, g, dt, split, act in [
     res[name + " gemv"] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split, config=gemv, act_order=act)
     res[name + " gemv pipelined"] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split,
                                                        config=dict(gemv, PIPE=True), act_order=act)
+    res[name + " gemv pipelined sz-l1"] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split,
+                                                             config=dict(gemv, PIPE=True, SZ_L1=True), act_order=act)
 res["w4a16 dequant g64"] = checks.check_w4a16_dequant(72, 256, 64, f32, "cpu")
 res["w4a16 dequant g128 fp16"] = checks.check_w4a16_dequant(40, 256, 128, f16, "cpu", seed=1)
 # the GEMV's in-kernel split-K sum: N = 75 leaves a ragged last tile; K = 512 is 4 K slices of

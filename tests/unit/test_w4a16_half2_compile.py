@@ -43,7 +43,7 @@ def _compile(dtype: str, half2: bool, split_k: int = 4, pipe: bool = False, xpai
     from minivllm.kernels import w4a16_gemm as w
     return _compile_sm90(w._w4a16_gemv_kernel, dtype, ONES, dict(
         GROUP=128, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split_k, HALF2=half2, EVEN=True, PREFETCH_WORDS=32,
-        COL_STEP=32, PDL=False, PIPE=pipe, XPAIR=xpair))
+        COL_STEP=32, PDL=False, PIPE=pipe, XPAIR=xpair, SZ_L1=False))
 
 
 def _loop_instructions(kernel) -> collections.Counter:
