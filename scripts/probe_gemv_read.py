@@ -53,7 +53,8 @@ def _read_tiles_kernel(qw_ptr, s_ptr, z_ptr, sz_ptr, out_ptr, N, K, BLOCK_N: tl.
     zeros' bits, read per SZ:
       SZ_TILES      [BLOCK_K/8, BLOCK_N] tiles through L2 (.cg), a group's row once per word row:
                     the GEMV's reads
-      SZ_TILES_L1   the same tiles through L1 (default caching): the word rows of one group hit
+      SZ_TILES_L1   the same tiles through L1 (.ca, as MINIVLLM_W4A16_GEMV_SZ_L1): the word rows of
+                    one group hit there
       SZ_ROWS       one [BLOCK_N] row per group, spread over the word rows with selects
       SZ_PACKED     one int32 tile of (scale, zero) pairs (sz_ptr: [K/G, N]) through L2
       SZ_GROUP_TILE one [BLOCK_K/G, BLOCK_N] tile of the step's groups, XOR-ed on its own (the
@@ -74,24 +75,26 @@ def _read_tiles_kernel(qw_ptr, s_ptr, z_ptr, sz_ptr, out_ptr, N, K, BLOCK_N: tl.
         acc ^= w
         g_off = ((t * BLOCK_K + rw * 8) // GROUP)[:, None] * N + rn[None, :]
         if SZ == 1:
-            acc += _bits(tl.load(s_ptr + g_off, cache_modifier=".cg")) ^ _bits(tl.load(z_ptr + g_off, cache_modifier=".cg"))
+            acc += _bits(tl.load(s_ptr + g_off, cache_modifier=".cg")) ^ _bits(tl.load(z_ptr + g_off,
+                                                                                      cache_modifier=".cg"))
         if SZ == 2:
-            acc += _bits(tl.load(s_ptr + g_off)) ^ _bits(tl.load(z_ptr + g_off))
+            acc += _bits(tl.load(s_ptr + g_off, cache_modifier=".ca")) ^ _bits(tl.load(z_ptr + g_off,
+                                                                                      cache_modifier=".ca"))
         if SZ == 3:
             g0 = (t * BLOCK_K) // GROUP
-            sv = tl.broadcast_to(_bits(tl.load(s_ptr + g0 * N + rn, cache_modifier=".cg"))[None, :], (BLOCK_K // 8, BLOCK_N))
-            zv = tl.broadcast_to(_bits(tl.load(z_ptr + g0 * N + rn, cache_modifier=".cg"))[None, :], (BLOCK_K // 8, BLOCK_N))
+            sv = tl.broadcast_to(_row(s_ptr, g0, N, rn)[None, :], (BLOCK_K // 8, BLOCK_N))
+            zv = tl.broadcast_to(_row(z_ptr, g0, N, rn)[None, :], (BLOCK_K // 8, BLOCK_N))
             for j in tl.static_range(1, BLOCK_K // GROUP):
                 later = (rw >= j * (GROUP // 8))[:, None]
-                sv = tl.where(later, _bits(tl.load(s_ptr + (g0 + j) * N + rn, cache_modifier=".cg"))[None, :], sv)
-                zv = tl.where(later, _bits(tl.load(z_ptr + (g0 + j) * N + rn, cache_modifier=".cg"))[None, :], zv)
+                sv = tl.where(later, _row(s_ptr, g0 + j, N, rn)[None, :], sv)
+                zv = tl.where(later, _row(z_ptr, g0 + j, N, rn)[None, :], zv)
             acc += sv ^ zv
         if SZ == 4:
             acc += tl.load(sz_ptr + g_off, cache_modifier=".cg")
         if SZ == 5:
-            gr = (t * BLOCK_K) // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            tile = tl.load(s_ptr + gr[:, None] * N + rn[None, :], cache_modifier=".cg")
-            side ^= tl.xor_sum(_bits(tile) ^ _bits(tl.load(z_ptr + gr[:, None] * N + rn[None, :], cache_modifier=".cg")), 0)
+            gr = ((t * BLOCK_K) // GROUP + tl.arange(0, BLOCK_K // GROUP))[:, None] * N + rn[None, :]
+            tile = _bits(tl.load(s_ptr + gr, cache_modifier=".cg")) ^ _bits(tl.load(z_ptr + gr, cache_modifier=".cg"))
+            side ^= tl.xor_sum(tile, 0)
         w = w_n
     tl.store(out_ptr + pid_k * N + rn, tl.xor_sum(acc, 0) ^ side)
 
@@ -99,6 +102,12 @@ def _read_tiles_kernel(qw_ptr, s_ptr, z_ptr, sz_ptr, out_ptr, N, K, BLOCK_N: tl.
 @triton.jit
 def _bits(v):
     return v.to(tl.int16, bitcast=True).to(tl.int32)
+
+
+@triton.jit
+def _row(ptr, g, N, rn):
+    """Group g's [BLOCK_N] scales (or zeros) as int32 bits, through L2."""
+    return _bits(tl.load(ptr + g * N + rn, cache_modifier=".cg"))
 
 
 @triton.jit
@@ -116,9 +125,9 @@ def _stream_kernel(qw_ptr, out_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.cons
 def read_tiles(qw, s, z, sz, cfg: dict, split: int, mode: int) -> torch.Tensor:
     k, n = qw.shape[0] * 8, qw.shape[1]
     out = torch.empty(split, n, dtype=torch.int32, device=qw.device)
-    _read_tiles_kernel[(n // cfg["BLOCK_N"], 1, split)](qw, s, z, sz, out, n, k, BLOCK_N=cfg["BLOCK_N"],
-                                                         BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=GROUP, SZ=mode,
-                                                         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
+    _read_tiles_kernel[(n // cfg["BLOCK_N"], 1, split)](
+        qw, s, z, sz, out, n, k, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=GROUP, SZ=mode,
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
     return out
 
 
