@@ -560,14 +560,20 @@ def tiled_table(device_name: str) -> dict:
     return device_table(TILED_CONFIG_DIR, device_name)
 
 
+def _kept_row(m: int, n: int, k: int, group: int, device: torch.device) -> list | None:
+    """The kept several-row entry for m rows of this weight, [max_rows, config, split_k, us,
+    dense_us]: the nearest row count at or above m (above the last: the last); None without one."""
+    rows = (_kept_entry(tiled_table, n, k, group, device) or {}).get("rows", [])
+    return next((r for r in rows if r[0] >= m), rows[-1]) if rows else None
+
+
 def tiled_launch(m: int, n: int, k: int, group: int, device: torch.device) -> tuple[dict, int | None]:
     """(config, split_k) of the several-row kernel for m rows of this weight: the kept entry of
     the nearest row count at or above m on a GPU that has one; else W4A16_CONFIGS' and None."""
-    rows = (_kept_entry(tiled_table, n, k, group, device) or {}).get("rows", [])
-    if not rows:
+    row = _kept_row(m, n, k, group, device)
+    if row is None:
         return dict(w4a16_config(m)), None
-    _, cfg, split = next((r[:3] for r in rows if r[0] >= m), rows[-1][:3])
-    return dict(cfg), split
+    return dict(row[1]), row[2]
 
 
 def dense_beats_kernel(m: int, n: int, k: int, group: int, device: torch.device) -> bool:
@@ -575,13 +581,8 @@ def dense_beats_kernel(m: int, n: int, k: int, group: int, device: torch.device)
     several-row sweep timed that faster than the kernel at the row count whose launch m uses, and m
     is above half that count (the kernel's time falls with fewer row tiles, dequantizing does
     not). Never without a kept table or with MINIVLLM_W4A16_DENSE_CHOICE=0."""
-    if not DENSE_CHOICE:
-        return False
-    rows = (_kept_entry(tiled_table, n, k, group, device) or {}).get("rows", [])
-    if not rows:
-        return False
-    entry = next((r for r in rows if r[0] >= m), rows[-1])  # (as tiled_launch picks the launch)
-    return m > entry[0] // 2 and entry[4] < entry[3]
+    row = _kept_row(m, n, k, group, device) if DENSE_CHOICE else None
+    return row is not None and m > row[0] // 2 and row[4] < row[3]
 
 
 def pairs_are_words(x: torch.Tensor) -> bool:
