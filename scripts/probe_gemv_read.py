@@ -15,13 +15,16 @@ so nothing is optimized away):
     read-wide   the words alone with 128-column tiles (512-byte rows)
     stream      one flat read of the words at 16 KB a program-step (the access pattern's best)
     gemv        the engine's GEMV at the kept launch, for scale
-    gemv-sz-l1  the same with its scale and zero tiles through L1 (MINIVLLM_W4A16_GEMV_SZ_L1)
+    gemv-pairs  the same on interleaved scales and zeros (quant/w4.py: interleave_scale_zero, the
+                GPU loader's layout): each pair read as one word (SZ_PAIRS)
 
 If read-gemv runs near `stream`, the loads are not what holds the GEMV back (its math and the
 chain from load to product are); if read-gemv is as slow as the GEMV, its tiles' access is.
 Lease 49 (H200): read-words ran at the flat read's rate (gate_up 15.2 us, 3.86 TB/s) and read-gemv
 5 us slower (20.2 us), the GEMV 2 us above that: the scale and zero tiles, 6 % of the bytes, cost
-a quarter of the time. The read-sz-* modes ask which way of reading them costs least.
+a quarter of the time. The read-sz-* modes ask which way of reading them costs least: lease 50,
+the packed pairs (a layer's reads 43.8 -> 39.2 us; through L1, 43.3: the GEMV's SZ_L1 switch, since
+removed, moved a token by 0.01 ms).
 
     python3 scripts/probe_gemv_read.py [--out probe.json]        (GPU; ~1 minute)
     TRITON_INTERPRET=1 python3 scripts/probe_gemv_read.py --check  (CPU: the kernels' sums are right)
@@ -53,8 +56,7 @@ def _read_tiles_kernel(qw_ptr, s_ptr, z_ptr, sz_ptr, out_ptr, N, K, BLOCK_N: tl.
     zeros' bits, read per SZ:
       SZ_TILES      [BLOCK_K/8, BLOCK_N] tiles through L2 (.cg), a group's row once per word row:
                     the GEMV's reads
-      SZ_TILES_L1   the same tiles through L1 (.ca, as MINIVLLM_W4A16_GEMV_SZ_L1): the word rows of
-                    one group hit there
+      SZ_TILES_L1   the same tiles through L1 (.ca): the word rows of one group hit there
       SZ_ROWS       one [BLOCK_N] row per group, spread over the word rows with selects
       SZ_PACKED     one int32 tile of (scale, zero) pairs (sz_ptr: [K/G, N]) through L2
       SZ_GROUP_TILE one [BLOCK_K/G, BLOCK_N] tile of the step's groups, XOR-ed on its own (the
@@ -183,6 +185,7 @@ def main() -> None:
         return
     from minivllm.bench.gpu_timing import copies_for, time_graph
     from minivllm.kernels.w4a16_gemm import gemv_launch, w4a16_gemm
+    from minivllm.quant.w4 import interleave_scale_zero
     report = {"device": torch.cuda.get_device_name(0), "shapes": {}}
     for name, (k, n) in SHAPES.items():
         cfg, split = gemv_launch(n, k, GROUP, torch.device("cuda"))
@@ -195,8 +198,9 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.float16)
         wide = dict(cfg, BLOCK_N=128)
         sz = [packed_sz(w[1], w[2]) for w in ws]
+        pairs = [interleave_scale_zero(w[1], w[2]) for w in ws]
         runs = {"gemv": lambda i: w4a16_gemm(x, *ws[i], GROUP),
-                "gemv-sz-l1": lambda i: w4a16_gemm(x, *ws[i], GROUP, split, dict(cfg, SZ_L1=True))}
+                "gemv-pairs": lambda i: w4a16_gemm(x, ws[i][0], *pairs[i], GROUP)}
         for label, mode in (("read-gemv", SZ_TILES), ("read-sz-l1", SZ_TILES_L1), ("read-sz-rows", SZ_ROWS),
                             ("read-sz-packed", SZ_PACKED), ("read-sz-groups", SZ_GROUP_TILE), ("read-words", SZ_NONE)):
             runs[label] = (lambda i, mode=mode: read_tiles(*ws[i], sz[i], cfg, split, mode))

@@ -131,8 +131,8 @@ def _jobs() -> list[Job]:
           # the activation pairs formed in registers instead of loaded as words (w4a16_gemm.GEMV_XPAIR)
           _ours_ab("W11-awq-noxpair", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_XPAIR": "0"}),
           _ours_ab("W11-awq-nodense", awq, 130, awq_tiny, {"MINIVLLM_W4A16_DENSE_CHOICE": "0"}),
-          # the GEMV's scale and zero tiles through L1 (w4a16_gemm.GEMV_SZ_L1, off by default)
-          _ours_ab("W11-awq-szl1", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_SZ_L1": "1"})]
+          # the GEMV's scales and zeros as two tiles, not one word per pair (w4a16_gemm.GEMV_SZ_PAIRS)
+          _ours_ab("W11-awq-nopairs", awq, 130, awq_tiny, {"MINIVLLM_W4A16_GEMV_SZ_PAIRS": "0"})]
     # the rotary and the K/V store as two launches instead of one (store_kv.rotary_store_kv)
     norotstore = {"MINIVLLM_ROTARY_STORE_KV": "0"}
     j += [_ours_ab("W11-awq-norotstore", awq, 130, awq_tiny, norotstore),

@@ -79,11 +79,12 @@ GEMV_PIPE = os.environ.get("MINIVLLM_W4A16_GEMV_PIPE", "1") != "0"
 # rows are contiguous at even offsets; MINIVLLM_W4A16_GEMV_XPAIR=0 forms them in registers as before
 # (A/B runs: job ours:W11-awq-noxpair)
 GEMV_XPAIR = os.environ.get("MINIVLLM_W4A16_GEMV_XPAIR", "1") != "0"
-# the pipelined GEMV's scale and zero tiles cached in L1 (.ca) instead of read through L2 only
-# (SZ_L1 in _w4a16_gemv_kernel): off until a lease measures it, MINIVLLM_W4A16_GEMV_SZ_L1=1 on (job
-# ours:W11-awq-szl1). Lease 49's probe (docs/perf.md): those tiles cost the four GEMVs of a layer
-# 10.7 us of 51, for 6 % of the bytes; a group's word rows read the same row, which L1 can serve
-GEMV_SZ_L1 = os.environ.get("MINIVLLM_W4A16_GEMV_SZ_L1", "0") == "1"
+# the GEMV reads each column's scale and zero as one 32-bit word (SZ_PAIRS in _w4a16_gemv_kernel)
+# where they are the halves of one tensor (quant/w4.py: interleave_scale_zero, as the loader stores
+# them on a GPU); MINIVLLM_W4A16_GEMV_SZ_PAIRS=0 reads them as two tiles (job ours:W11-awq-nopairs).
+# Lease 49's probe (docs/perf.md): the two tiles cost a layer's four GEMVs 10.7 us of 51 for 6 % of
+# the bytes; lease 50's: read as pairs, 4.7 us of that goes (the reads alone, 43.8 -> 39.2 us)
+GEMV_SZ_PAIRS = os.environ.get("MINIVLLM_W4A16_GEMV_SZ_PAIRS", "1") != "0"
 # split K until about this many programs per SM. 4, from scripts/bench_w4a16_gemv.py on an H100
 # (lease 7, Llama-3.1-8B batch-1 shapes, in CUDA graphs): at 2, gate_up (448 tiles) ran unsplit
 # in 48.8 us against 41.9 us at split 2; the four linears of a layer take 88 us at 4, 95 us at 2
@@ -185,14 +186,20 @@ def _load(ptrs, mask, EVEN: tl.constexpr, CG: tl.constexpr):
 
 
 @triton.jit
-def _load_sz(ptrs, mask, EVEN: tl.constexpr, L1: tl.constexpr):
-    """A scale or zero tile: through L2 only (.cg, as the words), or L1: cached in L1 too (.ca),
-    so that the word rows of one group, which read the same row, hit there (SZ_L1)."""
-    if L1:
-        if EVEN:
-            return tl.load(ptrs, cache_modifier=".ca")
-        return tl.load(ptrs, mask=mask, other=0, cache_modifier=".ca")
-    return _load(ptrs, mask, EVEN, True)
+def _load_scale_zero(s_ptr, z_ptr, grp, rn, stride_sg, stride_sn, mask, EVEN: tl.constexpr, CG: tl.constexpr,
+                     PAIRS: tl.constexpr):
+    """The [len(grp), len(rn)] scale and zero tiles of groups grp and columns rn, in their own
+    dtype (as _load). PAIRS: each 16-bit scale and its zero are the low and high halves of one
+    aligned 32-bit word (quant/w4.py: interleave_scale_zero; the host checks z_ptr = s_ptr + 1 and
+    stride_sn = 2, so word [g, n] sits at g * stride_sg / 2 + n, unit-stride along the columns as
+    the words): one load, split in registers, the same values."""
+    if PAIRS:
+        dt = s_ptr.dtype.element_ty
+        pair = _load(s_ptr.to(tl.pointer_type(tl.int32)) + grp[:, None] * (stride_sg // 2) + rn[None, :], mask,
+                     EVEN, CG)
+        return pair.to(tl.int16).to(dt, bitcast=True), (pair >> 16).to(tl.int16).to(dt, bitcast=True)
+    g_off = grp[:, None] * stride_sg + rn[None, :] * stride_sn
+    return _load(s_ptr + g_off, mask, EVEN, CG), _load(z_ptr + g_off, mask, EVEN, CG)
 
 
 @triton.jit
@@ -353,7 +360,7 @@ def _w4a16_gemv_kernel(
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
     PIPE: tl.constexpr = False,  # next K step's words, scales and zeros loaded before this one's math
     XPAIR: tl.constexpr = False,  # HALF2's activation pairs loaded as 32-bit words (x's rows contiguous, even offsets)
-    SZ_L1: tl.constexpr = False,  # PIPE: the scale and zero tiles cached in L1 (.ca), not L2 only (_load_sz)
+    SZ_PAIRS: tl.constexpr = False,  # each scale and zero read as one 32-bit word (_load_scale_zero)
 ):
     """Few rows (batch-1 decode): no tensor cores, so the dequantized tile never changes layout
     for a tl.dot operand; products accumulate elementwise in a [BLOCK_K/8, BLOCK_N] tile and are
@@ -392,11 +399,11 @@ def _w4a16_gemv_kernel(
     if PIPE:
         acc = _w4a16_gemv_pipelined(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, pid_k * per_split, t_end,
                                     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
-                                    GROUP, BLOCK_N, BLOCK_K, HALF2, EVEN, PDL, XPAIR, SZ_L1)
+                                    GROUP, BLOCK_N, BLOCK_K, HALF2, EVEN, PDL, XPAIR, SZ_PAIRS)
     else:
         acc = _w4a16_gemv_steps(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, pid_k * per_split, t_end,
                                 stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
-                                GROUP, BLOCK_N, BLOCK_K, HALF2, EVEN, PDL, XPAIR)
+                                GROUP, BLOCK_N, BLOCK_K, HALF2, EVEN, PDL, XPAIR, SZ_PAIRS)
     out = tl.sum(acc, 0)  # [BLOCK_N]
     if HALF2:
         out = out * 16.0  # the activations entered the packed products divided by 16 (exact)
@@ -408,21 +415,21 @@ def _w4a16_gemv_kernel(
 def _w4a16_gemv_steps(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, t_begin, t_end,
                       stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF2: tl.constexpr,
-                      EVEN: tl.constexpr, PDL: tl.constexpr, XPAIR: tl.constexpr):
+                      EVEN: tl.constexpr, PDL: tl.constexpr, XPAIR: tl.constexpr, SZ_PAIRS: tl.constexpr):
     """The GEMV's K loop over steps t_begin .. t_end - 1, each step's loads then its math."""
     enter_after_previous(PDL)
     for t in range(t_begin, t_end):
         words = t * (BLOCK_K // 8) + rw
         w_ok = (words < K // 8)[:, None] & n_ok[None, :]
         w_ptrs = qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn
-        g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
         w = _load(w_ptrs, w_ok, EVEN, False)
-        s = _load(s_ptr + g_off, w_ok, EVEN, False).to(tl.float32)
+        s, z = _load_scale_zero(s_ptr, z_ptr, (words * 8) // GROUP, rn, stride_sg, stride_sn, w_ok, EVEN, False,
+                                SZ_PAIRS)
+        s = s.to(tl.float32)
         if HALF2:  # 16-bit activations: packed math per word (_word_dot_half2); the 16 once, at the end
-            z = _load(z_ptr + g_off, w_ok, EVEN, False)
             acc += _half2_step(w, z, x_ptr, m, words, K, stride_xm, stride_xk, BLOCK_N, BLOCK_K, EVEN, XPAIR) * s
         else:
-            zb = tl.load(z_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32) + MAGIC  # 2^23 + z, exact
+            zb = z.to(tl.float32) + MAGIC  # 2^23 + z, exact
             acc = _plain_step(acc, w, zb, s, x_ptr, m, words, K, stride_xm, stride_xk)
     return acc
 
@@ -450,35 +457,34 @@ def _plain_step(acc, w, zb, s, x_ptr, m, words, K, stride_xm, stride_xk):
 
 @triton.jit
 def _w4_step_operands(qw_ptr, s_ptr, z_ptr, rn, rw, n_ok, K, t, t_end, stride_qk, stride_qn, stride_sg, stride_sn,
-                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SZ_L1: tl.constexpr):
+                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SZ_PAIRS: tl.constexpr):
     """K step t's packed words, scales and zeros ([BLOCK_K/8, BLOCK_N] each, raw dtypes), read
     through L2 (.cg: read once a step, and the PTX check of the PDL contract tells them from x's
-    loads; SZ_L1: the scales and zeros .ca, _load_sz); nothing is read for t >= t_end, unless EVEN:
+    loads; SZ_PAIRS: _load_scale_zero); nothing is read for t >= t_end, unless EVEN:
     then the loads take no masks and step t_end - 1 is read again instead (an L2 hit; a slice with
     no steps reads the weight's last one)."""
     if EVEN:
         t = tl.minimum(t, t_end - 1)
     words = t * (BLOCK_K // 8) + rw
-    g_off = ((words * 8) // GROUP)[:, None] * stride_sg + rn[None, :] * stride_sn
     w_ptrs = qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn
     ok = (words < tl.where(t < t_end, K // 8, 0))[:, None] & n_ok[None, :]  # (unused when EVEN)
-    return _load(w_ptrs, ok, EVEN, True), _load_sz(s_ptr + g_off, ok, EVEN, SZ_L1), _load_sz(z_ptr + g_off, ok, EVEN,
-                                                                                             SZ_L1)
+    s, z = _load_scale_zero(s_ptr, z_ptr, (words * 8) // GROUP, rn, stride_sg, stride_sn, ok, EVEN, True, SZ_PAIRS)
+    return _load(w_ptrs, ok, EVEN, True), s, z
 
 
 @triton.jit
 def _w4a16_gemv_pipelined(acc, x_ptr, qw_ptr, s_ptr, z_ptr, m, rn, rw, n_ok, K, t_begin, t_end,
                           stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF2: tl.constexpr,
-                          EVEN: tl.constexpr, PDL: tl.constexpr, XPAIR: tl.constexpr, SZ_L1: tl.constexpr):
+                          EVEN: tl.constexpr, PDL: tl.constexpr, XPAIR: tl.constexpr, SZ_PAIRS: tl.constexpr):
     """The GEMV's K loop with step t + 1's weight loads issued before step t's math; the first
     step's before the PDL wait."""
     w, s, z = _w4_step_operands(qw_ptr, s_ptr, z_ptr, rn, rw, n_ok, K, t_begin, t_end, stride_qk, stride_qn,
-                                stride_sg, stride_sn, GROUP, BLOCK_K, EVEN, SZ_L1)
+                                stride_sg, stride_sn, GROUP, BLOCK_K, EVEN, SZ_PAIRS)
     enter_after_previous(PDL)
     for t in range(t_begin, t_end):
         w_n, s_n, z_n = _w4_step_operands(qw_ptr, s_ptr, z_ptr, rn, rw, n_ok, K, t + 1, t_end, stride_qk,
-                                          stride_qn, stride_sg, stride_sn, GROUP, BLOCK_K, EVEN, SZ_L1)
+                                          stride_qn, stride_sg, stride_sn, GROUP, BLOCK_K, EVEN, SZ_PAIRS)
         words = t * (BLOCK_K // 8) + rw
         if HALF2:
             acc += _half2_step(w, z, x_ptr, m, words, K, stride_xm, stride_xk, BLOCK_N, BLOCK_K, EVEN,
@@ -592,6 +598,14 @@ def pairs_are_words(x: torch.Tensor) -> bool:
             and x.data_ptr() % 4 == 0)
 
 
+def scale_zero_pairs(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether each 16-bit scale and its zero are the low and high halves of one aligned 32-bit
+    word (quant/w4.py: interleave_scale_zero), as the GEMV's SZ_PAIRS reads them."""
+    return (scales.element_size() == 2 and zeros.dtype == scales.dtype and zeros.stride() == scales.stride()
+            and scales.stride(-1) == 2 and scales.stride(0) % 2 == 0 and scales.data_ptr() % 4 == 0
+            and zeros.data_ptr() == scales.data_ptr() + 2)
+
+
 def choose_split_k(m: int, n: int, k: int, cfg: dict[str, int], num_sms: int) -> int:
     """Cut K until the grid has about PROGRAMS_PER_SM programs per SM for the GEMV, one for the
     several-row kernel, whose tensor-core tiles each keep an SM busy (a power of two, at most
@@ -633,7 +647,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         cfg.setdefault("COL_STEP", min(cfg["BLOCK_N"], 32))
         cfg.setdefault("PIPE", GEMV_PIPE)
         cfg.setdefault("XPAIR", cfg["HALF2"] and GEMV_XPAIR and pairs_are_words(x))
-        cfg.setdefault("SZ_L1", GEMV_SZ_L1 and cfg["PIPE"])
+        cfg.setdefault("SZ_PAIRS", GEMV_SZ_PAIRS and scale_zero_pairs(scales, zeros))
         _w4a16_gemv_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg, **pdl_args(x))
     else:
         _w4a16_kernel[grid](*args, GROUP=g, SPLIT_K=split_k, **cfg)

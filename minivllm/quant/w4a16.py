@@ -80,6 +80,7 @@ class W4A16Method:
         if qweight.device.type == "cpu":
             layer.dense_weight = w4.dequantize(qweight, scales, zeros, g, perm, dtype=scales.dtype)
             return
+        scales, zeros = w4.interleave_scale_zero(scales, zeros)  # (the GEMV reads each pair as one word)
         layer.register_buffer("qweight", qweight, persistent=False)
         layer.register_buffer("scales", scales, persistent=False)
         layer.register_buffer("zeros", zeros, persistent=False)

@@ -27,8 +27,10 @@ FP8 = torch.float8_e4m3fn
 # ---------------------------------------------------------------- W4A16 (any device)
 
 
-def w4_case(m: int, n: int, k: int, group: int, dtype, device, seed: int, act_order: bool = False):
-    """Random 4-bit weights in the engine's layout and activations x [m, k]."""
+def w4_case(m: int, n: int, k: int, group: int, dtype, device, seed: int, act_order: bool = False,
+            pairs: bool = False):
+    """Random 4-bit weights in the engine's layout and activations x [m, k]; pairs: 16-bit scales
+    and zeros interleaved as the GPU loader stores them (w4.interleave_scale_zero)."""
     g = torch.Generator().manual_seed(seed)
     ng = 1 if group == -1 else k // group
     q = torch.randint(0, 16, (k, n), generator=g)
@@ -36,14 +38,18 @@ def w4_case(m: int, n: int, k: int, group: int, dtype, device, seed: int, act_or
     zeros = torch.randint(0, 16, (ng, n), generator=g).to(dtype)
     perm = torch.randperm(k, generator=g) if act_order else None
     x = torch.randn(m, k, generator=g).to(dtype)
-    return [t.to(device) if t is not None else None for t in (x, w4.pack_engine(q), scales, zeros, perm)]
+    x, qw, scales, zeros, perm = [t.to(device) if t is not None else None
+                                  for t in (x, w4.pack_engine(q), scales, zeros, perm)]
+    if pairs:
+        scales, zeros = w4.interleave_scale_zero(scales, zeros)
+    return x, qw, scales, zeros, perm
 
 
 def check_w4a16(m: int, n: int, k: int, group: int, dtype, device, seed: int = 0, split_k: int | None = None,
-                config: dict | None = None, act_order: bool = False) -> float:
+                config: dict | None = None, act_order: bool = False, pairs: bool = False) -> float:
     """Relative error of w4a16_linear (or w4a16_gemm with split_k/config) against the reference."""
     from minivllm.kernels.w4a16_gemm import w4a16_gemm, w4a16_linear
-    x, qw, s, z, perm = w4_case(m, n, k, group, dtype, device, seed, act_order)
+    x, qw, s, z, perm = w4_case(m, n, k, group, dtype, device, seed, act_order, pairs)
     ref = w4.w4a16_reference(x, qw, s, z, group, perm).float()
     if split_k is not None or config is not None:
         out = w4a16_gemm(x if perm is None else x[:, perm], qw, s, z, group, split_k, config)
@@ -62,13 +68,13 @@ def check_w4a16_dequant(n: int, k: int, group: int, dtype, device, seed: int = 0
 
 
 def check_w4a16_split_fixup(m: int, n: int, k: int, group: int, dtype, device, split_k: int, config: dict,
-                            seed: int = 0) -> dict:
+                            seed: int = 0, pairs: bool = False) -> dict:
     """w4a16_gemm with a forced split_k, called twice on the same inputs (the second call reuses
     the tile counters the first left): {"err": relative error of the first call against the
     reference, "same_bits": both calls gave identical bits, "counters_zero": every counter is 0
     again afterwards (what makes the buffer reusable, CUDA graph replays included)}."""
     from minivllm.kernels import w4a16_gemm as mod
-    x, qw, s, z, _ = w4_case(m, n, k, group, dtype, device, seed)
+    x, qw, s, z, _ = w4_case(m, n, k, group, dtype, device, seed, pairs=pairs)
     ref = w4.w4a16_reference(x, qw, s, z, group).float()
     first = mod.w4a16_gemm(x, qw, s, z, group, split_k, config)
     second = mod.w4a16_gemm(x, qw, s, z, group, split_k, config)
@@ -224,17 +230,22 @@ def test_w4a16_tiled_kept_launches() -> None:
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_w4a16_gemv_sz_l1_same_bits(dtype) -> None:
-    """SZ_L1 (the scale and zero tiles through L1, MINIVLLM_W4A16_GEMV_SZ_L1) changes where they
-    are cached, not what is read: the default launch's bits on W11's weights, ragged N and K too."""
+def test_w4a16_gemv_sz_pairs_same_bits(dtype) -> None:
+    """SZ_PAIRS (each scale and zero read as one word from the interleaved tensor the loader
+    stores) reads the same values as the two tiles: the default launch's bits on W11's weights,
+    ragged N and K too, pipelined or not; the engine's call takes the pairs path by itself."""
     from minivllm.kernels import w4a16_gemm as w4k
     for n, k, g in [(6144, 4096, 128), (4096, 4096, 128), (28672, 4096, 128), (4096, 14336, 128), (75, 520, 8 * 65)]:
         for m in (1, 2):
             x, qw, s, z, _ = w4_case(m, n, k, g, dtype, DEV, seed=m)
+            _, _, sp, zp, _ = w4_case(m, n, k, g, dtype, DEV, seed=m, pairs=True)
+            assert w4k.scale_zero_pairs(sp, zp) and not w4k.scale_zero_pairs(s, z)
             cfg, split = w4k.gemv_launch(n, k, g, x.device)
-            base = w4k.w4a16_gemm(x, qw, s, z, g, split, dict(cfg, PIPE=True))
-            l1 = w4k.w4a16_gemm(x, qw, s, z, g, split, dict(cfg, PIPE=True, SZ_L1=True))
-            assert torch.equal(base, l1), (n, k, m)
+            for pipe in (True, False):
+                base = w4k.w4a16_gemm(x, qw, s, z, g, split, dict(cfg, PIPE=pipe))
+                pairs = w4k.w4a16_gemm(x, qw, sp, zp, g, split, dict(cfg, PIPE=pipe, SZ_PAIRS=True))
+                assert torch.equal(base, pairs), (n, k, m, pipe)
+            assert torch.equal(w4k.w4a16_gemm(x, qw, sp, zp, g), w4k.w4a16_gemm(x, qw, s, z, g)), (n, k, m)
 
 
 @gpu
@@ -458,6 +469,8 @@ def test_quantized_default_model_on_gpu(quantized_dirs, fmt: str, kv: str) -> No
         ref = fp8_linear_reference(x, lin.weight_fp8, lin.weight_scale_f32, lin.bias)
     else:
         ref = w4.w4a16_reference(x, lin.qweight, lin.scales, lin.zeros, lin.group_size, lin.perm, lin.bias)
+        from minivllm.kernels.w4a16_gemm import scale_zero_pairs  # the loader interleaves them (one word each)
+        assert scale_zero_pairs(lin.scales, lin.zeros)
     assert errors(lin(x), ref)[0] < 1e-2
     if fmt == "ct-fp8":  # the norms and SwiGLUs before its linears quantize (kernels/fp8_act.py)
         from minivllm.models.layers import MLP

@@ -33,8 +33,11 @@ for name, m, n, k, g, dt, split, act in [
     res[name + " gemv"] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split, config=gemv, act_order=act)
     res[name + " gemv pipelined"] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split,
                                                        config=dict(gemv, PIPE=True), act_order=act)
-    res[name + " gemv pipelined sz-l1"] = checks.check_w4a16(m, n, k, g, dt, "cpu", seed=m, split_k=split,
-                                                             config=dict(gemv, PIPE=True, SZ_L1=True), act_order=act)
+    if dt != f32:  # 16-bit scales and zeros interleaved (the GPU loader's layout): read as one word
+        for pipe in (True, False):
+            res[name + f" gemv pairs pipe={pipe}"] = checks.check_w4a16(
+                m, n, k, g, dt, "cpu", seed=m, split_k=split, config=dict(gemv, PIPE=pipe, SZ_PAIRS=True),
+                act_order=act, pairs=True)
 res["w4a16 dequant g64"] = checks.check_w4a16_dequant(72, 256, 64, f32, "cpu")
 res["w4a16 dequant g128 fp16"] = checks.check_w4a16_dequant(40, 256, 128, f16, "cpu", seed=1)
 # the GEMV's in-kernel split-K sum: N = 75 leaves a ragged last tile; K = 512 is 4 K slices of
@@ -47,7 +50,21 @@ for split in (1, 2, 4, 8):
             m, 75, 512, g, dt, "cpu", split, gemv, seed=split + m)
         fixup[f"split{split} m{m} g{g} {str(dt)[6:]} pipelined"] = checks.check_w4a16_split_fixup(
             m, 75, 512, g, dt, "cpu", split, dict(gemv, PIPE=True), seed=split + m)
+        if dt != f32:
+            fixup[f"split{split} m{m} g{g} {str(dt)[6:]} pairs"] = checks.check_w4a16_split_fixup(
+                m, 75, 512, g, dt, "cpu", split, dict(gemv, PIPE=True, SZ_PAIRS=True), seed=split + m, pairs=True)
 res["fixup"] = fixup
+# SZ_PAIRS reads the same scales and zeros as the two tiles: the same bits (ragged N and K tails)
+from minivllm.kernels import w4a16_gemm as w4k
+same = {}
+for dt in (f16, torch.bfloat16):
+    for pipe in (True, False):
+        x, qw, s, z, _ = checks.w4_case(2, 75, 320, 32, dt, "cpu", seed=3)
+        _, _, sp, zp, _ = checks.w4_case(2, 75, 320, 32, dt, "cpu", seed=3, pairs=True)
+        cfg = dict(gemv, PIPE=pipe)
+        same[f"{str(dt)[6:]} pipe={pipe}"] = [w4k.scale_zero_pairs(sp, zp), w4k.scale_zero_pairs(s, z), torch.equal(
+            w4k.w4a16_gemm(x, qw, s, z, 32, 2, cfg), w4k.w4a16_gemm(x, qw, sp, zp, 32, 2, dict(cfg, SZ_PAIRS=True)))]
+res["pairs_same_bits"] = same
 mixed = [(37, 60), (1, 45), (20, 20), (5, 90), (1, 1), (10, 72)]
 decode = [(1, 60), (1, 1), (1, 97), (1, 300)]
 res["fp8kv decode fp32 gqa4"] = checks.check_fp8_attention(checks.make_case(decode, 8, 2, 64, 16, f32, "cpu", 5), "decode")
@@ -108,7 +125,14 @@ def test_w4a16_gemv_split_fixup_under_interpreter(results: dict) -> None:
     ~1e-6, bf16 to its output rounding), a second call reusing the counters gives the same bits,
     and the counters are all 0 afterwards."""
     fixup = results["fixup"]
-    assert len(fixup) == 16, fixup  # the GEMV and its pipelined K loop
+    assert len(fixup) == 20, fixup  # the GEMV, its pipelined K loop, and (16-bit) its scale-zero pairs
     bad = {name: r for name, r in fixup.items()
            if not (r["err"] < (1e-5 if "float32" in name else 1e-2) and r["same_bits"] and r["counters_zero"])}
     assert not bad, bad
+
+
+def test_w4a16_gemv_scale_zero_pairs_same_bits_under_interpreter(results: dict) -> None:
+    """The interleaved scales and zeros are detected as pairs (the separate tensors are not), and
+    the GEMV reading them as one word gives the two tiles' bits."""
+    same = results["pairs_same_bits"]
+    assert len(same) == 4 and all(v == [True, False, True] for v in same.values()), same
