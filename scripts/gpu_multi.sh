@@ -27,6 +27,7 @@
 #   profile-graphs      kernel_profile.py in CUDA graphs with PDL, critical-path times (W10, W11-awq, W1-bi-like)
 #   awq-gemv-seq        bench_w4a16_gemv.py --sequence: a token's W4A16 GEMVs in one graph per GEMV table (issue 25)
 #   awq-gemv-xpair      the same (default and kept launches), XPAIR on and off (issue 25)
+#   awq-gemv-pairs      the same, the scales and zeros read as one word a pair and as two tiles (issue 25)
 #   awq-gemv-keep       awq-gemv-tiles, then --write-from on the machine: later steps use the new table (issue 25)
 #   dense-stream        scripts/bench_dense_gemv.py --stream: the streaming dense GEMV's tiles (issue 21)
 #   inv-gemm            scripts/bench_invariant_gemm.py: the invariant GEMM's launches vs cuBLAS, with bit checks (issue 22)
@@ -211,6 +212,11 @@ run_step() {  # run_step STEP LANE_DIR PORT
       # pairs loaded as words (the default) and formed in registers (MINIVLLM_W4A16_GEMV_XPAIR=0)
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq-xpair.json" --sequence "default,kept"
       MINIVLLM_W4A16_GEMV_XPAIR=0 python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq-formed.json" \
+        --sequence "default,kept" ;;
+    awq-gemv-pairs)  # issue 25: a token's GEMVs in one graph (kept table and default launches), each scale and
+      # zero read as one word from the interleaved layout (the default) and as two tiles (MINIVLLM_W4A16_GEMV_SZ_PAIRS=0)
+      python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq-pairs.json" --sequence "default,kept"
+      MINIVLLM_W4A16_GEMV_SZ_PAIRS=0 python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq-tiles.json" \
         --sequence "default,kept" ;;
     awq-gemv)  # issue 25: the W4A16 GEMV alone on Llama-3.1-8B's batch-1 shapes (scripts/bench_w4a16_gemv.py),
       # W11-awq's fp16 activations (AWQ_GEMV_BF16=1: bf16 too); variants: split-K, plain and packed half2 paths

@@ -106,6 +106,27 @@ def test_engine_packing_pairs_adjacent_rows() -> None:
     assert not torch.equal(w4.pack_engine(vals), w4.pack_int4(vals, 0))  # not GPTQ's in-order words
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_interleaved_scales_and_zeros_are_views_of_one_pair_tensor(dtype) -> None:
+    """The GPU loader's layout (w4.interleave_scale_zero): the same values, each 16-bit scale and
+    its zero the low and high halves of one 32-bit word, which the GEMV's pair check recognises;
+    other dtypes (float32: the CPU keeps dense weights anyway) come back as they were."""
+    from minivllm.kernels.w4a16_gemm import scale_zero_pairs
+    g = torch.Generator().manual_seed(0)
+    scales = (torch.rand(3, 40, generator=g) + 0.01).to(dtype)
+    zeros = torch.randint(0, 16, (3, 40), generator=g).to(dtype)
+    s, z = w4.interleave_scale_zero(scales, zeros)
+    assert torch.equal(s, scales) and torch.equal(z, zeros)
+    if dtype == torch.float32:
+        assert s is scales and z is zeros and not scale_zero_pairs(s, z)
+        return
+    assert scale_zero_pairs(s, z) and not scale_zero_pairs(scales, zeros)
+    words = s.untyped_storage()
+    pairs = torch.empty(0, dtype=torch.int32).set_(words, 0, (3, 40), (40, 1))  # one int32 per column
+    assert torch.equal((pairs & 0xFFFF).to(torch.int16), scales.view(torch.int16))
+    assert torch.equal((pairs >> 16).to(torch.int16), zeros.view(torch.int16))
+
+
 def test_compressed_tensors_packing_is_ours() -> None:
     helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
     q = torch.randint(-8, 8, (6, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
