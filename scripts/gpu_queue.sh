@@ -22,18 +22,18 @@
 # kind nvidia-h200; a session's 30 minutes count in full, the start ~40 s; staging all of vLLM takes
 # ~8 minutes of held time on this link (7 carrying calls of ~60 s each, then the install): plan the
 # vLLM rows of a session into one lease; name only the test files and GPU_TESTS_K that need a run).
-#   1. Issue 25, W11-awq at 41.7 % of the H200's int4 roofline (2.738-2.747 ms a token, leases 47-48;
-#      1.45x vLLM's Marlin in lease 47; target 75 % = 1.53 ms). Lease 47's profile: GEMVs 1.89 ms of
-#      it (0.89 ms of bytes), LM head 0.25, decode attention 0.20, norms 0.15. Tried and removed: a
-#      persistent grid-barrier chain of the GEMVs (lease 46: 5.2 vs 1.7 ms) and a stream-K GEMV
-#      (lease 48: slower on every shape). What bounds the large GEMVs at 55-67 % of the copy rate is
-#      not identified (not the issue rate, the weight layout, L2 prefetch or per-program cost).
-#      Lease 49's probe (scripts/probe_gemv_read.py) split the GEMVs: the words read at the flat rate,
-#      the scale/zero tiles cost 10.7 us of a layer's 51 (0.34 ms a token) for 6 % of the bytes, the
-#      math 7.4. Next lease, no vLLM needed: carry .whl, then
-#        GPU_TESTS=tests/gpu/test_quant_kernels.py GPU_TESTS_K="sz_l1" ... start
-#        'gemv-read-probe+ours:W11-awq+ours:W11-awq-szl1+ours:W11-awq+gpu-tests@0'
-#      (the probe's read-sz-* modes say which way of reading the scales costs least; SZ_L1 is one).
+#   1. Issue 25, W11-awq at 43.3 % of the H200's int4 roofline (2.598-2.606 ms a token, lease 54,
+#      with the scale-zero pairs; 2.73-2.74 before; 1.45x vLLM's Marlin at 2.747 in lease 47; target
+#      75 % = 1.53 ms). Lease 47's profile: GEMVs 1.89 ms, LM head 0.25, decode attention 0.20,
+#      norms 0.15. Removed: a grid-barrier GEMV chain (lease 46), a stream-K GEMV (48), SZ_L1 (50).
+#      Leases 51-54: the GEMV's timing in the engine can move where the kernel timed alone does not
+#      (the probe and --sequence missed a 0.39 ms load-order effect and ranked the pairs the wrong
+#      way): A/B GEMV changes with ours:W11-awq pairs, or with package copies run from their own
+#      folder (`cd copy && PYTHONPATH=$PWD:$PYTHONPATH python3 -m minivllm bench latency ...`; from
+#      the repository root `-m` imports the root's package whatever PYTHONPATH says).
+#      GPU tests not yet run on the final code: tests/gpu/test_quant_kernels.py -k "sz_pairs or
+#      quantized_default_model" (the model test needs .gpu/g1 and .gpu/g2: with the tree at ~12.5 MB,
+#      .gpu/g1 and .whl no longer fit one call; carry .whl, .gpu/g1, .gpu/g2 in three calls).
 #   2. FP8 W1-8B on the H200: 1.01x vLLM by the first run, 0.99x by the best of two (lease 47).
 #   3. The fused MoE, dense GEMV and invariant GEMM run on the H100's tables there
 #      (tuned_tables.SIBLINGS): a sweep each if they matter.

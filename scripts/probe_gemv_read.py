@@ -16,7 +16,9 @@ so nothing is optimized away):
     stream      one flat read of the words at 16 KB a program-step (the access pattern's best)
     gemv        the engine's GEMV at the kept launch, for scale
     gemv-pairs  the same on interleaved scales and zeros (quant/w4.py: interleave_scale_zero, the
-                GPU loader's layout): each pair read as one word (SZ_PAIRS)
+                GPU loader's layout): each pair read as one word (SZ_PAIRS). Lease 51 timed it
+                slower than gemv on three of the four weights, yet in the engine the pairs took
+                W11-awq from 2.74 to 2.60 ms a token (leases 53-54): rank GEMV changes in the engine
 
 If read-gemv runs near `stream`, the loads are not what holds the GEMV back (its math and the
 chain from load to product are); if read-gemv is as slow as the GEMV, its tiles' access is.
@@ -24,7 +26,7 @@ Lease 49 (H200): read-words ran at the flat read's rate (gate_up 15.2 us, 3.86 T
 5 us slower (20.2 us), the GEMV 2 us above that: the scale and zero tiles, 6 % of the bytes, cost
 a quarter of the time. The read-sz-* modes ask which way of reading them costs least: lease 50,
 the packed pairs (a layer's reads 43.8 -> 39.2 us; through L1, 43.3: the GEMV's SZ_L1 switch, since
-removed, moved a token by 0.01 ms).
+removed, moved a token by 0.01 ms). The GEMV now reads the pairs (SZ_PAIRS).
 
     python3 scripts/probe_gemv_read.py [--out probe.json]        (GPU; ~1 minute)
     TRITON_INTERPRET=1 python3 scripts/probe_gemv_read.py --check  (CPU: the kernels' sums are right)

@@ -468,8 +468,12 @@ def _w4_step_operands(qw_ptr, s_ptr, z_ptr, rn, rw, n_ok, K, t, t_end, stride_qk
     words = t * (BLOCK_K // 8) + rw
     w_ptrs = qw_ptr + words[:, None] * stride_qk + rn[None, :] * stride_qn
     ok = (words < tl.where(t < t_end, K // 8, 0))[:, None] & n_ok[None, :]  # (unused when EVEN)
+    # the words' loads issued before the scales' and zeros': with them after, W11-awq's token took
+    # 3.13 ms instead of 2.74 (two tiles) and 2.91 instead of 2.60 (pairs), H200, leases 51-54;
+    # the kernel timed alone (probe_gemv_read.py, bench_w4a16_gemv.py --sequence) showed neither
+    w = _load(w_ptrs, ok, EVEN, True)
     s, z = _load_scale_zero(s_ptr, z_ptr, (words * 8) // GROUP, rn, stride_sg, stride_sn, ok, EVEN, True, SZ_PAIRS)
-    return _load(w_ptrs, ok, EVEN, True), s, z
+    return w, s, z
 
 
 @triton.jit

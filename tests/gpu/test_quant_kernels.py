@@ -230,22 +230,27 @@ def test_w4a16_tiled_kept_launches() -> None:
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_w4a16_gemv_sz_pairs_same_bits(dtype) -> None:
+def test_w4a16_gemv_sz_pairs(dtype) -> None:
     """SZ_PAIRS (each scale and zero read as one word from the interleaved tensor the loader
-    stores) reads the same values as the two tiles: the default launch's bits on W11's weights,
-    ragged N and K too, pipelined or not; the engine's call takes the pairs path by itself."""
+    stores) on W11's weights, ragged N and K too, pipelined or not: as close to the reference as
+    the two tiles, and the engine's call takes the pairs path by itself. (Not the tiles' bits:
+    the 32-bit pair tile gives Triton another register layout, so the final sum over the K rows
+    runs in another order; lease 51 saw last-bit differences without PIPE.)"""
     from minivllm.kernels import w4a16_gemm as w4k
+    tol = 1e-2 if dtype == torch.float16 else 2e-2
     for n, k, g in [(6144, 4096, 128), (4096, 4096, 128), (28672, 4096, 128), (4096, 14336, 128), (75, 520, 8 * 65)]:
         for m in (1, 2):
             x, qw, s, z, _ = w4_case(m, n, k, g, dtype, DEV, seed=m)
             _, _, sp, zp, _ = w4_case(m, n, k, g, dtype, DEV, seed=m, pairs=True)
             assert w4k.scale_zero_pairs(sp, zp) and not w4k.scale_zero_pairs(s, z)
+            ref = w4.w4a16_reference(x, qw, s, z, g).float()
             cfg, split = w4k.gemv_launch(n, k, g, x.device)
             for pipe in (True, False):
-                base = w4k.w4a16_gemm(x, qw, s, z, g, split, dict(cfg, PIPE=pipe))
                 pairs = w4k.w4a16_gemm(x, qw, sp, zp, g, split, dict(cfg, PIPE=pipe, SZ_PAIRS=True))
-                assert torch.equal(base, pairs), (n, k, m, pipe)
-            assert torch.equal(w4k.w4a16_gemm(x, qw, sp, zp, g), w4k.w4a16_gemm(x, qw, s, z, g)), (n, k, m)
+                tiles = w4k.w4a16_gemm(x, qw, s, z, g, split, dict(cfg, PIPE=pipe))
+                assert errors(pairs, ref)[1] < tol and errors(tiles, ref)[1] < tol, (n, k, m, pipe)
+            assert torch.equal(w4k.w4a16_gemm(x, qw, sp, zp, g), w4k.w4a16_gemm(
+                x, qw, sp, zp, g, split, dict(cfg, SZ_PAIRS=True))), (n, k, m)
 
 
 @gpu
