@@ -28,9 +28,8 @@
 #      norms 0.15. Removed: a grid-barrier GEMV chain (lease 46), a stream-K GEMV (48), SZ_L1 (50).
 #      Leases 51-54: the GEMV's timing in the engine can move where the kernel timed alone does not
 #      (the probe and --sequence missed a 0.39 ms load-order effect and ranked the pairs the wrong
-#      way): A/B GEMV changes with ours:W11-awq pairs, or with package copies run from their own
-#      folder (`cd copy && PYTHONPATH=$PWD:$PYTHONPATH python3 -m minivllm bench latency ...`; from
-#      the repository root `-m` imports the root's package whatever PYTHONPATH says).
+#      way): A/B GEMV changes with ours:W11-awq pairs, or with packages at several commits through
+#      scripts/ab_engine.sh (prepare here, run there; ~40 s a run).
 #      GPU tests not yet run on the final code: tests/gpu/test_quant_kernels.py -k "sz_pairs or
 #      quantized_default_model" (the model test needs .gpu/g1 and .gpu/g2: with the tree at ~12.5 MB,
 #      .gpu/g1 and .whl no longer fit one call; carry .whl, .gpu/g1, .gpu/g2 in three calls).
