@@ -30,6 +30,12 @@
 #      (the probe and --sequence missed a 0.39 ms load-order effect and ranked the pairs the wrong
 #      way): A/B GEMV changes with ours:W11-awq pairs, or with packages at several commits through
 #      scripts/ab_engine.sh (prepare here, run there; ~40 s a run).
+#      Next lead, the order effect's cause: the kernel profile in graphs with PDL for the scales-first
+#      commit and the current one, each run from its own package folder (prepare ab/4fb363e here with
+#      ab_engine.sh, then there: `(cd ab/4fb363e && PYTHONPATH=$PWD:$PYTHONPATH python3 $root/scripts/
+#      kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128
+#      --max-tokens 64 --out $OUT/p-szfirst.json)` and the same from the root): which kernels lose
+#      the 3 us a GEMV, the GEMV or its predecessor.
 #      GPU tests not yet run on the final code: tests/gpu/test_quant_kernels.py -k "sz_pairs or
 #      quantized_default_model" (the model test needs .gpu/g1 and .gpu/g2: with the tree at ~12.5 MB,
 #      .gpu/g1 and .whl no longer fit one call; carry .whl, .gpu/g1, .gpu/g2 in three calls).
