@@ -77,16 +77,13 @@ def plan(num_sms: int) -> list[dict]:
 def weights(k: int, n: int, copies: int):
     """`copies` random (qweight [K/8, N] int32, scales, zeros [K/G, N] bf16) in the engine's layout
     (the scales and zeros interleaved, as the GPU loader stores them, unless GEMV_SZ_PAIRS is off)."""
-    from minivllm.kernels.w4a16_gemm import GEMV_SZ_PAIRS
-    from minivllm.quant.w4 import interleave_scale_zero
+    from minivllm.kernels.w4a16_gemm import gemv_scale_zero_layout
     out = []
     for _ in range(copies):
         words = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")  # any 8 nibbles
         scales = (torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).to(DTYPE)
         zeros = torch.randint(0, 16, (k // GROUP, n), device="cuda").to(DTYPE)
-        if GEMV_SZ_PAIRS:
-            scales, zeros = interleave_scale_zero(scales, zeros)
-        out.append((words, scales, zeros))
+        out.append((words, *gemv_scale_zero_layout(scales, zeros)))
     return out
 
 

@@ -50,6 +50,7 @@ from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.pdl import enter_after_previous, pdl_args, prefetch_l2
 from minivllm.kernels.split_k import split_buffers, split_count, store_tile
 from minivllm.kernels.tuned_tables import device_table
+from minivllm.quant.w4 import interleave_scale_zero
 
 # at this many rows and more: dequantize once, then a dense matmul (cuBLAS)
 DENSE_MIN_ROWS = 256
@@ -608,6 +609,13 @@ def scale_zero_pairs(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
     return (scales.element_size() == 2 and zeros.dtype == scales.dtype and zeros.stride() == scales.stride()
             and scales.stride(-1) == 2 and scales.stride(0) % 2 == 0 and scales.data_ptr() % 4 == 0
             and zeros.data_ptr() == scales.data_ptr() + 2)
+
+
+def gemv_scale_zero_layout(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GPU weight's scales and zeros as the GEMV reads them: interleaved into pairs
+    (quant/w4.py: interleave_scale_zero) unless MINIVLLM_W4A16_GEMV_SZ_PAIRS=0 keeps the two
+    tensors (GEMV_SZ_PAIRS). The loader and bench_w4a16_gemv.py store their weights through it."""
+    return interleave_scale_zero(scales, zeros) if GEMV_SZ_PAIRS else (scales, zeros)
 
 
 def choose_split_k(m: int, n: int, k: int, cfg: dict[str, int], num_sms: int) -> int:

@@ -80,9 +80,8 @@ class W4A16Method:
         if qweight.device.type == "cpu":
             layer.dense_weight = w4.dequantize(qweight, scales, zeros, g, perm, dtype=scales.dtype)
             return
-        from minivllm.kernels.w4a16_gemm import GEMV_SZ_PAIRS
-        if GEMV_SZ_PAIRS:  # the GEMV reads each scale and zero as one word (off: two tiles, as before)
-            scales, zeros = w4.interleave_scale_zero(scales, zeros)
+        from minivllm.kernels.w4a16_gemm import gemv_scale_zero_layout
+        scales, zeros = gemv_scale_zero_layout(scales, zeros)  # (each scale and zero one word for the GEMV)
         layer.register_buffer("qweight", qweight, persistent=False)
         layer.register_buffer("scales", scales, persistent=False)
         layer.register_buffer("zeros", zeros, persistent=False)

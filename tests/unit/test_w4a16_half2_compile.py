@@ -39,13 +39,11 @@ def _compile_sm90(fn, dtype: str, ones: set[str], consts: dict, num_warps: int =
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
 
 
-def _compile(dtype: str, half2: bool, split_k: int = 4, pipe: bool = False, xpair: bool = False, block_n: int = 64,
-             pairs: bool = False):
+def _compile(dtype: str, half2: bool, split_k: int = 4, pipe: bool = False, xpair: bool = False, block_n: int = 64):
     from minivllm.kernels import w4a16_gemm as w
-    ones = ONES - {"stride_sn"} if pairs else ONES  # (interleaved scales and zeros: stride 2, not specialized)
-    return _compile_sm90(w._w4a16_gemv_kernel, dtype, ones, dict(
+    return _compile_sm90(w._w4a16_gemv_kernel, dtype, ONES, dict(
         GROUP=128, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split_k, HALF2=half2, EVEN=True, PREFETCH_WORDS=32,
-        COL_STEP=32, PDL=False, PIPE=pipe, XPAIR=xpair, SZ_PAIRS=pairs))
+        COL_STEP=32, PDL=False, PIPE=pipe, XPAIR=xpair, SZ_PAIRS=False))
 
 
 def _loop_instructions(kernel) -> collections.Counter:
