@@ -24,6 +24,7 @@
 #   moe-sweep-decode    scripts/sweep_fused_moe.py at M = 1-16; later steps of the lease use the file
 #   dense-gemv          scripts/bench_dense_gemv.py --write: the batch-1 GEMV vs cuBLAS; later steps use the table
 #   profile-bi / profile-moe1 / profile-fp8  scripts/kernel_profile.py: kernel times (issues 22 / 21 / 25)
+#   profile-awq1-ab     profile-awq1-graphs of the packages ab/<REF> for each REF of $AB_REFS (ab_engine.sh prepare)
 #   profile-graphs      kernel_profile.py in CUDA graphs with PDL, critical-path times (W10, W11-awq, W1-bi-like)
 #   awq-gemv-seq        bench_w4a16_gemv.py --sequence: a token's W4A16 GEMVs in one graph per GEMV table (issue 25)
 #   awq-gemv-xpair      the same (default and kept launches), XPAIR on and off (issue 25)
@@ -269,6 +270,13 @@ run_step() {  # run_step STEP LANE_DIR PORT
     profile-awq1-graphs)  # issue 25: profile-awq1's CUDA-graph half alone (critical-path kernel times)
       python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128 \
         --max-tokens 64 --out "$dir/profile-awq1-graphs.json" ;;
+    profile-awq1-ab)  # issue 25: profile-awq1-graphs for each package of $AB_REFS (ab/<REF>, scripts/ab_engine.sh
+      # prepare), each run from its own folder (from the root, the root's package is imported)
+      local ref
+      for ref in ${AB_REFS:-}; do
+        (cd "ab/$ref" && PYTHONPATH="$PWD:${PYTHONPATH:-}" python3 ../../scripts/kernel_profile.py --model-config \
+          llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128 --max-tokens 64 --out "$dir/profile-awq1-graphs-$ref.json")
+      done ;;
     profile-awq1)  # issue 25: kernel times of W11-awq's batch-1 decode (Llama-3.1-8B AWQ), eager and in graphs
       python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --batch 1 --prompt-len 128 --max-tokens 64 \
         --out "$dir/profile-awq1.json"
