@@ -24,6 +24,8 @@
 #   moe-sweep-decode    scripts/sweep_fused_moe.py at M = 1-16; later steps of the lease use the file
 #   dense-gemv          scripts/bench_dense_gemv.py --write: the batch-1 GEMV vs cuBLAS; later steps use the table
 #   profile-bi / profile-moe1 / profile-fp8  scripts/kernel_profile.py: kernel times (issues 22 / 21 / 25)
+#   ab-engine           scripts/ab_engine.sh run $AB_ROUNDS "$AB_SPECS": packages / switches alternately (W11-awq)
+#   profile-awq1-trace  profile-awq1-graphs over 32 tokens, its Chrome trace kept (.trace.json.gz)
 #   profile-awq1-ab     profile-awq1-graphs of the packages ab/<REF> for each REF of $AB_REFS (ab_engine.sh prepare)
 #   profile-graphs      kernel_profile.py in CUDA graphs with PDL, critical-path times (W10, W11-awq, W1-bi-like)
 #   awq-gemv-seq        bench_w4a16_gemv.py --sequence: a token's W4A16 GEMVs in one graph per GEMV table (issue 25)
@@ -277,6 +279,12 @@ run_step() {  # run_step STEP LANE_DIR PORT
         (cd "ab/$ref" && PYTHONPATH="$PWD:${PYTHONPATH:-}" python3 ../../scripts/kernel_profile.py --model-config \
           llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128 --max-tokens 64 --out "$dir/profile-awq1-graphs-$ref.json")
       done ;;
+    ab-engine)  # issue 25: scripts/ab_engine.sh run $AB_ROUNDS "$AB_SPECS" (W11-awq by default), records in the lane
+      OUT=$dir bash scripts/ab_engine.sh run "${AB_ROUNDS:-2}" "${AB_SPECS:-.}" | tee "$dir/ab-engine.txt" ;;
+    profile-awq1-trace)  # issue 25: profile-awq1-graphs over 32 tokens with its Chrome trace kept (host and device
+      # events: is the host ahead of the device at each step's start?)
+      python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128 \
+        --max-tokens 32 --keep-trace --out "$dir/profile-awq1-trace.json" ;;
     profile-awq1)  # issue 25: kernel times of W11-awq's batch-1 decode (Llama-3.1-8B AWQ), eager and in graphs
       python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --batch 1 --prompt-len 128 --max-tokens 64 \
         --out "$dir/profile-awq1.json"

@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs on (default: eager, every launch itemised)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--keep-trace", action="store_true",
+                    help="keep the Chrome trace (host and device events) gzipped beside --out")
     args = ap.parse_args()
 
     from minivllm import LLM, SamplingParams
@@ -68,6 +70,11 @@ def main() -> None:
     trace = (args.out or "kernel_profile.json") + ".trace.json"
     export_trace(prof, trace)
     crit = critical_path(device_events(trace))
+    if args.keep_trace:
+        import gzip
+        import shutil
+        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
     os.remove(trace)
     print(f"{args.model_config} batch {args.batch} bi={args.batch_invariant}: wall {wall * 1000:.1f} ms for "
           f"prefill + {args.max_tokens} decode steps, GPU kernel time {total:.1f} ms")

@@ -6,7 +6,7 @@ Order of processing, per step, on the logits' device:
         │
         ├─► logit_bias, allowed_token_ids, min_tokens (-inf on stop/eos)
         ├─► penalties (repetition, frequency, presence)
-        ├─► greedy rows: argmax
+        ├─► greedy rows: argmax (kernels/greedy_argmax.py on CUDA)
         └─► random rows: / temperature ─► top-k ─► top-p ─► min-p ─► softmax
                          ─► exponential race (seeded hash or the engine's generator)
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minivllm.kernels.greedy_argmax import greedy_argmax
 from minivllm.sample.batch import PenaltyTensors, SamplingBatch
 from minivllm.sample.ops import apply_penalties, apply_top_k_top_p_min_p
 from minivllm.sample.rng import exponential_race
@@ -110,7 +111,8 @@ def _penalize(x: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
 
 
 def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  # -> [B] int64
-    greedy = None if batch.all_random else logits.argmax(dim=-1)  # exact in any float dtype
+    # exact in any float dtype; on CUDA one launch over many programs (kernels/greedy_argmax.py)
+    greedy = None if batch.all_random else greedy_argmax(logits)
     if batch.all_greedy:
         return greedy
     assert batch.temperature is not None
