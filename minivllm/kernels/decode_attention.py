@@ -9,11 +9,15 @@ per (sequence, kv head, chunk), and a second small kernel merges the chunks.
              to keys [c * chunk, min((c + 1) * chunk, seq_len)) and writes a normalized partial
              output and its log-sum-exp (base 2) to the scratch buffers.
              chunk = max(MIN_CHUNK, round_up(cdiv(seq_len, num_splits), BLOCK_N)) is computed
-             in the kernel from the device seq_lens, so short sequences use fewer chunks, and a
-             program whose chunk starts past seq_len writes a neutral partial (lse = -inf, 0).
+             in the kernel from the device seq_lens, so short sequences use fewer chunks; a
+             program whose chunk starts past seq_len exits before the PDL wait (SKIP_EMPTY, with
+             the merge below; it reads the step's metadata through L2 first, which no kernel of
+             the step writes) or, with MINIVLLM_DECODE_SKIP_EMPTY=0 or the merge kernel, writes a
+             neutral partial (lse = -inf, 0).
     stage 2  out = sum_c 2^(lse_c - max) * o_c / sum_c 2^(lse_c - max), by the last stage-1 program
              of each (sequence, kv head) to finish (its int32 counter, as kernels/split_k.py's
-             fix-up counts a tile's K slices), over the chunks that hold keys: one launch a
+             fix-up counts a tile's K slices; with SKIP_EMPTY only the chunks that hold keys
+             count), over the chunks that hold keys: one launch a
              layer. MINIVLLM_DECODE_MERGE=kernel runs it as a second kernel instead,
              grid = (num_seqs, num_heads) (the layout before 2026-11-28, for A/B runs).
 
@@ -57,6 +61,12 @@ LOG2E = math.log2(math.e)
 MIN_CHUNK = 128  # fewest keys per split: below this the merge costs more than it saves
 MAX_SPLITS = 64  # most chunks per sequence
 PROGRAMS_PER_SM = 4  # split until about this many stage-1 programs per SM
+
+
+def skip_empty_enabled() -> bool:
+    """SKIP_EMPTY (programs of empty chunks exit before the PDL wait) where it applies, unless
+    MINIVLLM_DECODE_SKIP_EMPTY=0 (A/B runs). Read at each launch."""
+    return os.environ.get("MINIVLLM_DECODE_SKIP_EMPTY", "1") != "0"
 
 
 def merge_in_split() -> bool:
@@ -147,16 +157,30 @@ def _decode_split_kernel(
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
     MERGE: tl.constexpr = False,  # split: the last program of (seq, kv head) merges the chunks (stage 2)
     S_PAD: tl.constexpr = 2,  # MERGE: next_pow2(num_splits)
+    SKIP_EMPTY: tl.constexpr = False,  # (MERGE or one split) a program whose chunk holds no key exits at once
 ):
-    enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    token = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) - token != 1:
-        return  # not a one-token query: padding (0) or a prompt chunk (the prefill kernel's)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK_N)
+    if SKIP_EMPTY:
+        # The step's metadata is written before its first kernel, never by the kernel before
+        # this one (rotary / K/V store), so it is read before the PDL wait, through L2. A program
+        # whose chunk starts past seq_len (at batch 1 and a 384-token context, 29 of every 32)
+        # exits without storing or counting: the merge counts the used chunks only
+        token = tl.load(qsl_ptr + seq, cache_modifier=".cg")
+        q_len = tl.load(qsl_ptr + seq + 1, cache_modifier=".cg") - token
+        seq_len = tl.load(seq_lens_ptr + seq, cache_modifier=".cg")
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK_N)
+        if (q_len != 1) | (split * chunk >= seq_len):
+            return  # not a one-token query (padding, a prompt chunk), or an empty chunk
+        enter_after_previous(PDL)  # before any read of q or the cache, and any store
+    else:
+        enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
+        token = tl.load(qsl_ptr + seq)
+        if tl.load(qsl_ptr + seq + 1) - token != 1:
+            return  # not a one-token query: padding (0) or a prompt chunk (the prefill kernel's)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)  # empty when start >= seq_len
 
@@ -199,9 +223,9 @@ def _decode_split_kernel(
             # num_splits partials, read through L2 (.cg)
             tl.debug_barrier()
             counter = cnt_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1) == num_splits - 1:
-                n_used = tl.cdiv(seq_len, chunk)  # chunks past it hold no keys: weight 0, skipped
-                res = _merge_chunks(p_base, l_base, g < GROUP, io_mask, n_used, num_splits, stride_pc, stride_lc,
+            n_used = tl.cdiv(seq_len, chunk)  # chunks past it hold no keys (weight 0): not merged
+            if tl.atomic_add(counter, 1) == (n_used if SKIP_EMPTY else num_splits) - 1:
+                res = _merge_chunks(p_base, l_base, g < GROUP, io_mask, n_used, stride_pc, stride_lc,
                                     G_PAD, D_PAD, S_PAD)
                 o_off = t64 * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
                 tl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -209,14 +233,14 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _merge_chunks(p_base, l_base, g_ok, io_mask, n_used, num_splits, stride_pc, stride_lc,
+def _merge_chunks(p_base, l_base, g_ok, io_mask, n_used, stride_pc, stride_lc,
                   G_PAD: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
     """Stage 2 for one kv head's query heads: p_base [G_PAD, D_PAD] pointers to chunk 0's
     normalized partials, l_base [G_PAD] to its log-sum-exps (base 2) -> [G_PAD, D_PAD] float32
-    sum_c 2^(lse_c - max) o_c / sum_c 2^(lse_c - max), over chunks 0 .. n_used - 1 (the weight
-    sums over all num_splits; empty chunks add 0)."""
+    sum_c 2^(lse_c - max) o_c / sum_c 2^(lse_c - max), over the chunks 0 .. n_used - 1 that hold
+    keys (later ones weigh 0, and with SKIP_EMPTY nothing is stored for them)."""
     c = tl.arange(0, S_PAD)
-    lse = tl.load(l_base[:, None] + c[None, :] * stride_lc, mask=g_ok[:, None] & (c < num_splits)[None, :],
+    lse = tl.load(l_base[:, None] + c[None, :] * stride_lc, mask=g_ok[:, None] & (c < n_used)[None, :],
                   other=float("-inf"), cache_modifier=".cg")  # [G_PAD, S_PAD]
     m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)  # every chunk empty (seq_len 0): output 0
@@ -373,7 +397,8 @@ def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, b
         MIN_CHUNK_N=triton.cdiv(MIN_CHUNK, cfg["BLOCK_N"]) * cfg["BLOCK_N"],
         NUM_SPLITS_IS_ONE=one, KV_FP8=fp8,
         IEEE=k_cache.dtype == torch.float32, WIDEN_F16=fp8_widen_f16(query), MERGE=merge,
-        S_PAD=max(2, triton.next_power_of_2(num_splits)), **cfg, **pdl_args(query),
+        S_PAD=max(2, triton.next_power_of_2(num_splits)), SKIP_EMPTY=(merge or one) and skip_empty_enabled(),
+        **cfg, **pdl_args(query),
     )
 
 

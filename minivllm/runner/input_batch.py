@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,23 +82,63 @@ def build_step_inputs(
         att_table = block_table[seq_idx]
         max_query_len = 1
 
-    def to_dev(a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        if pin:
-            t = t.pin_memory()
-        return t.to(device, non_blocking=True)
-
+    slots_d, qsl_d, lens_d, table_d, ids_d, pos_d, logits_d = to_device_packed(
+        [slot_mapping, att_cu.astype(np.int32), att_lens, att_table, input_ids, positions,
+         logits_indices.astype(np.int64)], device, pin)
     meta = AttentionMetadata(
-        slot_mapping=to_dev(slot_mapping),
-        query_start_loc=to_dev(att_cu.astype(np.int32)),
-        seq_lens=to_dev(att_lens),
-        block_tables=to_dev(att_table),
+        slot_mapping=slots_d,
+        query_start_loc=qsl_d,
+        seq_lens=lens_d,
+        block_tables=table_d,
         max_query_len=max_query_len,
         max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=att_cu.tolist(),
         seq_lens_cpu=att_lens.tolist(),
     )
     holes = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN).tolist()
-    return StepInputs(to_dev(input_ids), to_dev(positions), meta, to_dev(logits_indices.astype(np.int64)),
+    return StepInputs(ids_d, pos_d, meta, logits_d,
                       [scheduled[i].req_id for i in sampling], holes, [scheduled[seq_idx[h]].req_id for h in holes],
                       drafts, cu.tolist())
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+ALIGN = 16  # bytes between the starts of to_device_packed's arrays (a multiple of)
+
+
+def one_copy_enabled() -> bool:
+    """Step inputs through one host-to-device copy (to_device_packed), unless
+    MINIVLLM_STEP_INPUTS_ONE_COPY=0 (A/B runs: one copy an array). Read at each step."""
+    return os.environ.get("MINIVLLM_STEP_INPUTS_ONE_COPY", "1") != "0"
+
+
+def to_device_packed(arrays: list[np.ndarray], device: torch.device, pin: bool) -> list[torch.Tensor]:
+    """Host int32/int64 arrays -> tensors of the same dtypes and shapes on `device`, through ONE
+    host-to-device copy: the arrays laid end to end in one byte buffer (each at an offset that is
+    a multiple of ALIGN bytes), pinned (pin) and copied without waiting; each tensor is a view of the
+    one device buffer. Why: a small copy costs the device ~2.8 us however few its bytes, and the
+    copies of a step run one after another before its first kernel (lease 56's W11-awq trace: 9 of
+    them a batch-1 decode step). Offsets are multiples of ALIGN bytes, so every view's address is
+    as aligned as a tensor of its own (Triton specializes kernels on 16-byte-divisible pointers:
+    an odd alignment would compile other variants at run time). On the CPU (pin False) the views
+    share the host buffer."""
+    if not one_copy_enabled():
+        return [_to_device(a, device, pin) for a in arrays]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // ALIGN) * ALIGN
+    buf = np.empty(max(total, ALIGN), dtype=np.uint8)
+    for a, off in zip(arrays, offsets):
+        buf[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    host = torch.from_numpy(buf)
+    if pin:
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    return [dev[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)]
+
+
+def _to_device(a: np.ndarray, device: torch.device, pin: bool) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    if pin:
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)

@@ -509,8 +509,9 @@ class ModelRunner:
         if not inputs.placeholder_positions:
             return
         sampled, rows = self._last_sampled
-        src = self._to_device([rows[r] for r in inputs.placeholder_req_ids])
-        dst = self._to_device(inputs.placeholder_positions)
+        k = len(inputs.placeholder_positions)
+        both = self._to_device([rows[r] for r in inputs.placeholder_req_ids] + inputs.placeholder_positions)  # one copy
+        src, dst = both[:k], both[k:]
         inputs.input_ids[dst] = sampled[src]
 
     def _to_device(self, values: list[int]) -> torch.Tensor:

@@ -6,7 +6,8 @@ tests/gpu/test_pdl.py's).
 The contract: with PDL every kernel waits (griddepcontrol.wait) before any load of data another
 kernel writes and before any store or atomic; before the wait only L2 prefetches of weights
 (and, in the MoE down kernel, the expert ids the top-k kernel wrote two launches back, read
-through L2). Without PDL no griddepcontrol instruction is emitted at all."""
+through L2; in the decode attention, the step's metadata, which no kernel of the step writes,
+read through L2). Without PDL no griddepcontrol instruction is emitted at all."""
 
 from __future__ import annotations
 
@@ -81,6 +82,13 @@ CASES = {
                            {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
                             "block_tables_ptr": "i32", "cnt_ptr": "i32", "k_scale_ptr": "fp32",
                             "v_scale_ptr": "fp32"}, 4),
+    "decode_split_skip": (da._decode_split_kernel, dict(GROUP=4, G_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16,
+                                                        BLOCK_N=128, MIN_CHUNK_N=128, NUM_SPLITS_IS_ONE=False,
+                                                        KV_FP8=False, IEEE=False, MERGE=True, S_PAD=64,
+                                                        SKIP_EMPTY=True),
+                          {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
+                           "block_tables_ptr": "i32", "cnt_ptr": "i32", "k_scale_ptr": "fp32",
+                           "v_scale_ptr": "fp32"}, 4),
     "decode_merge": (da._decode_merge_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=8),
                      {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "qsl_ptr": "i32"}, 4),
 }
@@ -89,7 +97,8 @@ EARLY_LOADS = {"moe_down": r"ld\.global\.cg",
                "dense_gemv_stream": r"ld\.global\.cg",  # (the first weight tile, in registers)
                "w4a16_gemv_pipe": r"ld\.global\.cg",  # (the first K step's words, scales, zeros)
                "w4a16_gemv_xpair": r"ld\.global\.cg",  # (the same, with the activation pairs loaded as words)
-               "w4a16_gemv_pairs": r"ld\.global\.cg"}  # (the same, each scale and zero one word)
+               "w4a16_gemv_pairs": r"ld\.global\.cg",  # (the same, each scale and zero one word)
+               "decode_split_skip": r"ld\.global\.cg"}  # (the step's metadata: qsl, seq_lens)
 
 
 def _compile(name: str, pdl: bool):

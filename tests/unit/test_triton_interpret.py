@@ -59,6 +59,13 @@ for splits, dt in ((4, f32), (8, f16)):
     res[f"merge {splits} splits {str(dt)[6:]}"] = [merged["in_split"][0], merged["kernel"][0], merged["apart"],
                                                     checks.ok(merged["in_split"], dt) and checks.ok(merged["kernel"], dt),
                                                     merged["counters_zero"]]
+# the same with every program storing a partial and counting (MINIVLLM_DECODE_SKIP_EMPTY=0)
+import os
+os.environ["MINIVLLM_DECODE_SKIP_EMPTY"] = "0"
+merged = checks.check_decode_merge_modes(case(decode, (8, 2), 64, 16, f32, 18), 4)
+del os.environ["MINIVLLM_DECODE_SKIP_EMPTY"]
+res["merge 4 splits float32 no skip"] = [merged["in_split"][0], merged["kernel"][0], merged["apart"],
+                                         checks.ok(merged["in_split"], f32), merged["counters_zero"]]
 record("split fp32 d64 gqa4 mixed 1 split", f32, checks.check_split_roles(case(mixed, (8, 2), 64, 16, f32, 12), 1))
 record("split fp16 d128 gqa2 mixed 3 splits", f16,
        checks.check_split_roles(case(mixed + [(1, 300)], (4, 2), 128, 32, f16, 13, pad_tokens=2), 3))
@@ -83,8 +90,9 @@ def test_kernel_matches_reference_under_interpreter(interpreter_results: dict[st
 
 def test_decode_merge_in_split_under_interpreter(interpreter_results: dict[str, list]) -> None:
     """The chunks merged by the last stage-1 program: within tolerance of the reference, as the
-    merge kernel is, the two within rounding of each other, and the counters back at 0."""
+    merge kernel is, the two within rounding of each other, and the counters back at 0; with
+    the empty chunks' programs exiting (the default) and with them storing and counting."""
     cases = {name: r for name, r in interpreter_results.items() if name.startswith("merge ")}
-    assert len(cases) == 2, cases
+    assert len(cases) == 3, cases
     bad = {name: r for name, r in cases.items() if not (r[3] and r[2] < (1e-5 if "float32" in name else 1e-3) and r[4])}
     assert not bad, bad
