@@ -18,27 +18,23 @@
 # the queue then lacks PYTHONPATH). Start a queue only after the last one is done (`wait` says so):
 # two at once share the GPU and spoil both timings.
 #
-# What the single-GPU issues still need (after lease 48, 2026-11-28; the lent machine is an H200:
+# What the single-GPU issues still need (after lease 57, 2026-11-28; the lent machine is an H200:
 # kind nvidia-h200; a session's 30 minutes count in full, the start ~40 s; staging all of vLLM takes
 # ~8 minutes of held time on this link (7 carrying calls of ~60 s each, then the install): plan the
 # vLLM rows of a session into one lease; name only the test files and GPU_TESTS_K that need a run).
-#   1. Issue 25, W11-awq at 43.3 % of the H200's int4 roofline (2.598-2.606 ms a token, lease 54,
-#      with the scale-zero pairs; 2.73-2.74 before; 1.45x vLLM's Marlin at 2.747 in lease 47; target
-#      75 % = 1.53 ms). Lease 47's profile: GEMVs 1.89 ms, LM head 0.25, decode attention 0.20,
-#      norms 0.15. Removed: a grid-barrier GEMV chain (lease 46), a stream-K GEMV (48), SZ_L1 (50).
-#      Leases 51-54: the GEMV's timing in the engine can move where the kernel timed alone does not
-#      (the probe and --sequence missed a 0.39 ms load-order effect and ranked the pairs the wrong
-#      way): A/B GEMV changes with ours:W11-awq pairs, or with packages at several commits through
-#      scripts/ab_engine.sh (prepare here, run there; ~40 s a run).
-#      Next lead, the order effect's cause: the kernel profile in graphs with PDL for the scales-first
-#      commit and the current one, each run from its own package folder (prepare ab/4fb363e here with
-#      ab_engine.sh, then there: `(cd ab/4fb363e && PYTHONPATH=$PWD:$PYTHONPATH python3 $root/scripts/
-#      kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128
-#      --max-tokens 64 --out $OUT/p-szfirst.json)` and the same from the root): which kernels lose
-#      the 3 us a GEMV, the GEMV or its predecessor.
-#      GPU tests not yet run on the final code: tests/gpu/test_quant_kernels.py -k "sz_pairs or
-#      quantized_default_model" (the model test needs .gpu/g1 and .gpu/g2: with the tree at ~12.5 MB,
-#      .gpu/g1 and .whl no longer fit one call; carry .whl, .gpu/g1, .gpu/g2 in three calls).
+#   1. Issue 25, W11-awq at 45.4 % of the H200's int4 roofline (2.464 ms a token, lease 57; 2.598 in
+#      lease 56 before the greedy argmax kernel, SKIP_EMPTY and the one input copy; 1.45x vLLM's
+#      Marlin at 2.747 in lease 47; target 75 % = 1.49 ms). Lease 55's profile (d66dc23): GEMVs
+#      1.75 ms, LM head 0.24, decode attention 0.20 (less ~0.08 since), norms 0.13, rotary 0.06.
+#      Removed: a grid-barrier GEMV chain (lease 46), a stream-K GEMV (48), SZ_L1 (50).
+#      Rank GEMV changes by the engine's own A/B (step ab-engine: AB_SPECS=". .@VAR=0" alternately,
+#      or packages at other commits prepared with scripts/ab_engine.sh); the probe and --sequence
+#      missed a 0.39 ms load-order effect, which lease 55's profiles put inside the GEMV itself
+#      (2,090 vs 1,747 us a token on the critical path; the kernels around it unchanged).
+#      Left: the 6 DtoD copies into the graph's buffers before each step (~13 us), the attention's
+#      latency chain, 65 norm launches; 75 % needs a persistent decode layer (nvcc is on the device).
+#      Not run on the final code: tests/gpu/test_quant_kernels.py -k quantized_default_model (lease
+#      57's budget ran out in it; lease 55 passed it before the one-copy input change).
 #   2. FP8 W1-8B on the H200: 1.01x vLLM by the first run, 0.99x by the best of two (lease 47).
 #   3. The fused MoE, dense GEMV and invariant GEMM run on the H100's tables there
 #      (tuned_tables.SIBLINGS): a sweep each if they matter.
