@@ -124,6 +124,13 @@ def _attend_chunk(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs, st
     return acc, m_i, l_i
 
 
+@triton.jit
+def _chunk_keys(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK_N: tl.constexpr):
+    """Keys a chunk of this sequence: its share of num_splits chunks rounded up to BLOCK_N, at
+    least MIN_CHUNK_N (so short sequences fill fewer chunks)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK_N)
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # per-step values: one compiled variant
 def _decode_split_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -170,7 +177,7 @@ def _decode_split_kernel(
         token = tl.load(qsl_ptr + seq, cache_modifier=".cg")
         q_len = tl.load(qsl_ptr + seq + 1, cache_modifier=".cg") - token
         seq_len = tl.load(seq_lens_ptr + seq, cache_modifier=".cg")
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK_N)
+        chunk = _chunk_keys(seq_len, num_splits, BLOCK_N, MIN_CHUNK_N)
         if (q_len != 1) | (split * chunk >= seq_len):
             return  # not a one-token query (padding, a prompt chunk), or an empty chunk
         enter_after_previous(PDL)  # before any read of q or the cache, and any store
@@ -180,7 +187,7 @@ def _decode_split_kernel(
         if tl.load(qsl_ptr + seq + 1) - token != 1:
             return  # not a one-token query: padding (0) or a prompt chunk (the prefill kernel's)
         seq_len = tl.load(seq_lens_ptr + seq)
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK_N)
+        chunk = _chunk_keys(seq_len, num_splits, BLOCK_N, MIN_CHUNK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)  # empty when start >= seq_len
 
