@@ -30,7 +30,10 @@
 #      Rank GEMV changes by the engine's own A/B (step ab-engine: AB_SPECS=". .@VAR=0" alternately,
 #      or packages at other commits prepared with scripts/ab_engine.sh); the probe and --sequence
 #      missed a 0.39 ms load-order effect, which lease 55's profiles put inside the GEMV itself
-#      (2,090 vs 1,747 us a token on the critical path; the kernels around it unchanged).
+#      (2,090 vs 1,747 us a token on the critical path; the kernels around it unchanged). But with
+#      the pairs on, both orders compile to identical SASS under Triton 3.6 (sm_90, the engine's
+#      specializations): run an A/A first (the same commit from ab/<REF> and from the root) before
+#      trusting a package-against-package A/B; switch A/Bs within one package are not affected.
 #      Left: the 6 DtoD copies into the graph's buffers before each step (~13 us), the attention's
 #      latency chain, 65 norm launches; 75 % needs a persistent decode layer (nvcc is on the device).
 #      Not run on the final code: tests/gpu/test_quant_kernels.py -k quantized_default_model (lease
