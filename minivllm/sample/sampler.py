@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.kernels.greedy_argmax import greedy_argmax
 from minivllm.sample.batch import PenaltyTensors, SamplingBatch
 from minivllm.sample.ops import apply_penalties, apply_top_k_top_p_min_p
 from minivllm.sample.rng import exponential_race
@@ -110,9 +109,17 @@ def _penalize(x: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
     return x.index_copy_(0, p.rows, sub)
 
 
+def _greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # -> [B] int64, exact in any float dtype
+    """The argmax of each row: on CUDA one launch over many programs (kernels/greedy_argmax.py,
+    imported there only, as rng.py imports the seeded race: Triton stays out of `import minivllm`)."""
+    if not logits.is_cuda:
+        return logits.argmax(dim=-1)
+    from minivllm.kernels.greedy_argmax import greedy_argmax
+    return greedy_argmax(logits)
+
+
 def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  # -> [B] int64
-    # exact in any float dtype; on CUDA one launch over many programs (kernels/greedy_argmax.py)
-    greedy = None if batch.all_random else greedy_argmax(logits)
+    greedy = None if batch.all_random else _greedy_tokens(logits)
     if batch.all_greedy:
         return greedy
     assert batch.temperature is not None
