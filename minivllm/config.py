@@ -89,6 +89,9 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     # the port the replicas' ranks meet on when one world spans them (set by engine/dp_engine.py)
     data_parallel_master_port: int | None = None
+    # True: NCCL for every all-reduce; False: decode-sized ones through symmetric memory where it
+    # works (distributed/symm_all_reduce.py; vLLM's name for its own custom all-reduce switch)
+    disable_custom_all_reduce: bool = False
 
     @property
     def world_size(self) -> int:

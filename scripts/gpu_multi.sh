@@ -11,6 +11,10 @@
 #   check-8b            bench parallel-check: Qwen3-8B shapes (4 layers, random seeded weights),
 #                       tp1 vs tp2 vs tp4, bf16 (needs 4 GPUs)
 #   check-default       the default model's real weights exported to bf16: tp1 vs tp3 vs pp2
+#   ar-bench-2 / -4     minivllm.bench.all_reduce_bench: the symmetric-memory all-reduce's checks
+#                       and its time against NCCL, 8 KB to 8 MB, on 2 / 4 GPUs
+#   profile-tp2         W1-8B cut to 48 tokens a request at tp=2 (mp): traces of the engine and
+#                       both ranks (profile-tp1-mp: one rank in a worker process; profile-tp1: in process)
 #   w3-dp1 / w3-dp2     W3 (Qwen3-8B, our server) at 16 and 64 req/s with -dp 1 / -dp 2
 #   w3-32b-tpN          W3 at 16 req/s on Qwen3-32B shapes, our server, -tp N (N = 2, 4)
 #   vllm-w3-32b-tpN     the same on vLLM's server
@@ -97,6 +101,16 @@ run_step() {  # run_step STEP LANE_DIR PORT
       python3 -m minivllm bench parallel-check --model-config qwen3-8b --num-layers 4 --layouts tp1,tp2,tp4 \
         --dtype bfloat16 --skip-tokenizer-init --num-prompts 16 --prompt-len 128 --max-tokens 64 \
         --max-model-len 1024 --output "$dir/check-8b.json" ;;
+    ar-bench-2|ar-bench-4)  # issue 27: the symmetric-memory all-reduce vs NCCL (checks, then us a call by size)
+      python3 -m minivllm.bench.all_reduce_bench --world-size ${step#ar-bench-} --output "$dir/$step.json" ;;
+    profile-tp2|profile-tp1-mp|profile-tp1)  # issue 27: W1-8B's request set cut to 48 tokens a request
+      # (decode at batch 256 after a few prefill steps), torch-profiler traces of the engine and each rank, gzipped
+      local flags="-tp 2 --distributed-executor-backend mp"
+      [ "$step" = profile-tp1-mp ] && flags="--distributed-executor-backend mp"
+      [ "$step" = profile-tp1 ] && flags=""
+      python3 -m minivllm bench throughput --workload W1-8B $flags \
+        --max-output 48 --max-prompt 256 --profile --profile-dir "$dir/$step" --output "$dir/$step.json" \
+        && gzip -f "$dir/$step"/*.json ;;
     check-default)
       [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
       python3 -m minivllm bench parallel-check --model /tmp/smollm2-bf16 --layouts tp1,tp3,pp2 \

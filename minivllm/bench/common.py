@@ -247,6 +247,8 @@ def add_common_engine_args(p: argparse.ArgumentParser) -> None:
                    help="minivllm only offline (vLLM's LLM runs one replica per process): W3 compares dp through serve")
     p.add_argument("--enable-expert-parallel", action="store_true", default=None,
                    help="MoE experts spread over the tp (x dp) ranks")
+    p.add_argument("--disable-custom-all-reduce", action="store_true", default=None,
+                   help="NCCL for every TP all-reduce (both engines' option)")
     p.add_argument("--kv-offloading-size", type=float, default=None,
                    help="W12: GiB of host memory for the prefix cache's CPU offload tier (both engines' option)")
     p.add_argument("--repeats", type=int, default=1,
@@ -285,7 +287,8 @@ def quant_engine_kwargs(args: argparse.Namespace) -> dict:
     if getattr(args, "distributed_executor_backend", None):
         kw["distributed_executor_backend"] = args.distributed_executor_backend
     for k in ("kv_offloading_size", "kv_cache_memory_bytes",  # W12 (the same names in vLLM)
-              "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel"):
+              "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel",
+              "disable_custom_all_reduce"):
         if getattr(args, k, None) is not None:
             kw[k] = getattr(args, k)
     return kw

@@ -200,7 +200,15 @@ def _w9_jobs(tp: list[str]) -> list[Job]:
         moe = _VLLM_MOE if "W10" in name else []
         smoke = (_TINY_MOE if "W10" in name else _LAT_TINY if "latency" in base else _TINY) + par(flags)
         j += _pair(name, base + par(flags), base + flags + moe, e_ours, e_vllm, smoke)
+    # the custom all-reduce's A/B (distributed/symm_all_reduce.py): the same runs with NCCL alone
+    nccl = {"MINIVLLM_CUSTOM_ALL_REDUCE": "0"}
+    j += [_ours_ab("W1-8B-tp2-nccl", tp + ["W1-8B", "-tp", "2"] + mp, 150, _TINY + ["-tp", "2"] + mp, nccl),
+          _ours_ab("W2-tp2-nccl", ["latency", "--model-config", "llama-3.1-8b", "-tp", "2"] + mp, 130,
+                   _LAT_TINY + ["-tp", "2"] + mp, nccl),
+          _ours_ab("W1-8B-tp4-nccl", tp + ["W1-8B", "-tp", "4"] + mp, 150, _TINY + ["-tp", "4"] + mp, nccl)]
     # the distributed code path's cost on one GPU: W1 with its one rank in a worker process (issue 20)
+    j.append(Job("ours:W1-8B-mp", "ours", OURS + tp + ["W1-8B", "--distributed-executor-backend", "mp"], 150, 540,
+                 _TINY + _CPU + ["--distributed-executor-backend", "mp"]))
     j.append(Job("ours:W1-mp", "ours", OURS + tp + ["W1", "--distributed-executor-backend", "mp"], 130, 540,
                  _TINY + _CPU + ["--distributed-executor-backend", "mp"]))
     # data parallel + expert parallel: attention per replica, experts over both (minivllm only offline)

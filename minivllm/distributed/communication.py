@@ -3,14 +3,17 @@ and send/recv of a step's hidden states between pipeline stages. torch.distribut
 NCCL on CUDA, gloo on the CPU.
 
 A group of size 1 does nothing (no call at all), so the single-rank path costs nothing. On CUDA
-the all-reduce and all-gather are plain NCCL collectives on the current stream: they are captured
-into CUDA graphs like any kernel (the communicator is created by a warm-up collective before any
+the all-reduce and all-gather are NCCL collectives on the current stream, except decode-sized
+all-reduces, which go through symmetric memory (symm_all_reduce.py); all are captured into CUDA
+graphs like any kernel (the communicator and the symmetric buffers are set up before any
 capture, parallel_state.init_distributed)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from minivllm.distributed.symm_all_reduce import SymmetricAllReduce
 
 
 class TensorParallelGroup:
@@ -20,11 +23,17 @@ class TensorParallelGroup:
         self.group, self.rank, self.size = group, rank, size
         # gloo has no all_gather_into_tensor; NCCL gathers into one buffer (one kernel, graph-safe)
         self._gather_into_tensor = device.type == "cuda"
+        # decode-sized all-reduces through symmetric memory (distributed/symm_all_reduce.py);
+        # set by parallel_state.init_distributed, None: NCCL for every message
+        self.custom: SymmetricAllReduce | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place; returns x. Every rank gets the same bits (ring all-reduce:
-        each chunk is summed once and then copied), so later replicated work stays identical."""
+        """Sum over the group, in place; returns x. Every rank gets the same bits (NCCL's ring:
+        each chunk is summed once and then copied; the custom kernels sum in rank order), so
+        later replicated work stays identical."""
         if self.size > 1:
+            if self.custom is not None and self.custom.can_reduce(x):
+                return self.custom.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from minivllm.distributed import symm_all_reduce
 from minivllm.distributed.communication import PipelineLink, TensorParallelGroup
 from minivllm.distributed.sharding import RankInfo
 
@@ -49,12 +50,14 @@ class ParallelGroups:
 
 
 def init_distributed(rank: RankInfo, init_method: str, device: torch.device, replica: int = 0,
-                     num_replicas: int = 1, expert_parallel: bool = False) -> ParallelGroups:
+                     num_replicas: int = 1, expert_parallel: bool = False,
+                     disable_custom_all_reduce: bool = False) -> ParallelGroups:
     """Join the world (gloo on the CPU, NCCL on CUDA) and build the TP groups and pipeline link.
     Every rank calls this with its own RankInfo and the same init_method (tcp://host:port).
     replica / num_replicas: this rank's data-parallel replica, when the world spans the replicas
     (expert parallelism across them); expert_parallel: the MoE layers' experts are split over
-    the world's ranks (else every rank holds every expert)."""
+    the world's ranks (else every rank holds every expert); disable_custom_all_reduce: NCCL for
+    every all-reduce (else decode-sized ones go through symmetric memory where it works)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     base = replica * rank.world_size  # the first global rank of this replica
@@ -71,6 +74,7 @@ def init_distributed(rank: RankInfo, init_method: str, device: torch.device, rep
     tp = TensorParallelGroup(tp_group, rank.tp_rank, rank.tp_size, device)
     if tp.size > 1:  # creates the communicator now, never inside a CUDA graph capture
         tp.all_reduce(torch.zeros(1, device=device))
+        tp.custom = symm_all_reduce.build(tp_group, tp.size, device, disable_custom_all_reduce)
     link = None
     if rank.pp_size > 1:
         prev = None if rank.is_first_stage else base + rank.global_rank(rank.tp_rank, rank.pp_rank - 1)

@@ -63,6 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="a MoE model's experts split over the ranks (whole experts: E / (tp x dp) each); with "
                         "-dp > 1 tokens travel to their experts' replicas by all_to_all")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="NCCL for every tensor-parallel all-reduce (default: decode-sized ones through "
+                        "symmetric memory, one kernel over NVLink, where the GPUs allow it)")
     g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="uni: in process (world size 1); mp: one worker process per rank; ray: Ray actors, "
                         "also on other nodes of a Ray cluster (default: uni for one rank, else mp)")
@@ -101,8 +104,8 @@ _KEYS = ["model", "tokenizer", "dtype", "device", "load_format", "seed", "max_mo
          "calculate_kv_scales", "speculative_config", "reasoning_parser", "structured_outputs_config",
          "prefix_caching_hash_algo", "batch_invariant", "tensor_parallel_size", "pipeline_parallel_size",
          "data_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
-         "swap_space", "preemption_mode", "kv_offloading_size", "enable_lora", "max_loras", "max_lora_rank",
-         "max_cpu_loras", "pooler_config", "kv_transfer_config"]
+         "disable_custom_all_reduce", "swap_space", "preemption_mode", "kv_offloading_size", "enable_lora",
+         "max_loras", "max_lora_rank", "max_cpu_loras", "pooler_config", "kv_transfer_config"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

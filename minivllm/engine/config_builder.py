@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from minivllm.config import (
     _DTYPES,
     EXECUTOR_BACKENDS,
@@ -79,6 +81,7 @@ def build_engine_config(
     data_parallel_size: int = 1,
     distributed_executor_backend: str | None = None,
     enable_expert_parallel: bool = False,
+    disable_custom_all_reduce: bool = False,
     enforce_eager: bool = False,
     attention_backend: str | None = None,
     skip_tokenizer_init: bool = False,
@@ -186,6 +189,9 @@ def build_engine_config(
     eager = enforce_eager or not on_gpu or parallel.pipeline_parallel_size > 1
     batch_invariant = _resolve_batch_invariant(batch_invariant, device, dtype, quant is not None, arch.moe is not None,
                                                kv_cache_dtype, speculative is not None)
+    # the custom all-reduce picks its kernel by message size, so it stays off where a row's bits
+    # must not depend on the batch (as vLLM turns its own off under VLLM_BATCH_INVARIANT)
+    parallel = dataclasses.replace(parallel, disable_custom_all_reduce=disable_custom_all_reduce or batch_invariant)
     kv_transfer = _kv_transfer_config(kv_transfer_config, device, parallel, speculative)
     # pulled fp8 blocks mean what the producer's scales say: both must have the checkpoint's
     check(kv_transfer is None or not cache.calculate_kv_scales, "calculate_kv_scales",

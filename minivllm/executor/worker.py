@@ -62,7 +62,7 @@ class Worker:
             torch.set_num_threads(cpu_threads)  # the ranks share the machine's cores
         replicas = p.data_parallel_size if p.spans_replicas else 1
         self.parallel = (init_distributed(self.rank, init_method, device, p.data_parallel_rank if replicas > 1 else 0,
-                                          replicas, p.enable_expert_parallel)
+                                          replicas, p.enable_expert_parallel, p.disable_custom_all_reduce)
                          if self.rank.world_size * replicas > 1 else ParallelGroups.single(device))
         self.runner = ModelRunner(config, self.parallel, device)
         self._profiler = None  # this rank's torch-profiler trace while one runs (profile())
