@@ -110,7 +110,11 @@ run_step() {  # run_step STEP LANE_DIR PORT
       [ "$step" = profile-tp1 ] && flags=""
       python3 -m minivllm bench throughput --workload W1-8B $flags \
         --max-output 48 --max-prompt 256 --profile --profile-dir "$dir/$step" --output "$dir/$step.json" \
-        && gzip -f "$dir/$step"/*.json ;;
+        ; gzip -f "$dir/$step"/*.json ;;
+    profile-w2-tp2)  # issue 27: W2 at tp=2 (mp), 64 tokens of one run, traces of the engine and both ranks
+      python3 -m minivllm bench latency --model-config llama-3.1-8b -tp 2 --distributed-executor-backend mp \
+        --max-output 64 --reps 1 --no-bandwidth --profile --profile-dir "$dir/$step" --output "$dir/$step.json" \
+        ; gzip -f "$dir/$step"/*.json ;;
     check-default)
       [ -f /tmp/smollm2-bf16/config.json ] || python3 scripts/export_default_model.py /tmp/smollm2-bf16 --dtype bfloat16 >/dev/null
       python3 -m minivllm bench parallel-check --model /tmp/smollm2-bf16 --layouts tp1,tp3,pp2 \

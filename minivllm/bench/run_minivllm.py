@@ -145,6 +145,9 @@ def expert_load(engine) -> dict | None:
     """A MoE model's per-expert token counts since startup (every run on this engine), per layer,
     and how uneven they are: max / mean over a layer's experts (1.0 = perfectly even). Counted
     once per token: tensor-parallel ranks' counts are the driver's, replicas' are summed."""
+    config = getattr(engine, "config", None)
+    if config is not None and config.model.arch.moe is None:  # a dense model: nothing to ask the ranks
+        return None
     source = engine if hasattr(engine, "replicas") else getattr(engine, "executor", None)
     read = getattr(source, "expert_token_counts_per_layer", None)
     per_layer = read() if read is not None else None

@@ -177,7 +177,7 @@ def main(argv: list[str]) -> int:
         conn.send(("planned", worker.load()))
         worker.init_kv(conn.recv()[1])
         conn.send(("ready",))
-        serve(conn, worker, overlap=config.async_scheduling)
+        _serve_maybe_profiled(conn, worker, config.async_scheduling, rank)
     except (EOFError, ConnectionError):
         os._exit(0)  # the engine is gone: nobody to answer (and no peer to wait for)
     except BaseException:  # noqa: BLE001 - the executor must hear what killed this rank
@@ -189,6 +189,22 @@ def main(argv: list[str]) -> int:
         os._exit(1)  # no clean-up that could wait on a peer stuck in a collective
     worker.shutdown()  # a clean stop: every step is done, every send was received
     return 0
+
+
+def _serve_maybe_profiled(conn, worker: Worker, overlap: bool, rank: int) -> None:
+    """serve(), under cProfile when MINIVLLM_WORKER_CPROFILE names a directory: the rank's host
+    time by function (DIR/worker-rank<r>.prof, written at a clean stop; `python -m pstats`)."""
+    directory = os.environ.get("MINIVLLM_WORKER_CPROFILE")
+    if not directory:
+        serve(conn, worker, overlap)
+        return
+    import cProfile
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(serve, conn, worker, overlap)
+    finally:
+        os.makedirs(directory, exist_ok=True)
+        prof.dump_stats(os.path.join(directory, f"worker-rank{rank}.prof"))
 
 
 def _exit_with_parent(interval_s: float = 1.0) -> None:
