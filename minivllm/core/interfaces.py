@@ -121,6 +121,46 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def __reduce__(self):
+        """Pickled as columns (the mp and Ray executors send one every step): 256 decoding
+        requests as 256 ScheduledRequest objects cost ~1 ms to pickle and unpickle on the
+        host, in series with every step (docs/perf.md, the multi-GPU run on 4 H200s); as a
+        few lists of ints and strings, a fraction of that."""
+        return (_unpack_scheduler_output, (self.new_requests, _pack_scheduled(self.scheduled), self.finished_req_ids,
+                                           self.preempted_req_ids, self.num_scheduled_tokens, self.kv_transfers))
+
+
+def _pack_scheduled(scheduled: list[ScheduledRequest]) -> tuple:
+    """(ids, token counts, all tokens end to end, num_computed_tokens, new block counts, all new
+    blocks end to end, samples flags, rare fields) where rare fields holds (index,
+    num_draft_tokens, prompt_logprob_rows, pool, cow) of only the requests that set any of them."""
+    tokens, blocks = [], []
+    for s in scheduled:
+        tokens += s.token_ids
+        blocks += s.new_block_ids
+    rare = [(i, s.num_draft_tokens, s.prompt_logprob_rows, s.pool, s.cow) for i, s in enumerate(scheduled)
+            if s.num_draft_tokens or s.prompt_logprob_rows is not None or s.pool or s.cow is not None]
+    return ([s.req_id for s in scheduled], [len(s.token_ids) for s in scheduled], tokens,
+            [s.num_computed_tokens for s in scheduled], [len(s.new_block_ids) for s in scheduled], blocks,
+            [s.samples for s in scheduled], rare)
+
+
+def _unpack_scheduled(packed: tuple) -> list[ScheduledRequest]:
+    ids, token_counts, tokens, computed, block_counts, blocks, samples, rare = packed
+    out, t, b = [], 0, 0
+    for rid, nt, start, nb, smp in zip(ids, token_counts, computed, block_counts, samples):
+        out.append(ScheduledRequest(rid, tokens[t:t + nt], start, blocks[b:b + nb], smp))
+        t += nt
+        b += nb
+    for i, drafts, rows, pool, cow in rare:
+        s = out[i]
+        s.num_draft_tokens, s.prompt_logprob_rows, s.pool, s.cow = drafts, rows, pool, cow
+    return out
+
+
+def _unpack_scheduler_output(new_requests, packed, finished, preempted, num_tokens, kv_transfers) -> SchedulerOutput:
+    return SchedulerOutput(new_requests, _unpack_scheduled(packed), finished, preempted, num_tokens, kv_transfers)
+
 
 @dataclass
 class TokenLogprobs:

@@ -32,9 +32,61 @@ class StepInputs:
     request_starts: list[int] | None = None
 
 
+class BlockTableRows:
+    """Every request's block table as a row of one int32 array, kept in step with the runner's
+    lists: a step's [n, max_blocks] table is then one gather instead of n Python lists turned
+    into numpy (0.7 ms a step at 256 requests of ~40 blocks on the development CPU, in series
+    with every step on each rank). Entries past a row's length are 0, as in the lists' table."""
+
+    def __init__(self, rows: int = 64, cols: int = 64) -> None:
+        self.table = np.zeros((rows, cols), dtype=np.int32)
+        self.lens = np.zeros(rows, dtype=np.int64)
+        self.row_of: dict[str, int] = {}
+        self._free = list(range(rows - 1, -1, -1))
+
+    def set(self, req_id: str, blocks: list[int]) -> None:
+        """The request's whole table (a new request, or one whose table changed in place)."""
+        row = self.row_of.get(req_id)
+        if row is None:
+            if not self._free:
+                self._grow_rows()
+            row = self.row_of[req_id] = self._free.pop()
+        self._fit(len(blocks))
+        self.table[row] = 0
+        self.table[row, :len(blocks)] = blocks
+        self.lens[row] = len(blocks)
+
+    def extend(self, req_id: str, blocks: list[int]) -> None:
+        row = self.row_of[req_id]
+        start = int(self.lens[row])
+        self._fit(start + len(blocks))
+        self.table[row, start:start + len(blocks)] = blocks
+        self.lens[row] = start + len(blocks)
+
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self._free.append(row)
+
+    def gather(self, req_ids: list[str]) -> np.ndarray:
+        """[len(req_ids), longest table] int32, rows in req_ids' order."""
+        rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        return self.table[rows, :max(1, int(self.lens[rows].max()))]
+
+    def _fit(self, cols: int) -> None:
+        if cols > self.table.shape[1]:
+            self.table = np.pad(self.table, ((0, 0), (0, max(cols, 2 * self.table.shape[1]) - self.table.shape[1])))
+
+    def _grow_rows(self) -> None:
+        old = self.table.shape[0]
+        self.table = np.pad(self.table, ((0, old), (0, 0)))
+        self.lens = np.pad(self.lens, (0, old))
+        self._free = list(range(2 * old - 1, old - 1, -1))
+
+
 def build_step_inputs(
     scheduled: list[ScheduledRequest],
-    block_ids: dict[str, list[int]],  # the runner's block table of each request
+    block_ids: dict[str, list[int]] | BlockTableRows,  # the runner's block table of each request
     block_size: int,
     device: torch.device,
     pin: bool,
@@ -50,11 +102,13 @@ def build_step_inputs(
     positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, q_lens)
     input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), dtype=np.int64, count=total)
 
-    tables = [block_ids[s.req_id] for s in scheduled]
-    max_blocks = max(len(t) for t in tables)
-    block_table = np.zeros((n, max_blocks), dtype=np.int32)
-    for i, t in enumerate(tables):
-        block_table[i, :len(t)] = t
+    if isinstance(block_ids, BlockTableRows):
+        block_table = block_ids.gather([s.req_id for s in scheduled])
+    else:
+        tables = [block_ids[s.req_id] for s in scheduled]
+        block_table = np.zeros((n, max(len(t) for t in tables)), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_table[i, :len(t)] = t
     slot_mapping = block_table[seq_idx, positions // block_size].astype(np.int64) * block_size + positions % block_size
     seq_lens = (starts + q_lens).astype(np.int32)
     sampling = [i for i, s in enumerate(scheduled) if s.samples]

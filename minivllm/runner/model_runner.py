@@ -31,7 +31,7 @@ from minivllm.models.llama import CausalLM, IntermediateTensors
 from minivllm.models.loader import build_model
 from minivllm.runner.extra_outputs import ExtraRows, plan_extra_rows, pool, prompt_logprobs
 from minivllm.runner.expert_counts import ExpertCountsReader
-from minivllm.runner.input_batch import StepInputs, build_step_inputs
+from minivllm.runner.input_batch import BlockTableRows, StepInputs, build_step_inputs
 from minivllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, format_bytes
 from minivllm.runner.memory import plan_num_blocks
 from minivllm.sample.batch import SamplingBatch, SamplingRequestState
@@ -104,6 +104,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.arch = config.model.arch
         self.requests: dict[str, RunnerRequest] = {}
+        self.block_rows = BlockTableRows()  # the requests' block tables as numpy rows (kept by _update_states)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.model: CausalLM | None = None
@@ -380,16 +381,23 @@ class ModelRunner:
         gone = sched.finished_req_ids | sched.preempted_req_ids
         for req_id in gone:
             self.requests.pop(req_id, None)
+            self.block_rows.remove(req_id)
         if self.speculator is not None and gone:
             self.speculator.drop(gone)
         for new in sched.new_requests:
             self.requests[new.req_id] = RunnerRequest([], _sampling_state(new, self._invariant_seed), new.lora_request,
                                                       new.pooling, new.beam_temperature)
+            self.block_rows.set(new.req_id, [])
         copies = []
+        rows = self.block_rows
         for s in sched.scheduled:
-            pair = _take_step_blocks(self.requests[s.req_id].block_ids, s)
-            if pair is not None:
+            table = self.requests[s.req_id].block_ids
+            pair = _take_step_blocks(table, s)
+            if pair is not None:  # a block replaced in place: the row is written again
                 copies.append(pair)
+                rows.set(s.req_id, table)
+            elif s.new_block_ids:
+                rows.extend(s.req_id, s.new_block_ids)
         if copies:
             self._copy_blocks(copies)
 
@@ -427,7 +435,7 @@ class ModelRunner:
             block_ids[s.req_id] = table
         return self._step_inputs(sched, block_ids)
 
-    def _step_inputs(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepInputs:
+    def _step_inputs(self, sched: SchedulerOutput, block_ids: dict[str, list[int]] | BlockTableRows) -> StepInputs:
         return build_step_inputs(sched.scheduled, block_ids, self.block_size, self.device,
                                  pin=self.device.type == "cuda")
 
@@ -445,7 +453,7 @@ class ModelRunner:
                 self.model.idle_step()
             return ForwardStep(None, [])
         if inputs is None:
-            inputs = self._step_inputs(sched, {s.req_id: self.requests[s.req_id].block_ids for s in sched.scheduled})
+            inputs = self._step_inputs(sched, self.block_rows)
         self._fill_placeholders(inputs)
         if self.lora is not None:
             self.lora.prepare_step([len(s.token_ids) for s in sched.scheduled],
