@@ -47,7 +47,7 @@ DEFAULT_MAX_BYTES = 8 * MiB  # covers decode steps in CUDA graphs (512 rows x 51
 # 2 H200s (all_reduce_bench, 2026-11-28, us a call in CUDA graphs, one-shot / two-shot / NCCL):
 # 1 MiB 14.6 / 15.5 / 21.4, 2 MiB 21.5 / 19.1 / 34.0, 8 MiB 61.9 / 41.5 / 52.2
 DEFAULT_ONE_SHOT_MAX = {2: 1 * MiB, 4: 512 * 1024, 8: 256 * 1024}
-ALIGN_BYTES = 16  # the kernels' widest vector; message sizes must be multiples of 4 bytes
+ALIGN_BYTES = 16  # the kernels' widest vector: start and size multiples of it keep them on 16-byte loads
 
 
 def enabled_by_env() -> bool:
@@ -74,7 +74,7 @@ class SymmetricAllReduce:
     def can_reduce(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
         return (x.dtype in SUPPORTED_DTYPES and x.is_contiguous() and 0 < nbytes <= self.max_bytes
-                and nbytes % 4 == 0 and x.data_ptr() % ALIGN_BYTES == 0 and nbytes % ALIGN_BYTES == 0)
+                and x.data_ptr() % ALIGN_BYTES == 0 and nbytes % ALIGN_BYTES == 0)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the group into x (in place); the caller checked can_reduce(x)."""
