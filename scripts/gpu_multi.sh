@@ -59,15 +59,20 @@
 # NUM_REQUESTS shortens the W3 steps (default 1000, BENCHMARKS.md's). SMOKE=1 runs the compare
 # steps in their CPU smoke form (plumbing check: SMOKE=1 OUT=/tmp/x bash scripts/gpu_multi.sh 'ours:W1-8B-tp2+vllm:W1-8B-tp2@').
 #
-# What issue 27 still needs (after `bash scripts/device_wheels.sh` here; on a 4-GPU machine, each
-# call carrying one of .vllm/p1..p5, deps, x, then .gpu/g1 + .whl and .gpu/g2, back to back):
-#   'ours:W1@0' 'ours:W1-mp@1' 'ours:W1-8B-tp2@2,3'               (the mp overlap fix, ws=1 cost)
-#   'ours:W1-8B-tp4@0,1,2,3'  then  'vllm:W1-8B-tp4@0,1,2,3'
-#   'ours:W2-tp2+vllm:W2-tp2@0,1' 'ours:W1-32B-tp2+vllm:W1-32B-tp2@2,3'
-#   'ours:W1-32B-tp4@0,1,2,3' 'vllm:W1-32B-tp4@0,1,2,3' 'vllm:W1-32B-pp2@0,1' 'vllm:W1-32B-tp2pp2@0,1,2,3'
+# What issue 27 still needs (after leases 58-59 on 4 H200s, 2026-11-28; `bash scripts/device_wheels.sh`
+# here first; on a 4-GPU machine carry .whl alone and start the ours lanes, then each of .vllm/p1..p5,
+# deps, x back to back while they run (~15 s a carry on that link), then .gpu/g1 and .gpu/g2):
+#   re-measure W1-8B tp=1/2/4 after de503e1 (columns message, block-table rows): the step loop was
+#     host-bound (~10.9 ms of host work a step at batch 256 against 8 ms of GPU at tp=2); run the
+#     ours lanes ALONE (side-by-side lanes moved our figures 20 %), e.g.
+#     'ours:W1-8B-tp2@0,1' then 'ours:W1-8B-tp4@0,1,2,3', with 'vllm:W1-8B-tp2@0,1' 'vllm:W1-8B@2,3' after
+#   'ours:W1-32B-tp2+vllm:W1-32B-tp2@0,1' 'ours:W1-32B-pp2+vllm:W1-32B-pp2@2,3'
+#   'ours:W1-32B-tp4@0,1,2,3' 'vllm:W1-32B-tp4@0,1,2,3' 'ours:W1-32B-tp2pp2+vllm:W1-32B-tp2pp2@0,1,2,3'
 #   'w3-dp2@0,1' 'w3-dp1@2' 'w3-32b-tp2@...' 'vllm-w3-32b-tp2@...'
 #   'ours:W10-tp2-ep+vllm:W10-tp2-ep@0,1' 'ours:W10-decode-tp2-ep+vllm:W10-decode-tp2-ep@2,3'
-#   'disagg-1gpu@0' 'disagg-2gpu@1,2' 'check-default@0,1,2' 'soak-bg@3' 'gpu-tests@3'
+#   'disagg-1gpu@0' 'disagg-2gpu@1,2' 'check-default@0,1,2' 'soak-bg@3'
+# Measured already (docs/perf.md, "The multi-GPU run on 4 H200s"): W1-8B tp=1/2/4 and W2 tp=2 on both
+# engines, ar-bench-2/-4, the W1 and W2 traces.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
