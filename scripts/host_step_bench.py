@@ -14,7 +14,6 @@ from a GPU host's, so compare runs of this script on one machine (before / after
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
 import random
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from minivllm import LLM, SamplingParams
     from minivllm.core.scheduler import Scheduler
     from minivllm.engine.output_processor import OutputProcessor
-    from minivllm.runner import model_runner
+    from minivllm.bench.common import emit
     from minivllm.runner.model_runner import ModelRunner
 
     llm = LLM(model=TINY, load_format="dummy", device="cpu", dtype="float32", max_num_seqs=args.requests,
@@ -65,27 +64,27 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = defaultdict(list)
     full = args.requests
 
-    def decode_batch(a, out):  # the step schedules every request, one token each
-        return len(out.scheduled) == full and out.num_scheduled_tokens == full
+    def full_decode(sched) -> bool:  # the step schedules every request, one token each
+        return len(sched.scheduled) == full and sched.num_scheduled_tokens == full
 
-    def decode_update(a, out):
-        return len(a[1].scheduled) == full and a[1].num_scheduled_tokens == full
+    def returns_one(a, out):  # (schedule)
+        return full_decode(out)
 
-    def decode_step(a, out):
-        return len(a[1].scheduled) == full and a[1].num_scheduled_tokens == full
+    def takes_one(a, out):  # (update, _update_states, _step_inputs: the SchedulerOutput is their first argument)
+        return full_decode(a[1])
 
-    _timed(Scheduler, "schedule", "core: schedule", times, decode_batch)
-    _timed(Scheduler, "update", "core: update", times, decode_update)
+    _timed(Scheduler, "schedule", "core: schedule", times, returns_one)
+    _timed(Scheduler, "update", "core: update", times, takes_one)
     _timed(OutputProcessor, "process", "core: outputs", times,
            lambda a, out: len(a[1]) == full)
-    _timed(ModelRunner, "_update_states", "rank: request state", times, decode_step)
-    _timed(ModelRunner, "_step_inputs", "rank: input arrays", times, decode_step)
+    _timed(ModelRunner, "_update_states", "rank: request state", times, takes_one)
+    _timed(ModelRunner, "_step_inputs", "rank: input arrays", times, takes_one)
     # the step message: what the mp executor pickles once and each rank unpickles
     original_schedule = Scheduler.schedule
 
     def schedule_and_message(self, *a, **kw):
         out = original_schedule(self, *a, **kw)
-        if decode_batch(None, out):
+        if full_decode(out):
             t = time.perf_counter()
             payload = pickle.dumps(("step", out, None), protocol=pickle.HIGHEST_PROTOCOL)
             t1 = time.perf_counter()
@@ -97,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     Scheduler.schedule = schedule_and_message
-    _ = model_runner  # (imported for the patches above to hit the class the engine uses)
     llm.generate(prompts, params, use_tqdm=False)
 
     result = {}
@@ -109,11 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         result.setdefault("steps measured", len(values))
     host_ms = sum(v for k, v in result.items() if k.endswith("(ms)"))
     result["sum of the phases (ms)"] = round(host_ms, 3)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    emit(result, args.json)
     return 0
 
 

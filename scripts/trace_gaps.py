@@ -17,6 +17,8 @@ import re
 import sys
 from collections import defaultdict
 
+from minivllm.bench.common import emit
+
 KINDS = [  # first match wins
     ("all-reduce (symm-mem)", re.compile(r"all_reduce|allreduce_kernel|one_shot|two_shot", re.I)),
     ("nccl", re.compile(r"nccl", re.I)),
@@ -88,12 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("traces", nargs="+")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    out = {path: analyse(load(path)) for path in args.traces}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    emit({path: analyse(load(path)) for path in args.traces}, args.json)
     return 0
 
 
