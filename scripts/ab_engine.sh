@@ -7,10 +7,13 @@
 #   here:    bash scripts/ab_engine.sh prepare REF [REF ...]   # ab/<REF>/minivllm from `git archive`
 #   device:  source scripts/gpu_env.sh >/dev/null && bash scripts/ab_engine.sh run ROUNDS "REF ..." [bench args]
 #            (with run's `carry` naming nothing extra: ab/ is untracked and not ignored, so it travels
-#            with the tree, ~3 MB a package; delete it here afterwards: rm -rf ab)
+#            with the tree, ~3 MB a package; delete it here afterwards: rm -rf ab). AB_DIR names another
+#            folder of packages: copy ab/ to /tmp/ab in the lease's first call and run with AB_DIR=/tmp/ab
+#            when later calls carry 49 MB vLLM pieces (the tree and a piece must stay under 64 MiB).
 #
 # REF "." is the working tree's own package. Each run is `python3 -m minivllm bench latency` (W11-awq by
-# default) started from the package's own folder: from the repository root, `-m` imports the root's
+# default; AB_BENCH=throughput runs `bench throughput` instead, e.g. with args --workload W1-8B --repeats 1,
+# and prints output tok/s in place of ms a token) started from the package's own folder: from the repository root, `-m` imports the root's
 # package whatever PYTHONPATH says (lease 52 lost a comparison to that). Records: $OUT/<REF>-<round>.json
 # ("." is named "tree"; the records' minivllm_git names the checkout, not the REF); one line a run:
 # REF, round, ms a token, TTFT ms. An environment switch can ride on a REF as
@@ -32,15 +35,16 @@ run_one() {  # REF[@VAR=VALUE] ROUND BENCH_ARGS...
   local spec=$1 round=$2; shift 2
   local ref=${spec%%@*} env_kv=X_AB_ENGINE=1 dir
   [ "$spec" != "$ref" ] && env_kv=${spec#*@}
-  dir=$root; [ "$ref" != "." ] && dir=$root/ab/$ref
+  dir=$root; [ "$ref" != "." ] && dir=${AB_DIR:-$root/ab}/$ref
   [ -d "$dir/minivllm" ] || { echo "no package for $ref: run prepare here first" >&2; return 1; }
   local name out_file
   name=$(echo "$spec" | sed 's/^\./tree/' | tr -c 'A-Za-z0-9._=\n-' '_')
   out_file=${OUT:-/tmp}/$name-$round.json
-  (cd "$dir" && env PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$env_kv" python3 -m minivllm bench latency "$@" \
+  (cd "$dir" && env PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$env_kv" python3 -m minivllm bench "${AB_BENCH:-latency}" "$@" \
      --output "$out_file" > "${out_file%.json}.log" 2>&1)
   python3 -c "import json,sys; f=json.load(open(sys.argv[1]))['figures']; \
-print(sys.argv[2], sys.argv[3], round(f['ms_per_token'], 4), round(f['ttft_s'] * 1e3, 2))" "$out_file" "$spec" "$round"
+print(sys.argv[2], sys.argv[3], *((round(f['ms_per_token'], 4), round(f['ttft_s'] * 1e3, 2)) if 'ms_per_token' in f \
+else (round(f['output_tok_per_s'], 1), round(f['best_output_tok_per_s'], 1))))" "$out_file" "$spec" "$round"
 }
 
 case "${1:-}" in

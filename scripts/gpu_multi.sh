@@ -29,6 +29,8 @@
 #   dense-gemv          scripts/bench_dense_gemv.py --write: the batch-1 GEMV vs cuBLAS; later steps use the table
 #   profile-bi / profile-moe1 / profile-fp8  scripts/kernel_profile.py: kernel times (issues 22 / 21 / 25)
 #   ab-engine           scripts/ab_engine.sh run $AB_ROUNDS "$AB_SPECS": packages / switches alternately (W11-awq)
+#   ab-w1               the same for W1-8B throughput (AB_BENCH=throughput, --repeats 2): $AB_W1_ROUNDS rounds
+#                       (default 1) of the packages $AB_W1_SPECS, records in the lane's ab-w1/ folder
 #   profile-awq1-trace  profile-awq1-graphs over 32 tokens, its Chrome trace kept (.trace.json.gz)
 #   profile-awq1-ab     profile-awq1-graphs of the packages ab/<REF> for each REF of $AB_REFS (ab_engine.sh prepare)
 #   profile-graphs      kernel_profile.py in CUDA graphs with PDL, critical-path times (W10, W11-awq, W1-bi-like)
@@ -304,6 +306,10 @@ run_step() {  # run_step STEP LANE_DIR PORT
       done ;;
     ab-engine)  # issue 25: scripts/ab_engine.sh run $AB_ROUNDS "$AB_SPECS" (W11-awq by default), records in the lane
       OUT=$dir bash scripts/ab_engine.sh run "${AB_ROUNDS:-2}" "${AB_SPECS:-.}" | tee "$dir/ab-engine.txt" ;;
+    ab-w1)  # the host work of a W1-8B step (after de503e1): packages at other commits, in process, alternately
+      mkdir -p "$dir/ab-w1"
+      OUT=$dir/ab-w1 AB_BENCH=throughput bash scripts/ab_engine.sh run "${AB_W1_ROUNDS:-1}" "${AB_W1_SPECS:-.}" \
+        --workload W1-8B --repeats 2 | tee "$dir/ab-w1.txt" ;;
     profile-awq1-trace)  # issue 25: profile-awq1-graphs over 32 tokens with its Chrome trace kept (host and device
       # events: is the host ahead of the device at each step's start?)
       python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128 \
