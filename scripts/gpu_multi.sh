@@ -61,6 +61,8 @@
 # NUM_REQUESTS shortens the W3 steps (default 1000, BENCHMARKS.md's). SMOKE=1 runs the compare
 # steps in their CPU smoke form (plumbing check: SMOKE=1 OUT=/tmp/x bash scripts/gpu_multi.sh 'ours:W1-8B-tp2+vllm:W1-8B-tp2@').
 #
+# Lease 63 (2 H200s, 2026-11-28, 70c240c): W1-8B tp=1 9,550, tp=2 7,546 against vLLM's tp=2 14,004:
+# the mp step loop is still host-bound (docs/perf.md); vLLM's tp=2 start-up took 307 s.
 # What issue 27 still needs (after leases 58-59 on 4 H200s, 2026-11-28; `bash scripts/device_wheels.sh`
 # here first; on a 4-GPU machine carry .whl alone and start the ours lanes, then each of .vllm/p1..p5,
 # deps, x back to back while they run (~15 s a carry on that link), then .gpu/g1 and .gpu/g2):
