@@ -30,7 +30,8 @@
 #   profile-bi / profile-moe1 / profile-fp8  scripts/kernel_profile.py: kernel times (issues 22 / 21 / 25)
 #   ab-engine           scripts/ab_engine.sh run $AB_ROUNDS "$AB_SPECS": packages / switches alternately (W11-awq)
 #   ab-w1               the same for W1-8B throughput (AB_BENCH=throughput, --repeats 2): $AB_W1_ROUNDS rounds
-#                       (default 1) of the packages $AB_W1_SPECS, records in the lane's ab-w1/ folder
+#                       (default 1) of the packages $AB_W1_SPECS, records in the lane's ab-w1/ folder;
+#                       $AB_W1_ARGS adds bench arguments (e.g. "-tp 2 --distributed-executor-backend mp")
 #   profile-awq1-trace  profile-awq1-graphs over 32 tokens, its Chrome trace kept (.trace.json.gz)
 #   profile-awq1-ab     profile-awq1-graphs of the packages ab/<REF> for each REF of $AB_REFS (ab_engine.sh prepare)
 #   profile-graphs      kernel_profile.py in CUDA graphs with PDL, critical-path times (W10, W11-awq, W1-bi-like)
@@ -62,7 +63,10 @@
 # steps in their CPU smoke form (plumbing check: SMOKE=1 OUT=/tmp/x bash scripts/gpu_multi.sh 'ours:W1-8B-tp2+vllm:W1-8B-tp2@').
 #
 # Lease 63 (2 H200s, 2026-11-28, 70c240c): W1-8B tp=1 9,550, tp=2 7,546 against vLLM's tp=2 14,004:
-# the mp step loop is still host-bound (docs/perf.md); vLLM's tp=2 start-up took 307 s.
+# the mp step loop is still host-bound (docs/perf.md); vLLM's tp=2 start-up took 307 s. Next: the
+# driver's reply thread (after 03ad7f6) against 70c240c at tp=2, both from ab/ (ab_engine.sh prepare;
+# the prediction in perf.md: +15 to +30 %), e.g. AB_W1_SPECS="70c240c <HEAD>" with the ab-w1 step's
+# args given -tp 2 --distributed-executor-backend mp (AB_W1_ARGS).
 # What issue 27 still needs (after leases 58-59 on 4 H200s, 2026-11-28; `bash scripts/device_wheels.sh`
 # here first; on a 4-GPU machine carry .whl alone and start the ours lanes, then each of .vllm/p1..p5,
 # deps, x back to back while they run (~15 s a carry on that link), then .gpu/g1 and .gpu/g2):
@@ -311,7 +315,7 @@ run_step() {  # run_step STEP LANE_DIR PORT
     ab-w1)  # the host work of a W1-8B step (after de503e1): packages at other commits, in process, alternately
       mkdir -p "$dir/ab-w1"
       OUT=$dir/ab-w1 AB_BENCH=throughput bash scripts/ab_engine.sh run "${AB_W1_ROUNDS:-1}" "${AB_W1_SPECS:-.}" \
-        --workload W1-8B --repeats 2 | tee "$dir/ab-w1.txt" ;;
+        --workload W1-8B --repeats 2 ${AB_W1_ARGS:-} | tee "$dir/ab-w1.txt" ;;
     profile-awq1-trace)  # issue 25: profile-awq1-graphs over 32 tokens with its Chrome trace kept (host and device
       # events: is the host ahead of the device at each step's start?)
       python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 --prompt-len 128 \

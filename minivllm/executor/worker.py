@@ -13,8 +13,9 @@ The mp process loop (`serve`): one pickled ("step", SchedulerOutput, GrammarBitm
 message per step arrives on the connection, and ("profile", "start" | "stop", path) between steps (the bitmask only for a step with constrained rows) (the executor pickles it once and writes the same bytes to every rank); the
 driver rank (last stage, TP rank 0) answers each with ("out", RunnerOutput); the other ranks
 answer nothing. ("expert_counts",) between steps: the driver answers ("counts", per-layer
-counts of a MoE model, or None). ("finish",): with async scheduling, finish the step in flight
-now (none will be queued behind it; see serve). Any exception is sent as ("error", traceback) and the process exits; a closed
+counts of a MoE model, or None). ("finish",): with async scheduling, take in the step in flight
+now (none will be queued behind it; see serve). With async scheduling the driver's answers go out
+from a reply thread (`Replier`): each step's output as soon as the device has run it. Any exception is sent as ("error", traceback) and the process exits; a closed
 connection (the engine is gone) makes it exit too, so no worker outlives its engine.
 """
 
@@ -23,7 +24,9 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import sys
+import threading
 import traceback
 
 import torch
@@ -87,8 +90,10 @@ class Worker:
 
     def finish(self, launched) -> RunnerOutput | None:
         """Every rank takes in its step (sampling state); only the driver's output goes back."""
-        out = self.runner.finish(launched)
-        return out if self.is_driver else None
+        if not self.is_driver:
+            self.runner.take_in(launched)
+            return None
+        return self.runner.finish(launched)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
         return self.finish(self.launch(sched))
@@ -122,22 +127,32 @@ class Worker:
 
 def serve(conn, worker: Worker, overlap: bool) -> None:
     """The step loop of an mp worker (see the module docstring). overlap (async scheduling):
-    the step in flight is finished only once the next step has arrived and been launched behind
+    the step in flight is taken in only once the next step has arrived and been launched behind
     it, as the in-process engine does, so the device never waits for the connection; when the
     engine core needs the result with no step to queue behind it, it sends ("finish",). (Polling
     for the next step instead lost the overlap at every step: the engine core sends step N + 1 a
-    few milliseconds after it has taken in N - 1, while N still runs.)"""
+    few milliseconds after it has taken in N - 1, while N still runs.) The driver's output of a
+    step does not wait for that: its Replier sends it once the device is done with the step."""
+    replier = Replier(conn, worker.runner) if overlap and worker.is_driver else None
     pending = None
+
+    def take_in(step) -> None:
+        if replier is None:
+            _reply(conn, worker.finish(step))
+            return
+        worker.runner.take_in(step)
+        replier.attach_counts(worker.runner.new_expert_counts())
+
     while True:
         if pending is not None and not overlap:
-            _reply(conn, worker.finish(pending))
+            take_in(pending)
             pending = None
         msg = pickle.loads(conn.recv_bytes())
         if msg[0] == "stop":
             break
         if msg[0] == "finish":
             if pending is not None:
-                _reply(conn, worker.finish(pending))
+                take_in(pending)
                 pending = None
             continue
         if msg[0] == "profile":  # between two steps: the trace holds whole steps
@@ -145,19 +160,106 @@ def serve(conn, worker: Worker, overlap: bool) -> None:
             continue
         if msg[0] == "expert_counts":  # sent with no step in flight; only the driver answers
             if worker.is_driver:
-                conn.send_bytes(pickle.dumps(("counts", worker.runner.expert_counts.per_layer())))
+                counts = ("counts", worker.runner.expert_counts.per_layer())
+                replier.send(counts) if replier is not None else _send(conn, counts)
             continue
         launched = worker.launch(msg[1], msg[2])
+        if replier is not None:
+            replier.put(launched)
         if pending is not None:
-            _reply(conn, worker.finish(pending))
+            take_in(pending)
         pending = launched
     if pending is not None:
-        _reply(conn, worker.finish(pending))
+        take_in(pending)
+    if replier is not None:  # (after an error, main() reports it and exits without waiting for the thread)
+        replier.close()
+
+
+# the GIL switch interval of a driver with a Replier: the reply thread wakes when the device ends
+# a step and must not wait the default 5 ms for the main thread, which builds the next step's
+# inputs in Python meanwhile (the in-process engine does the same beside a grammar fill)
+REPLY_SWITCH_INTERVAL_S = 0.0002
+
+
+class Replier:
+    """The mp driver's answers, sent in order from a thread of their own (async scheduling only).
+    Why: the main thread finishes a step only after it has received, built and launched the next
+    one (serve), ~3-4 ms at batch 256 on a GPU host; had the output waited for that too, the
+    engine core's own work for the step after (~5 ms) would start that much later, in series
+    with the device instead of beside it (docs/perf.md, lease 58's traces at tp=2). So each
+    launched step is `put` here at once; this thread waits for its device work
+    (ModelRunner.step_output, which changes no request state) and sends it; the main thread takes
+    the tokens into the request state at its usual point (ModelRunner.take_in). MoE counts read
+    by the main thread travel with the next output sent. Any error here is sent to the executor
+    and ends the process, as an error of the main thread does."""
+
+    def __init__(self, conn, runner) -> None:
+        self._conn, self._runner = conn, runner
+        self._items: queue.SimpleQueue = queue.SimpleQueue()  # launched steps, or ("msg", tuple) to send as is
+        self._counts = None  # MoE counts for the next output (guarded by _lock)
+        self._lock = threading.Lock()
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(REPLY_SWITCH_INTERVAL_S)
+        self._thread = threading.Thread(target=self._run, name="minivllm-driver-replies", daemon=True)
+        self._thread.start()
+
+    def put(self, launched) -> None:
+        """Send this launched step's output once the device has run it (after those put before)."""
+        self._items.put(launched)
+
+    def send(self, msg: tuple) -> None:
+        """Send msg after the outputs put before it."""
+        self._items.put(("msg", msg))
+
+    def attach_counts(self, counts) -> None:
+        if counts is not None:
+            with self._lock:
+                self._counts = counts
+
+    def close(self) -> None:
+        """Send what is queued, then stop the thread."""
+        self._items.put(None)
+        self._thread.join()
+        sys.setswitchinterval(self._switch_interval)
+
+    def _run(self) -> None:
+        device = getattr(self._runner, "device", None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)  # (the CUDA device is per thread)
+        try:
+            while (item := self._items.get()) is not None:
+                if isinstance(item, tuple):
+                    _send(self._conn, item[1])
+                    continue
+                out = self._runner.step_output(item)
+                with self._lock:
+                    counts, self._counts = self._counts, None
+                if counts is not None:
+                    out.expert_token_counts = counts
+                _reply(self._conn, out)
+        except (EOFError, ConnectionError, OSError):
+            os._exit(0)  # the engine is gone: nobody to answer
+        except BaseException:  # noqa: BLE001 - the executor must hear what failed
+            logger.exception("the driver's reply thread failed")
+            try:
+                _send(self._conn, ("error", traceback.format_exc()))
+            except (OSError, EOFError):
+                pass
+            os._exit(1)
+
+
+_SEND_LOCK = threading.Lock()  # one message at a time on a connection (the Replier sends beside the main thread)
+
+
+def _send(conn, msg: tuple) -> None:
+    payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    with _SEND_LOCK:
+        conn.send_bytes(payload)
 
 
 def _reply(conn, out: RunnerOutput | None) -> None:
     if out is not None:
-        conn.send_bytes(pickle.dumps(("out", out), protocol=pickle.HIGHEST_PROTOCOL))
+        _send(conn, ("out", out))
 
 
 def main(argv: list[str]) -> int:
@@ -183,7 +285,7 @@ def main(argv: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - the executor must hear what killed this rank
         logger.exception("worker rank %d failed", rank)
         try:
-            conn.send(("error", traceback.format_exc()))
+            _send(conn, ("error", traceback.format_exc()))
         except (OSError, EOFError):
             pass
         os._exit(1)  # no clean-up that could wait on a peer stuck in a collective

@@ -618,28 +618,46 @@ class ModelRunner:
         apply_token_bitmask(logits, bitmask, self._to_device([rows[r] for r in grammar.req_ids]))
 
     def finish(self, step: LaunchedStep) -> RunnerOutput:
-        """Wait for a launched step and return its sampled tokens (and logprobs) as plain data."""
-        self.expert_counts.poll()
-        out = self._finish_sampling(step)
-        out.prompt_logprobs, out.pooled = step.prompt_logprobs, step.pooled
-        if self.expert_counts.version != self._counts_sent:  # new counts: they travel with this output
-            self._counts_sent = self.expert_counts.version
-            out.expert_token_counts = self.expert_counts.latest_per_layer
+        """Wait for a launched step, take its tokens into the request state and return them (and
+        logprobs) as plain data, with the MoE counts read since the last output."""
+        self.take_in(step)
+        out = self.step_output(step)
+        counts = self.new_expert_counts()
+        if counts is not None:  # new counts: they travel with this output
+            out.expert_token_counts = counts
         return out
 
-    def _finish_sampling(self, step: LaunchedStep) -> RunnerOutput:
-        if not step.req_ids:
-            return RunnerOutput([], [])
-        if step.spec is not None:
-            return step.spec
-        if step.host is None:
-            step.event.synchronize()
-            step.host = HostSamplerOutput(step.host_buf.tolist())
-        host = step.host
-        for state, tok in zip(step.states, host.sampled_token_ids):
+    def take_in(self, step: LaunchedStep) -> None:
+        """Wait for a launched step and append its sampled tokens to its requests' sampling state
+        (the next launches read it). Once per step, in launch order, on the thread that launches."""
+        self.expert_counts.poll()
+        if not step.req_ids or step.spec is not None:  # (speculative steps took theirs in at launch)
+            return
+        for state, tok in zip(step.states, _host_output(step).sampled_token_ids):
             state.output_token_ids.append(tok)
             state.num_pending -= 1
-        return RunnerOutput(step.req_ids, [[t] for t in host.sampled_token_ids], _token_logprobs(step.states, host))
+
+    def step_output(self, step: LaunchedStep) -> RunnerOutput:
+        """A launched step's tokens (and logprobs, prompt logprobs, pooled vectors) as plain data,
+        once its device work is done. Changes no request state, so an mp driver rank builds it on
+        its reply thread while the main thread launches the next step (executor/worker.py)."""
+        if not step.req_ids:
+            out = RunnerOutput([], [])
+        elif step.spec is not None:
+            out = step.spec
+        else:
+            host = _host_output(step)
+            out = RunnerOutput(step.req_ids, [[t] for t in host.sampled_token_ids], _token_logprobs(step.states, host))
+        out.prompt_logprobs, out.pooled = step.prompt_logprobs, step.pooled
+        return out
+
+    def new_expert_counts(self) -> list[list[int]] | None:
+        """A MoE model's per-layer expert counts if published since the last call (else None):
+        each publication travels with one output."""
+        if self.expert_counts.version == self._counts_sent:
+            return None
+        self._counts_sent = self.expert_counts.version
+        return self.expert_counts.latest_per_layer
 
     # ---- profiling helpers ----------------------------------------------------------------
     @torch.inference_mode()
@@ -677,6 +695,16 @@ def _take_step_blocks(table: list[int], s) -> tuple[int, int] | None:
     index, src, dst = s.cow
     table[index] = dst
     return src, dst
+
+
+def _host_output(step: LaunchedStep) -> HostSamplerOutput:
+    """The step's sampled ids on the host, waiting for their copy. An mp driver's two threads
+    (take_in, step_output) may both get here first: each reads the same completed buffer, so
+    whichever list is stored, they are equal."""
+    if step.host is None:
+        step.event.synchronize()
+        step.host = HostSamplerOutput(step.host_buf.tolist())
+    return step.host
 
 
 def _token_logprobs(states: list[SamplingRequestState], host: HostSamplerOutput) -> list[list[TokenLogprobs] | None] | None:
