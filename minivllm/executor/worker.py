@@ -133,7 +133,7 @@ def serve(conn, worker: Worker, overlap: bool) -> None:
     for the next step instead lost the overlap at every step: the engine core sends step N + 1 a
     few milliseconds after it has taken in N - 1, while N still runs.) The driver's output of a
     step does not wait for that: its Replier sends it once the device is done with the step."""
-    replier = Replier(conn, worker.runner) if overlap and worker.is_driver else None
+    replier = Replier(conn, worker.runner) if overlap and worker.is_driver and reply_thread_enabled() else None
     pending = None
 
     def take_in(step) -> None:
@@ -173,6 +173,12 @@ def serve(conn, worker: Worker, overlap: bool) -> None:
         take_in(pending)
     if replier is not None:  # (after an error, main() reports it and exits without waiting for the thread)
         replier.close()
+
+
+def reply_thread_enabled() -> bool:
+    """The driver's Replier is on unless MINIVLLM_DRIVER_REPLY_THREAD=0 (A/B runs: the main thread
+    answers after the next launch, as before)."""
+    return os.environ.get("MINIVLLM_DRIVER_REPLY_THREAD", "1") != "0"
 
 
 # the GIL switch interval of a driver with a Replier: the reply thread wakes when the device ends

@@ -142,6 +142,20 @@ def test_without_async_scheduling_the_main_thread_answers():
     assert _reply_threads() == repliers  # none started
 
 
+def test_the_switch_turns_the_thread_off(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_DRIVER_REPLY_THREAD", "0")
+    runner = FakeRunner()
+    _release(runner, "a")
+    conn, thread = _start(runner)
+    _send(conn, "step", "a", None)
+    assert not conn.poll(0.3)  # as before the thread: a's output waits for the next step or "finish"
+    _send(conn, "finish")
+    assert _recv(conn)[1].req_ids == ["a"]
+    _send(conn, "stop")
+    thread.join(TIMEOUT_S)
+    assert runner.taken_in == ["a"]
+
+
 def test_a_failure_in_the_reply_thread_is_reported(monkeypatch):
     exits = []
     monkeypatch.setattr(os, "_exit", exits.append)
