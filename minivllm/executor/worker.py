@@ -15,8 +15,9 @@ driver rank (last stage, TP rank 0) answers each with ("out", RunnerOutput); the
 answer nothing. ("expert_counts",) between steps: the driver answers ("counts", per-layer
 counts of a MoE model, or None). ("finish",): with async scheduling, take in the step in flight
 now (none will be queued behind it; see serve). With async scheduling the driver's answers go out
-from a reply thread (`Replier`): each step's output as soon as the device has run it. Any exception is sent as ("error", traceback) and the process exits; a closed
-connection (the engine is gone) makes it exit too, so no worker outlives its engine.
+from a reply thread (`Replier`): each step's output as soon as the device has run it. Any
+exception is sent as ("error", traceback) and the process exits; a closed connection (the engine
+is gone) makes it exit too, so no worker outlives its engine.
 """
 
 from __future__ import annotations
@@ -161,7 +162,10 @@ def serve(conn, worker: Worker, overlap: bool) -> None:
         if msg[0] == "expert_counts":  # sent with no step in flight; only the driver answers
             if worker.is_driver:
                 counts = ("counts", worker.runner.expert_counts.per_layer())
-                replier.send(counts) if replier is not None else _send(conn, counts)
+                if replier is not None:  # after the outputs it still holds
+                    replier.send(counts)
+                else:
+                    _send(conn, counts)
             continue
         launched = worker.launch(msg[1], msg[2])
         if replier is not None:
