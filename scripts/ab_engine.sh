@@ -12,11 +12,11 @@
 #            when later calls carry 49 MB vLLM pieces (the tree and a piece must stay under 64 MiB).
 #
 # REF "." is the working tree's own package. Each run is `python3 -m minivllm bench latency` (W11-awq by
-# default; AB_BENCH=throughput runs `bench throughput` instead, e.g. with args --workload W1-8B --repeats 1,
-# and prints output tok/s in place of ms a token) started from the package's own folder: from the repository root, `-m` imports the root's
-# package whatever PYTHONPATH says (lease 52 lost a comparison to that). Records: $OUT/<REF>-<round>.json
-# ("." is named "tree"; the records' minivllm_git names the checkout, not the REF); one line a run:
-# REF, round, ms a token, TTFT ms. An environment switch can ride on a REF as
+# default; AB_BENCH=throughput runs `bench throughput` instead, e.g. with args --workload W1-8B) started
+# from the package's own folder: from the repository root, `-m` imports the root's package whatever
+# PYTHONPATH says (lease 52 lost a comparison to that). Records: $OUT/<REF>-<round>.json ("." is named
+# "tree"; the records' minivllm_git names the checkout, not the REF); one line a run: REF, round, ms a
+# token, TTFT ms (throughput: output tok/s, best of the repeats). An environment switch can ride on a REF as
 # REF@VAR=VALUE (e.g. .@MINIVLLM_W4A16_GEMV_SZ_PAIRS=0).
 set -euo pipefail
 cd "$(dirname "$0")/.."

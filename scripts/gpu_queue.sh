@@ -19,8 +19,9 @@
 # two at once share the GPU and spoil both timings.
 #
 # What the single-GPU issues still need (after lease 57, 2026-11-28; the lent machine is an H200:
-# kind nvidia-h200; a session's 30 minutes count in full, the start ~40 s; staging all of vLLM takes
-# ~8 minutes of held time on this link (7 carrying calls of ~60 s each, then the install): plan the
+# kind nvidia-h200; a session's 30 minutes count in full, the start ~40 s; staging all of vLLM took
+# ~8 minutes of held time on the link of lease 47 (7 carrying calls of ~60 s each, then the install),
+# ~1.5 minutes in leases 61-63 (~5 s a carry, install 28-39 s): plan the
 # vLLM rows of a session into one lease; name only the test files and GPU_TESTS_K that need a run).
 #   1. Issue 25, W11-awq at 45.4 % of the H200's int4 roofline (2.464 ms a token, lease 57; 2.598 in
 #      lease 56 before the greedy argmax kernel, SKIP_EMPTY and the one input copy; 1.45x vLLM's

@@ -233,9 +233,8 @@ class Replier:
         sys.setswitchinterval(self._switch_interval)
 
     def _run(self) -> None:
-        device = getattr(self._runner, "device", None)
-        if device is not None and device.type == "cuda":
-            torch.cuda.set_device(device)  # (the CUDA device is per thread)
+        if self._runner.device.type == "cuda":
+            torch.cuda.set_device(self._runner.device)  # (the CUDA device is per thread)
         try:
             while (item := self._items.get()) is not None:
                 if isinstance(item, tuple):
