@@ -1,0 +1,430 @@
+// A token's 128 W4A16 GEMVs of Llama-3.1-8B (32 layers x qkv, o, gate_up, down) in ONE persistent
+// launch: the feasibility probe for issue 25's decode megakernel. Not used by the engine.
+//
+// Question it answers: without kernel boundaries, and with each SM's weight loads running ahead of
+// the dependency waits, how close do the GEMVs come to the H200's copy rate? Lease 46's Triton
+// chain (grid barriers, loads issued only after each barrier) was 3x SLOWER than separate launches;
+// the difference here is the decoupling: weights do not depend on activations, so every block
+// keeps D tiles of cp.async copies in flight into a shared-memory ring across stage boundaries,
+// and only the math waits for the previous stage.
+//
+// Layout (ours, a load-time repack of AWQ's): a tile is 16 output rows x 2,048 k of int4 in the
+// order the tensor cores' m16n8k16 A fragment wants ([8 warps][16 k steps][32 lanes] words), then
+// [16 rows][16 groups] half2 {scale, 1024 + zero}: 17,408 bytes. Warp w owns k [256w, 256w + 256)
+// of the tile; the product runs on mma.sync with x broadcast into every B column.
+//
+// Dataflow: stage s (a GEMV of one layer) may run its math once every block that holds a tile of
+// stage s - 1 has counted itself done. The residual stream h (fp32) takes o's and down's products
+// by atomics; qkv and gate_up read RMS-normalised h; down reads silu(gate) * up; o reads q (the
+// first 4,096 outputs of qkv: attention is not modelled). RMSNorm gains are 1.
+//
+// Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o chain chain.cu
+// Run:   ./chain [layers=32] [iterations=20]
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cmath>
+#include <vector>
+
+#define CHECK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
+  fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
+
+constexpr int ROWS = 16;                 // output rows a tile covers (the mma's M)
+constexpr int KCHUNK = 2048;             // k a tile covers
+constexpr int GROUP = 128;               // AWQ group size
+constexpr int GROUPS = KCHUNK / GROUP;   // 16 groups a tile row
+constexpr int THREADS = 256;             // 8 warps, each 256 k of the tile
+constexpr int WORD_BYTES = ROWS * KCHUNK / 2;          // 16,384
+constexpr int TILE_BYTES = WORD_BYTES + ROWS * GROUPS * 4;  // + half2 {scale, 1024+z}: 17,408
+constexpr int MAX_STAGES = 4 * 32 + 1;
+
+enum InKind { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SWIGLU = 2 };
+
+struct Stage {
+  const uint4* tiles;  // ntiles * TILE_BYTES, tile t = (kc = t / rowtiles, rt = t % rowtiles)
+  const float* in;     // input vector, fp32 (k values; 2k for swiglu: gate then up)
+  float* out;          // fp32 output, accumulated by atomics (pre-zeroed, or the residual)
+  int k, rows, rowtiles, kchunks, ntiles, base, in_kind, seed;
+};
+__constant__ Stage c_stages[MAX_STAGES];
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic weights: Q in [0, 16), a scale per (row, group) ~ 1/sqrt(21.25 k), a zero in [0, 16).
+__host__ __device__ inline uint32_t mix(uint64_t x) {
+  x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
+  return (uint32_t)x;
+}
+__device__ inline uint32_t weight_q(int seed, int row, int k) {
+  return mix(((uint64_t)seed << 48) ^ ((uint64_t)row << 24) ^ (uint64_t)k) & 15u;
+}
+__device__ inline float weight_scale(int seed, int row, int group, int k_total) {
+  uint32_t h = mix(((uint64_t)(seed + 7919) << 48) ^ ((uint64_t)row << 24) ^ (uint64_t)group);
+  return __half2float(__float2half((0.75f + 0.5f * (h & 1023u) / 1024.f) * rsqrtf(21.25f * k_total)));
+}
+__device__ inline uint32_t weight_zero(int seed, int row, int group) {
+  return mix(((uint64_t)(seed + 104729) << 48) ^ ((uint64_t)row << 24) ^ (uint64_t)group) & 15u;
+}
+
+// One thread per 32-bit word of every tile of stage s (plus the tile's scale/zero words).
+__global__ void fill_tiles(int s) {
+  const Stage& S = c_stages[s];
+  const int words_per_tile = TILE_BYTES / 4;
+  int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (int64_t)S.ntiles * words_per_tile) return;
+  int t = (int)(idx / words_per_tile), w = (int)(idx % words_per_tile);
+  int kc = t / S.rowtiles, row0 = (t % S.rowtiles) * ROWS;
+  uint32_t* dst = (uint32_t*)S.tiles + idx;
+  if (w < WORD_BYTES / 4) {
+    // w = (warp * 16 + step) * 32 + lane; the word holds the lane's A fragment of that k step.
+    int lane = w % 32, step = (w / 32) % 16, warp = w / 512;
+    int r = lane / 4, kk = kc * KCHUNK + warp * 256 + step * 16 + (lane % 4) * 2;
+    int ra = row0 + r, rb = row0 + r + 8;
+    uint32_t v = weight_q(S.seed, ra, kk) | weight_q(S.seed, rb, kk) << 4 |
+                 weight_q(S.seed, ra, kk + 8) << 8 | weight_q(S.seed, rb, kk + 8) << 12 |
+                 weight_q(S.seed, ra, kk + 1) << 16 | weight_q(S.seed, rb, kk + 1) << 20 |
+                 weight_q(S.seed, ra, kk + 9) << 24 | weight_q(S.seed, rb, kk + 9) << 28;
+    *dst = v;
+  } else {
+    int j = w - WORD_BYTES / 4, r = j / GROUPS, g = j % GROUPS, group = kc * GROUPS + g;
+    __half2 sz = __halves2half2(__float2half(weight_scale(S.seed, row0 + r, group, S.k)),
+                                __float2half(1024.f + weight_zero(S.seed, row0 + r, group)));
+    *dst = *(uint32_t*)&sz;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small PTX helpers.
+__device__ inline void cp_async16(void* smem, const void* gmem) {
+  uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ inline int load_acquire(const int* p) {
+  int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+__device__ inline uint32_t lop_or(uint32_t x, uint32_t mask, uint32_t magic) { return (x & mask) | magic; }
+__device__ inline uint32_t h2u(__half2 h) { return *(uint32_t*)&h; }
+__device__ inline __half2 u2h(uint32_t u) { return *(__half2*)&u; }
+
+__device__ inline void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ inline float silu(float v) { return v / (1.f + __expf(-v)); }
+
+// The stage's input for k chunk kc, as fp16 in shared memory (the same rounding the reference uses).
+__device__ void load_x(const Stage& S, int kc, __half* xs, float* scratch) {
+  const int tid = threadIdx.x;
+  float scale = 1.f;
+  if (S.in_kind == IN_RMSNORM) {  // mean of squares over all k (4,096: 16 values a thread)
+    float acc = 0.f;
+    for (int i = tid * 4; i < S.k; i += THREADS * 4) {
+      float4 v = __ldcg((const float4*)(S.in + i));
+      acc += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (tid % 32 == 0) scratch[tid / 32] = acc;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < THREADS / 32; ++w) total += scratch[w];
+    scale = rsqrtf(total / S.k + 1e-5f);
+  }
+  const int k0 = kc * KCHUNK + tid * 8;  // 8 values a thread
+  float v[8];
+  float4 a = __ldcg((const float4*)(S.in + k0)), b = __ldcg((const float4*)(S.in + k0 + 4));
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  if (S.in_kind == IN_SWIGLU) {
+    float4 c = __ldcg((const float4*)(S.in + S.k + k0)), d = __ldcg((const float4*)(S.in + S.k + k0 + 4));
+    float u[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = silu(v[i]) * u[i];
+  }
+  __half2 h[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(v[2 * i] * scale, v[2 * i + 1] * scale);
+  *(uint4*)(xs + tid * 8) = *(uint4*)h;
+  __syncthreads();
+}
+
+// One tile: 16 rows x 2,048 k, products on the tensor cores, partial sums added to out[0..16).
+template <bool MATH>
+__device__ void compute_tile(const uint8_t* slot, const __half* xs, float* red, float* out) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, r = lane / 4, q = lane % 4;
+  const uint32_t* W = (const uint32_t*)slot + warp * 16 * 32 + lane;
+  const __half2* SZ = (const __half2*)(slot + WORD_BYTES);
+  const uint32_t* X = (const uint32_t*)xs + warp * 128 + q;  // half2 pairs of this warp's k range
+  float acc_a = 0.f, acc_b = 0.f;  // rows r and r + 8
+  if (MATH) {
+#pragma unroll
+    for (int grp = 0; grp < 2; ++grp) {
+      __half2 sz_a = SZ[r * GROUPS + warp * 2 + grp], sz_b = SZ[(r + 8) * GROUPS + warp * 2 + grp];
+      uint32_t zero_a = h2u(__half2half2(__high2half(sz_a)));  // 1024 + z, row r
+      __half2 zb16 = __hsub2(__float2half2_rn(960.f), __half2half2(__high2half(sz_b)));  // -(64 + z)
+      uint32_t zero_b16 = h2u(zb16);
+      const uint32_t sixteenth = h2u(__float2half2_rn(1.f / 16.f));
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int m8 = 0; m8 < 8; ++m8) {
+        const int m = grp * 8 + m8;
+        uint32_t w = W[m * 32], w8 = w >> 8;
+        uint32_t a0 = h2u(__hsub2(u2h(lop_or(w, 0x000F000Fu, 0x64006400u)), u2h(zero_a)));
+        uint32_t a1 = h2u(__hfma2(u2h(lop_or(w, 0x00F000F0u, 0x64006400u)), u2h(sixteenth), u2h(zero_b16)));
+        uint32_t a2 = h2u(__hsub2(u2h(lop_or(w8, 0x000F000Fu, 0x64006400u)), u2h(zero_a)));
+        uint32_t a3 = h2u(__hfma2(u2h(lop_or(w8, 0x00F000F0u, 0x64006400u)), u2h(sixteenth), u2h(zero_b16)));
+        uint32_t b0 = X[m * 8], b1 = X[m * 8 + 4];  // k = 16m + 2q (+ 8), every B column = x
+        mma16816(c, a0, a1, a2, a3, b0, b1);
+      }
+      acc_a += __low2float(sz_a) * c[0];
+      acc_b += __low2float(sz_b) * c[2];
+    }
+  } else {
+    acc_a = (float)W[0] * 0.f;  // the read alone (keeps the ring's consumer in the loop)
+  }
+  if (q == 0) { red[warp * ROWS + r] = acc_a; red[warp * ROWS + r + 8] = acc_b; }
+  __syncthreads();
+  if (tid < ROWS) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) s += red[w * ROWS + tid];
+    atomicAdd(out + tid, s);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The persistent chain. Block b takes the global tiles g = b, b + G, b + 2G, ... (stage-major), so
+// every block's bytes over the whole token differ by at most one tile.
+template <int D, bool MATH>
+__global__ void __launch_bounds__(THREADS, 1) chain_kernel(int* done, int nstages, int total) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* ring = smem;
+  __half* xs = (__half*)(ring + D * TILE_BYTES);
+  float* red = (float*)(xs + KCHUNK);
+  float* scratch = red + (THREADS / 32) * ROWS;
+  const int G = gridDim.x, tid = threadIdx.x;
+
+  int load_g = blockIdx.x, load_s = 0;
+  auto issue = [&](int slot) {  // the next tile of this block into `slot` (an empty group past the end)
+    if (load_g < total) {
+      while (load_s + 1 < nstages && load_g >= c_stages[load_s + 1].base) ++load_s;
+      const Stage& S = c_stages[load_s];
+      const uint4* src = S.tiles + (size_t)(load_g - S.base) * (TILE_BYTES / 16);
+      uint4* dst = (uint4*)(ring + slot * TILE_BYTES);
+      for (int c = tid; c < TILE_BYTES / 16; c += THREADS) cp_async16(dst + c, src + c);
+      load_g += G;
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < D; ++i) issue(i);
+
+  int s = 0, cur_s = -1, x_chunk = -1, i = 0;
+  for (int g = blockIdx.x; g < total; g += G, ++i) {
+    while (s + 1 < nstages && g >= c_stages[s + 1].base) ++s;
+    const Stage& S = c_stages[s];
+    const int t = g - S.base, kc = t / S.rowtiles, rt = t % S.rowtiles;
+    if (s != cur_s) {  // the previous stage's outputs must be complete before any math of this one
+      if (s > 0 && tid == 0) {
+        const int target = min(G, c_stages[s - 1].ntiles);
+        while (load_acquire(done + s - 1) < target) {}
+      }
+      __syncthreads();
+      cur_s = s; x_chunk = -1;
+    }
+    if (kc != x_chunk) { load_x(S, kc, xs, scratch); x_chunk = kc; }
+    cp_async_wait<D - 1>();
+    __syncthreads();
+    compute_tile<MATH>(ring + (i % D) * TILE_BYTES, xs, red, S.out + rt * ROWS);
+    __syncthreads();  // the slot and `red` are free again
+    issue(i % D);
+    if (g + G >= S.base + S.ntiles && tid == 0) {  // this block's last tile of stage s
+      __threadfence();
+      atomicAdd(done + s, 1);
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reference: one launch a stage, a block a row, fp32 dequantisation, the same fp16 inputs.
+__global__ void ref_prepare_x(int s, __half* x) {
+  const Stage& S = c_stages[s];
+  __shared__ float part[32];
+  float scale = 1.f;
+  if (S.in_kind == IN_RMSNORM) {
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < S.k; i += blockDim.x) acc += S.in[i] * S.in[i];
+    for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = acc;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < blockDim.x / 32; ++w) total += part[w];
+    scale = rsqrtf(total / S.k + 1e-5f);
+  }
+  for (int i = threadIdx.x; i < S.k; i += blockDim.x) {
+    float v = S.in[i];
+    if (S.in_kind == IN_SWIGLU) v = silu(v) * S.in[S.k + i];
+    x[i] = __float2half(v * scale);
+  }
+}
+__global__ void ref_gemv(int s, const __half* x) {
+  const Stage& S = c_stages[s];
+  const int row = blockIdx.x;
+  float acc = 0.f;
+  for (int k = threadIdx.x; k < S.k; k += blockDim.x) {
+    int group = k / GROUP;
+    float w = weight_scale(S.seed, row, group, S.k) *
+              ((float)weight_q(S.seed, row, k) - (float)weight_zero(S.seed, row, group));
+    acc += w * __half2float(x[k]);
+  }
+  __shared__ float part[32];
+  for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.f;
+    for (int w = 0; w < blockDim.x / 32; ++w) total += part[w];
+    S.out[row] += total;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+struct Plan {
+  std::vector<Stage> stages;
+  size_t tile_bytes = 0;
+  int total = 0;
+};
+
+// Llama-3.1-8B: hidden 4,096, q/k/v 4,096 + 1,024 + 1,024, intermediate 14,336 (gate and up).
+static Plan make_plan(int layers, float* h, float* qkv_out, float* gu_out, uint8_t* weights) {
+  Plan p;
+  const int H = 4096, QKV = 6144, I = 14336;
+  struct Shape { int k, rows, in_kind; };
+  size_t off = 0;
+  for (int l = 0; l < layers; ++l) {
+    Shape sh[4] = {{H, QKV, IN_RMSNORM}, {H, H, IN_PLAIN}, {H, 2 * I, IN_RMSNORM}, {I, H, IN_SWIGLU}};
+    for (int j = 0; j < 4; ++j) {
+      Stage S{};
+      S.k = sh[j].k; S.rows = sh[j].rows; S.in_kind = sh[j].in_kind; S.seed = l * 4 + j + 1;
+      S.rowtiles = S.rows / ROWS; S.kchunks = S.k / KCHUNK; S.ntiles = S.rowtiles * S.kchunks;
+      S.base = p.total;
+      S.tiles = weights ? (const uint4*)(weights + off) : nullptr;
+      float* qkv_l = qkv_out + (size_t)l * QKV;
+      float* gu_l = gu_out + (size_t)l * 2 * I;
+      if (j == 0) { S.in = h; S.out = qkv_l; }
+      if (j == 1) { S.in = qkv_l; S.out = h; }       // q stands in for the attention output
+      if (j == 2) { S.in = h; S.out = gu_l; }
+      if (j == 3) { S.in = gu_l; S.out = h; }
+      off += (size_t)S.ntiles * TILE_BYTES;
+      p.total += S.ntiles;
+      p.stages.push_back(S);
+    }
+  }
+  p.tile_bytes = off;
+  return p;
+}
+
+template <int D, bool MATH>
+static float time_chain(const Plan& p, int* done, float* h, const float* h0, float* qkv_out,
+                        float* gu_out, size_t qkv_bytes, size_t gu_bytes, int sms, int iters) {
+  const size_t smem = D * TILE_BYTES + KCHUNK * 2 + (THREADS / 32) * ROWS * 4 + 64;
+  CHECK(cudaFuncSetAttribute(chain_kernel<D, MATH>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  int per_sm = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<D, MATH>, THREADS, smem));
+  if (per_sm < 1) { fprintf(stderr, "D=%d does not fit an SM\n", D); return -1.f; }
+  const int grid = sms;  // one block an SM: all resident, so the spin waits cannot deadlock
+  cudaEvent_t a, b; CHECK(cudaEventCreate(&a)); CHECK(cudaEventCreate(&b));
+  float best = 1e9f, sum = 0.f;
+  for (int it = 0; it < iters + 2; ++it) {
+    CHECK(cudaMemsetAsync(done, 0, MAX_STAGES * sizeof(int)));
+    CHECK(cudaMemsetAsync(qkv_out, 0, qkv_bytes));
+    CHECK(cudaMemsetAsync(gu_out, 0, gu_bytes));
+    CHECK(cudaMemcpyAsync(h, h0, 4096 * sizeof(float), cudaMemcpyDeviceToDevice));
+    CHECK(cudaEventRecord(a));
+    chain_kernel<D, MATH><<<grid, THREADS, smem>>>(done, (int)p.stages.size(), p.total);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    CHECK(cudaGetLastError());
+    float ms; CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (it >= 2) { best = fminf(best, ms); sum += ms; }
+  }
+  printf("{\"run\": \"chain\", \"D\": %d, \"math\": %d, \"grid\": %d, \"best_ms\": %.4f, \"mean_ms\": %.4f, "
+         "\"tb_per_s\": %.3f}\n", D, (int)MATH, grid, best, sum / iters, p.tile_bytes / (best * 1e-3) / 1e12);
+  fflush(stdout);
+  return best;
+}
+
+int main(int argc, char** argv) {
+  const int layers = argc > 1 ? atoi(argv[1]) : 32, iters = argc > 2 ? atoi(argv[2]) : 20;
+  cudaDeviceProp prop; CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int sms = prop.multiProcessorCount;
+  printf("{\"device\": \"%s\", \"sms\": %d, \"l2_mb\": %.1f, \"layers\": %d}\n", prop.name, sms,
+         prop.l2CacheSize / 1048576.0, layers);
+
+  float *h, *h0, *qkv_out, *gu_out; int* done; uint8_t* weights; __half* xref;
+  const size_t qkv_bytes = (size_t)layers * 6144 * 4, gu_bytes = (size_t)layers * 2 * 14336 * 4;
+  Plan sizing = make_plan(layers, nullptr, nullptr, nullptr, nullptr);
+  CHECK(cudaMalloc(&weights, sizing.tile_bytes));
+  CHECK(cudaMalloc(&h, 4096 * 4)); CHECK(cudaMalloc(&h0, 4096 * 4));
+  CHECK(cudaMalloc(&qkv_out, qkv_bytes)); CHECK(cudaMalloc(&gu_out, gu_bytes));
+  CHECK(cudaMalloc(&done, MAX_STAGES * sizeof(int))); CHECK(cudaMalloc(&xref, 2 * 14336 * 2));
+  Plan p = make_plan(layers, h, qkv_out, gu_out, weights);
+  CHECK(cudaMemcpyToSymbol(c_stages, p.stages.data(), p.stages.size() * sizeof(Stage)));
+  for (size_t s = 0; s < p.stages.size(); ++s) {
+    int64_t words = (int64_t)p.stages[s].ntiles * (TILE_BYTES / 4);
+    fill_tiles<<<(unsigned)((words + 255) / 256), 256>>>((int)s);
+  }
+  std::vector<float> h_init(4096);
+  for (int i = 0; i < 4096; ++i) h_init[i] = ((mix(i + 12345) & 0xffff) / 65536.f - 0.5f) * 3.4641f;
+  CHECK(cudaMemcpy(h0, h_init.data(), 4096 * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaDeviceSynchronize());
+  printf("{\"weights_gb\": %.4f, \"tiles\": %d, \"stages\": %zu}\n", p.tile_bytes / 1e9, p.total, p.stages.size());
+
+  // The copy rate of this GPU (bytes read + written), the roofline's yardstick.
+  {
+    size_t n = (size_t)1 << 31; uint8_t *src, *dst;
+    CHECK(cudaMalloc(&src, n)); CHECK(cudaMalloc(&dst, n));
+    cudaEvent_t a, b; CHECK(cudaEventCreate(&a)); CHECK(cudaEventCreate(&b));
+    float best = 1e9f;
+    for (int it = 0; it < 6; ++it) {
+      CHECK(cudaEventRecord(a)); CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice));
+      CHECK(cudaEventRecord(b)); CHECK(cudaEventSynchronize(b));
+      float ms; CHECK(cudaEventElapsedTime(&ms, a, b)); if (it) best = fminf(best, ms);
+    }
+    printf("{\"run\": \"copy\", \"tb_per_s\": %.3f, \"roofline_ms\": %.4f}\n", 2.0 * n / (best * 1e-3) / 1e12,
+           p.tile_bytes / (2.0 * n / (best * 1e-3)) * 1e3);
+    CHECK(cudaFree(src)); CHECK(cudaFree(dst));
+  }
+
+  // Reference: separate launches, fp32 dequantisation.
+  CHECK(cudaMemset(qkv_out, 0, qkv_bytes)); CHECK(cudaMemset(gu_out, 0, gu_bytes));
+  CHECK(cudaMemcpy(h, h0, 4096 * 4, cudaMemcpyDeviceToDevice));
+  for (size_t s = 0; s < p.stages.size(); ++s) {
+    ref_prepare_x<<<1, 1024>>>((int)s, xref);
+    ref_gemv<<<p.stages[s].rows, 256>>>((int)s, xref);
+  }
+  CHECK(cudaDeviceSynchronize()); CHECK(cudaGetLastError());
+  std::vector<float> h_ref(4096), h_got(4096);
+  CHECK(cudaMemcpy(h_ref.data(), h, 4096 * 4, cudaMemcpyDeviceToHost));
+
+  float t12 = time_chain<12, true>(p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters);
+  CHECK(cudaMemcpy(h_got.data(), h, 4096 * 4, cudaMemcpyDeviceToHost));
+  double num = 0, den = 0, maxabs = 0;
+  for (int i = 0; i < 4096; ++i) {
+    double d = h_got[i] - h_ref[i];
+    num += d * d; den += (double)h_ref[i] * h_ref[i]; maxabs = fmax(maxabs, fabs(d));
+  }
+  printf("{\"run\": \"check\", \"rel_l2\": %.3e, \"max_abs\": %.3e, \"ref_rms\": %.4f, \"ok\": %s}\n",
+         sqrt(num / den), maxabs, sqrt(den / 4096), sqrt(num / den) < 1e-2 ? "true" : "false");
+  time_chain<8, true>(p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters);
+  time_chain<4, true>(p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters);
+  time_chain<12, false>(p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters);
+  (void)t12;
+  return 0;
+}
