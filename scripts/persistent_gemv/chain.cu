@@ -99,6 +99,24 @@ __device__ inline void cp_async16(void* smem, const void* gmem) {
   uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
+__device__ inline uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ inline void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+// One bulk copy (the copy engine, no per-thread requests) of `bytes` into shared memory; the
+// barrier's phase completes when they have all landed.
+__device__ inline void bulk_load(void* dst, const void* src, int bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes));
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+      ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ inline void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 __device__ inline int load_acquire(const int* p) {
@@ -119,42 +137,64 @@ __device__ inline void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
 
 __device__ inline float silu(float v) { return v / (1.f + __expf(-v)); }
 
-// The stage's input for k chunk kc, as fp16 in shared memory (the same rounding the reference uses).
-__device__ void load_x(const Stage& S, int kc, __half* xs, float* scratch) {
-  const int tid = threadIdx.x;
-  float scale = 1.f;
-  if (S.in_kind == IN_RMSNORM) {  // mean of squares over all k (4,096: 16 values a thread)
-    float acc = 0.f;
-    for (int i = tid * 4; i < S.k; i += THREADS * 4) {
-      float4 v = __ldcg((const float4*)(S.in + i));
-      acc += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+// The stage's whole input (k values, <= 14,336) as fp16 in shared memory, once a stage per block
+// (the same rounding the reference uses). Every load of it is issued before the first use.
+constexpr int XMAX = 14336;
+template <int N, bool SWIGLU>
+__device__ inline void convert_store(const float4* a, const float4* u, float scale, int j0, int k, __half* xs) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int i = ((j0 + j) * THREADS + threadIdx.x) * 4;
+    if (i < k) {
+      float4 v = a[j];
+      if (SWIGLU) {
+        v.x = silu(v.x) * u[j].x; v.y = silu(v.y) * u[j].y; v.z = silu(v.z) * u[j].z; v.w = silu(v.w) * u[j].w;
+      }
+      __half2 h[2] = {__floats2half2_rn(v.x * scale, v.y * scale), __floats2half2_rn(v.z * scale, v.w * scale)};
+      *(uint2*)(xs + i) = *(uint2*)h;
     }
-    for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (tid % 32 == 0) scratch[tid / 32] = acc;
-    __syncthreads();
-    float total = 0.f;
-    for (int w = 0; w < THREADS / 32; ++w) total += scratch[w];
-    scale = rsqrtf(total / S.k + 1e-5f);
   }
-  const int k0 = kc * KCHUNK + tid * 8;  // 8 values a thread
-  float v[8];
-  float4 a = __ldcg((const float4*)(S.in + k0)), b = __ldcg((const float4*)(S.in + k0 + 4));
-  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-  if (S.in_kind == IN_SWIGLU) {
-    float4 c = __ldcg((const float4*)(S.in + S.k + k0)), d = __ldcg((const float4*)(S.in + S.k + k0 + 4));
-    float u[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+}
+__device__ void load_stage_input(const Stage& S, __half* xs, float* scratch) {
+  const int tid = threadIdx.x;
+  if (S.in_kind == IN_SWIGLU) {  // 14,336 gate + up values: two batches of 7 float4 pairs a thread
+    constexpr int B = 7;
+    for (int j0 = 0; j0 * THREADS * 4 < S.k; j0 += B) {
+      float4 a[B], u[B];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = silu(v[i]) * u[i];
+      for (int j = 0; j < B; ++j) {
+        const int i = ((j0 + j) * THREADS + tid) * 4;
+        if (i < S.k) { a[j] = __ldcg((const float4*)(S.in + i)); u[j] = __ldcg((const float4*)(S.in + S.k + i)); }
+      }
+      convert_store<B, true>(a, u, 1.f, j0, S.k, xs);
+    }
+  } else {  // 4,096 values: 4 float4 a thread, all in flight, then the mean of squares if normed
+    constexpr int B = 4;
+    float4 a[B];
+#pragma unroll
+    for (int j = 0; j < B; ++j) a[j] = __ldcg((const float4*)(S.in + (j * THREADS + tid) * 4));
+    float scale = 1.f;
+    if (S.in_kind == IN_RMSNORM) {
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < B; ++j) acc += a[j].x * a[j].x + a[j].y * a[j].y + a[j].z * a[j].z + a[j].w * a[j].w;
+      for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (tid % 32 == 0) scratch[tid / 32] = acc;
+      __syncthreads();
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < THREADS / 32; ++w) total += scratch[w];
+      scale = rsqrtf(total / S.k + 1e-5f);
+    }
+    convert_store<B, false>(a, nullptr, scale, 0, S.k, xs);
   }
-  __half2 h[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(v[2 * i] * scale, v[2 * i + 1] * scale);
-  *(uint4*)(xs + tid * 8) = *(uint4*)h;
   __syncthreads();
 }
 
 // One tile: 16 rows x 2,048 k, products on the tensor cores, partial sums added to out[0..16).
-template <bool MATH>
+// xs is the chunk's first input value. Four accumulator chains (two a group) so the mma latency
+// does not serialise the tile.
+template <bool MATH, bool WA>
 __device__ void compute_tile(const uint8_t* slot, const __half* xs, float* red, float* out) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, r = lane / 4, q = lane % 4;
   const uint32_t* W = (const uint32_t*)slot + warp * 16 * 32 + lane;
@@ -162,30 +202,39 @@ __device__ void compute_tile(const uint8_t* slot, const __half* xs, float* red, 
   const uint32_t* X = (const uint32_t*)xs + warp * 128 + q;  // half2 pairs of this warp's k range
   float acc_a = 0.f, acc_b = 0.f;  // rows r and r + 8
   if (MATH) {
+    const uint32_t sixteenth = h2u(__float2half2_rn(1.f / 16.f));
+    uint32_t zero_a[2], zero_b16[2];
+    __half2 sz_a[2], sz_b[2];
 #pragma unroll
     for (int grp = 0; grp < 2; ++grp) {
-      __half2 sz_a = SZ[r * GROUPS + warp * 2 + grp], sz_b = SZ[(r + 8) * GROUPS + warp * 2 + grp];
-      uint32_t zero_a = h2u(__half2half2(__high2half(sz_a)));  // 1024 + z, row r
-      __half2 zb16 = __hsub2(__float2half2_rn(960.f), __half2half2(__high2half(sz_b)));  // -(64 + z)
-      uint32_t zero_b16 = h2u(zb16);
-      const uint32_t sixteenth = h2u(__float2half2_rn(1.f / 16.f));
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      sz_a[grp] = SZ[r * GROUPS + warp * 2 + grp];
+      sz_b[grp] = SZ[(r + 8) * GROUPS + warp * 2 + grp];
+      zero_a[grp] = h2u(__half2half2(__high2half(sz_a[grp])));  // 1024 + z, row r
+      zero_b16[grp] = h2u(__hsub2(__float2half2_rn(960.f), __half2half2(__high2half(sz_b[grp]))));  // -(64 + z)
+    }
+    float c[4][4] = {};
 #pragma unroll
-      for (int m8 = 0; m8 < 8; ++m8) {
-        const int m = grp * 8 + m8;
-        uint32_t w = W[m * 32], w8 = w >> 8;
-        uint32_t a0 = h2u(__hsub2(u2h(lop_or(w, 0x000F000Fu, 0x64006400u)), u2h(zero_a)));
-        uint32_t a1 = h2u(__hfma2(u2h(lop_or(w, 0x00F000F0u, 0x64006400u)), u2h(sixteenth), u2h(zero_b16)));
-        uint32_t a2 = h2u(__hsub2(u2h(lop_or(w8, 0x000F000Fu, 0x64006400u)), u2h(zero_a)));
-        uint32_t a3 = h2u(__hfma2(u2h(lop_or(w8, 0x00F000F0u, 0x64006400u)), u2h(sixteenth), u2h(zero_b16)));
-        uint32_t b0 = X[m * 8], b1 = X[m * 8 + 4];  // k = 16m + 2q (+ 8), every B column = x
-        mma16816(c, a0, a1, a2, a3, b0, b1);
-      }
-      acc_a += __low2float(sz_a) * c[0];
-      acc_b += __low2float(sz_b) * c[2];
+    for (int m = 0; m < 16; ++m) {
+      const int grp = m / 8, chain = grp * 2 + (m % 2);
+      uint32_t w = W[m * 32], w8 = w >> 8;
+      uint32_t a0 = h2u(__hsub2(u2h(lop_or(w, 0x000F000Fu, 0x64006400u)), u2h(zero_a[grp])));
+      uint32_t a1 = h2u(__hfma2(u2h(lop_or(w, 0x00F000F0u, 0x64006400u)), u2h(sixteenth), u2h(zero_b16[grp])));
+      uint32_t a2 = h2u(__hsub2(u2h(lop_or(w8, 0x000F000Fu, 0x64006400u)), u2h(zero_a[grp])));
+      uint32_t a3 = h2u(__hfma2(u2h(lop_or(w8, 0x00F000F0u, 0x64006400u)), u2h(sixteenth), u2h(zero_b16[grp])));
+      uint32_t b0 = X[m * 8], b1 = X[m * 8 + 4];  // k = 16m + 2q (+ 8), every B column = x
+      mma16816(c[chain], a0, a1, a2, a3, b0, b1);
+    }
+#pragma unroll
+    for (int grp = 0; grp < 2; ++grp) {
+      acc_a += __low2float(sz_a[grp]) * (c[2 * grp][0] + c[2 * grp + 1][0]);
+      acc_b += __low2float(sz_b[grp]) * (c[2 * grp][2] + c[2 * grp + 1][2]);
     }
   } else {
     acc_a = (float)W[0] * 0.f;  // the read alone (keeps the ring's consumer in the loop)
+  }
+  if (WA) {
+    if (q == 0) { atomicAdd(out + r, acc_a); atomicAdd(out + r + 8, acc_b); }
+    return;
   }
   if (q == 0) { red[warp * ROWS + r] = acc_a; red[warp * ROWS + r + 8] = acc_b; }
   __syncthreads();
@@ -200,55 +249,88 @@ __device__ void compute_tile(const uint8_t* slot, const __half* xs, float* red, 
 // ---------------------------------------------------------------------------------------------
 // The persistent chain. Block b takes the global tiles g = b, b + G, b + 2G, ... (stage-major), so
 // every block's bytes over the whole token differ by at most one tile.
-template <int D, bool MATH>
-__global__ void __launch_bounds__(THREADS, 1) chain_kernel(int* done, int nstages, int total) {
-  extern __shared__ __align__(16) uint8_t smem[];
+// WA: partial sums added by each warp's own atomics (no block reduction) instead of one a row.
+// PROF: thread 0 of each block records, a stage, cycles spinning on the previous stage, loading the
+// input, running the tiles, and waiting on the ring (prof[(block * nstages + s) * 4 + ...]).
+// LOADER: 0 = cp.async, 16 bytes a thread (Ampere's way); 1 = one bulk copy a tile through the copy
+// engine, completing on the slot's mbarrier (Hopper's way). MODE: 0 = everything; 1 = loads and
+// waits, no math (the read bound of this schedule); 2 = math and waits on stale slots, no loads; 3 = the ring alone (loads, no waits
+// on other stages, no inputs, no math).
+template <int D, int LOADER, int MODE, bool WA>
+__global__ void __launch_bounds__(THREADS, 1) chain_kernel(int* done, int nstages, int total, long long* prof) {
+  extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;
   __half* xs = (__half*)(ring + D * TILE_BYTES);
-  float* red = (float*)(xs + KCHUNK);
+  float* red = (float*)(xs + XMAX);
   float* scratch = red + (THREADS / 32) * ROWS;
+  uint64_t* bars = (uint64_t*)(scratch + 32);  // one a slot
   const int G = gridDim.x, tid = threadIdx.x;
+  constexpr bool LOADS = MODE != 2, MATH = MODE == 0 || MODE == 2, WAITS = MODE != 3;
+  long long t_stage = 0, t_spin = 0, t_input = 0, t_ring = 0;
+
+  if (LOADER == 1 && tid == 0) {
+    for (int i = 0; i < D; ++i) mbar_init(bars + i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
 
   int load_g = blockIdx.x, load_s = 0;
   auto issue = [&](int slot) {  // the next tile of this block into `slot` (an empty group past the end)
-    if (load_g < total) {
+    if (LOADS && load_g < total) {
       while (load_s + 1 < nstages && load_g >= c_stages[load_s + 1].base) ++load_s;
       const Stage& S = c_stages[load_s];
       const uint4* src = S.tiles + (size_t)(load_g - S.base) * (TILE_BYTES / 16);
       uint4* dst = (uint4*)(ring + slot * TILE_BYTES);
-      for (int c = tid; c < TILE_BYTES / 16; c += THREADS) cp_async16(dst + c, src + c);
-      load_g += G;
+      if (LOADER == 0) {
+        for (int c = tid; c < TILE_BYTES / 16; c += THREADS) cp_async16(dst + c, src + c);
+      } else if (tid == 0) {
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the slot's reads before the copy
+        bulk_load(dst, src, TILE_BYTES, bars + slot);
+      }
     }
-    cp_async_commit();
+    load_g += G;
+    if (LOADER == 0) cp_async_commit();
   };
 #pragma unroll
   for (int i = 0; i < D; ++i) issue(i);
 
-  int s = 0, cur_s = -1, x_chunk = -1, i = 0;
+  int s = 0, cur_s = -1, i = 0;
   for (int g = blockIdx.x; g < total; g += G, ++i) {
     while (s + 1 < nstages && g >= c_stages[s + 1].base) ++s;
     const Stage& S = c_stages[s];
     const int t = g - S.base, kc = t / S.rowtiles, rt = t % S.rowtiles;
     if (s != cur_s) {  // the previous stage's outputs must be complete before any math of this one
-      if (s > 0 && tid == 0) {
+      if (prof && tid == 0) { t_stage = clock64(); t_ring = 0; }
+      if (WAITS && s > 0 && tid == 0) {
         const int target = min(G, c_stages[s - 1].ntiles);
         while (load_acquire(done + s - 1) < target) {}
       }
       __syncthreads();
-      cur_s = s; x_chunk = -1;
+      if (prof && tid == 0) t_spin = clock64();
+      cur_s = s;
+      if (WAITS) load_stage_input(S, xs, scratch);
+      if (prof && tid == 0) t_input = clock64();
     }
-    if (kc != x_chunk) { load_x(S, kc, xs, scratch); x_chunk = kc; }
-    cp_async_wait<D - 1>();
+    if (LOADS) {
+      long long t0 = prof && tid == 0 ? clock64() : 0;
+      if (LOADER == 0) cp_async_wait<D - 1>();
+      else mbar_wait(bars + i % D, (i / D) & 1);
+      if (prof && tid == 0) t_ring += clock64() - t0;
+    }
     __syncthreads();
-    compute_tile<MATH>(ring + (i % D) * TILE_BYTES, xs, red, S.out + rt * ROWS);
+    compute_tile<MATH, WA>(ring + (i % D) * TILE_BYTES, xs + kc * KCHUNK, red, S.out + rt * ROWS);
     __syncthreads();  // the slot and `red` are free again
     issue(i % D);
     if (g + G >= S.base + S.ntiles && tid == 0) {  // this block's last tile of stage s
       __threadfence();
       atomicAdd(done + s, 1);
+      if (prof) {
+        long long* p = prof + ((size_t)blockIdx.x * nstages + s) * 4;
+        p[0] = t_spin - t_stage; p[1] = t_input - t_spin; p[2] = clock64() - t_input; p[3] = t_ring;
+      }
     }
   }
-  cp_async_wait<0>();
+  if (LOADER == 0) cp_async_wait<0>();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -330,15 +412,19 @@ static Plan make_plan(int layers, float* h, float* qkv_out, float* gu_out, uint8
   return p;
 }
 
-template <int D, bool MATH>
+template <int D, int LOADER, int MODE, bool WA = false>
 static float time_chain(const Plan& p, int* done, float* h, const float* h0, float* qkv_out,
-                        float* gu_out, size_t qkv_bytes, size_t gu_bytes, int sms, int iters) {
-  const size_t smem = D * TILE_BYTES + KCHUNK * 2 + (THREADS / 32) * ROWS * 4 + 64;
-  CHECK(cudaFuncSetAttribute(chain_kernel<D, MATH>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+                        float* gu_out, size_t qkv_bytes, size_t gu_bytes, int sms, int iters, int per_sm_wanted = 1) {
+  const int nst = (int)p.stages.size();
+  long long* prof = nullptr;
+  CHECK(cudaMalloc(&prof, (size_t)sms * per_sm_wanted * nst * 4 * sizeof(long long)));
+  CHECK(cudaMemset(prof, 0, (size_t)sms * per_sm_wanted * nst * 4 * sizeof(long long)));
+  const size_t smem = D * TILE_BYTES + XMAX * 2 + (THREADS / 32) * ROWS * 4 + 32 * 4 + D * 8;
+  CHECK(cudaFuncSetAttribute(chain_kernel<D, LOADER, MODE, WA>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   int per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<D, MATH>, THREADS, smem));
-  if (per_sm < 1) { fprintf(stderr, "D=%d does not fit an SM\n", D); return -1.f; }
-  const int grid = sms;  // one block an SM: all resident, so the spin waits cannot deadlock
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<D, LOADER, MODE, WA>, THREADS, smem));
+  if (per_sm < per_sm_wanted) { fprintf(stderr, "D=%d: %d blocks do not fit an SM\n", D, per_sm_wanted); return -1.f; }
+  const int grid = sms * per_sm_wanted;  // every block resident, so the spin waits cannot deadlock
   cudaEvent_t a, b; CHECK(cudaEventCreate(&a)); CHECK(cudaEventCreate(&b));
   float best = 1e9f, sum = 0.f;
   for (int it = 0; it < iters + 2; ++it) {
@@ -347,15 +433,39 @@ static float time_chain(const Plan& p, int* done, float* h, const float* h0, flo
     CHECK(cudaMemsetAsync(gu_out, 0, gu_bytes));
     CHECK(cudaMemcpyAsync(h, h0, 4096 * sizeof(float), cudaMemcpyDeviceToDevice));
     CHECK(cudaEventRecord(a));
-    chain_kernel<D, MATH><<<grid, THREADS, smem>>>(done, (int)p.stages.size(), p.total);
+    chain_kernel<D, LOADER, MODE, WA><<<grid, THREADS, smem>>>(done, (int)p.stages.size(), p.total,
+                                                               it == iters + 1 ? prof : nullptr);
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     CHECK(cudaGetLastError());
     float ms; CHECK(cudaEventElapsedTime(&ms, a, b));
-    if (it >= 2) { best = fminf(best, ms); sum += ms; }
+    if (it >= 2 && it < iters + 1) { best = fminf(best, ms); sum += ms; }
   }
-  printf("{\"run\": \"chain\", \"D\": %d, \"math\": %d, \"grid\": %d, \"best_ms\": %.4f, \"mean_ms\": %.4f, "
-         "\"tb_per_s\": %.3f}\n", D, (int)MATH, grid, best, sum / iters, p.tile_bytes / (best * 1e-3) / 1e12);
+  // The profiled launch (the last): mean us a stage of each GEMV, over blocks that ran it.
+  std::vector<long long> hp((size_t)grid * nst * 4);
+  CHECK(cudaMemcpy(hp.data(), prof, hp.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  CHECK(cudaFree(prof));
+  int clock_khz = 0; CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  const char* names[4] = {"qkv", "o", "gate_up", "down"};
+  printf("{\"run\": \"stages\", \"D\": %d, \"mode\": %d, \"wa\": %d, \"grid\": %d", D, MODE, (int)WA, grid);
+  double token_us = 0;
+  for (int j = 0; j < 4; ++j) {
+    double sum4[4] = {0, 0, 0, 0}; long n = 0;
+    for (int b = 0; b < grid; ++b)
+      for (int s = j; s < nst; s += 4) {
+        const long long* q = &hp[((size_t)b * nst + s) * 4];
+        if (q[0] + q[1] + q[2] == 0) continue;
+        for (int f = 0; f < 4; ++f) sum4[f] += q[f];
+        ++n;
+      }
+    for (int f = 0; f < 4; ++f) sum4[f] = n ? sum4[f] / n / (clock_khz * 1e-3) : 0;
+    token_us += (sum4[0] + sum4[1] + sum4[2]) * nst / 4;
+    printf(", \"%s_us\": {\"spin\": %.2f, \"input\": %.2f, \"tiles\": %.2f, \"ring_wait\": %.2f}", names[j],
+           sum4[0], sum4[1], sum4[2], sum4[3]);
+  }
+  printf(", \"sum_ms\": %.3f}\n", token_us * 1e-3);
+  printf("{\"run\": \"chain\", \"D\": %d, \"loader\": %d, \"mode\": %d, \"wa\": %d, \"grid\": %d, \"best_ms\": %.4f, \"mean_ms\": %.4f, "
+         "\"tb_per_s\": %.3f}\n", D, LOADER, MODE, (int)WA, grid, best, sum / iters, p.tile_bytes / (best * 1e-3) / 1e12);
   fflush(stdout);
   return best;
 }
@@ -413,18 +523,26 @@ int main(int argc, char** argv) {
   std::vector<float> h_ref(4096), h_got(4096);
   CHECK(cudaMemcpy(h_ref.data(), h, 4096 * 4, cudaMemcpyDeviceToHost));
 
-  float t12 = time_chain<12, true>(p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters);
-  CHECK(cudaMemcpy(h_got.data(), h, 4096 * 4, cudaMemcpyDeviceToHost));
-  double num = 0, den = 0, maxabs = 0;
-  for (int i = 0; i < 4096; ++i) {
-    double d = h_got[i] - h_ref[i];
-    num += d * d; den += (double)h_ref[i] * h_ref[i]; maxabs = fmax(maxabs, fabs(d));
-  }
-  printf("{\"run\": \"check\", \"rel_l2\": %.3e, \"max_abs\": %.3e, \"ref_rms\": %.4f, \"ok\": %s}\n",
-         sqrt(num / den), maxabs, sqrt(den / 4096), sqrt(num / den) < 1e-2 ? "true" : "false");
-  time_chain<8, true>(p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters);
-  time_chain<4, true>(p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters);
-  time_chain<12, false>(p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters);
-  (void)t12;
+  auto check = [&](const char* what) {
+    CHECK(cudaMemcpy(h_got.data(), h, 4096 * 4, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0, maxabs = 0;
+    for (int i = 0; i < 4096; ++i) {
+      double d = h_got[i] - h_ref[i];
+      num += d * d; den += (double)h_ref[i] * h_ref[i]; maxabs = fmax(maxabs, fabs(d));
+    }
+    printf("{\"run\": \"check\", \"of\": \"%s\", \"rel_l2\": %.3e, \"max_abs\": %.3e, \"ref_rms\": %.4f, \"ok\": %s}\n",
+           what, sqrt(num / den), maxabs, sqrt(den / 4096), sqrt(num / den) < 1e-2 ? "true" : "false");
+    fflush(stdout);
+  };
+#define ARGS p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters
+  time_chain<10, 1, 0>(ARGS); check("D10 bulk");
+  time_chain<10, 1, 0, true>(ARGS); check("D10 bulk, warp atomics");
+  time_chain<10, 1, 1>(ARGS);
+  time_chain<10, 1, 3>(ARGS);
+  time_chain<4, 1, 0>(ARGS, 2); check("D4 bulk, 2 blocks an SM");
+  time_chain<4, 1, 0, true>(ARGS, 2); check("D4 bulk, 2 blocks an SM, warp atomics");
+  time_chain<4, 1, 1>(ARGS, 2);
+  time_chain<4, 1, 2>(ARGS, 2);
+  time_chain<4, 1, 3>(ARGS, 2);
   return 0;
 }
