@@ -63,10 +63,10 @@
 # steps in their CPU smoke form (plumbing check: SMOKE=1 OUT=/tmp/x bash scripts/gpu_multi.sh 'ours:W1-8B-tp2+vllm:W1-8B-tp2@').
 #
 # Lease 63 (2 H200s, 2026-11-28, 70c240c): W1-8B tp=1 9,550, tp=2 7,546 against vLLM's tp=2 14,004:
-# the mp step loop is still host-bound (docs/perf.md); vLLM's tp=2 start-up took 307 s. Next: the
-# driver's reply thread (84c454d) on and off at tp=2 (the prediction in perf.md: +15 to +30 %):
-# AB_W1_SPECS=". .@MINIVLLM_DRIVER_REPLY_THREAD=0" AB_W1_ROUNDS=2 AB_W1_ARGS="-tp 2
-# --distributed-executor-backend mp", step ab-w1@0,1; first tests/gpu/test_parallel_gpu.py (mp tokens).
+# the mp step loop is still host-bound (docs/perf.md); vLLM's tp=2 start-up took 307 s. The driver's
+# reply thread (84c454d) cost 7 % at tp=1 mp (lease 65) and is now opt-in; next, on and off at tp=2
+# (the prediction in perf.md: +15 to +30 %): AB_W1_SPECS=". .@MINIVLLM_DRIVER_REPLY_THREAD=1"
+# AB_W1_ROUNDS=2 AB_W1_ARGS="-tp 2 --distributed-executor-backend mp", step ab-w1@0,1.
 # What issue 27 still needs (after leases 58-59 on 4 H200s, 2026-11-28; `bash scripts/device_wheels.sh`
 # here first; on a 4-GPU machine carry .whl alone and start the ours lanes, then each of .vllm/p1..p5,
 # deps, x back to back while they run (~15 s a carry on that link), then .gpu/g1 and .gpu/g2):

@@ -180,9 +180,11 @@ def serve(conn, worker: Worker, overlap: bool) -> None:
 
 
 def reply_thread_enabled() -> bool:
-    """The driver's Replier is on unless MINIVLLM_DRIVER_REPLY_THREAD=0 (A/B runs: the main thread
-    answers after the next launch, as before)."""
-    return os.environ.get("MINIVLLM_DRIVER_REPLY_THREAD", "1") != "0"
+    """The driver's Replier is off unless MINIVLLM_DRIVER_REPLY_THREAD=1. Off, the main thread
+    answers after the next launch. Lease 65 (W1-8B, tp=1, mp executor, one H200) measured the
+    thread at -7 % output tok/s: it takes the GIL from the main thread's next step. Its intended
+    case, tp=2, is not measured yet (docs/perf.md)."""
+    return os.environ.get("MINIVLLM_DRIVER_REPLY_THREAD", "0") == "1"
 
 
 # the GIL switch interval of a driver with a Replier: the reply thread wakes when the device ends

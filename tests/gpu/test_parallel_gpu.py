@@ -19,7 +19,9 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def test_one_worker_process_equals_in_process():
+@pytest.mark.parametrize("reply_thread", ["0", "1"])  # the driver's Replier off (default) and on
+def test_one_worker_process_equals_in_process(monkeypatch, reply_thread):
+    monkeypatch.setenv("MINIVLLM_DRIVER_REPLY_THREAD", reply_thread)  # the worker process inherits it
     llm = LLM(**KW)
     want = _tokens(llm)
     llm.llm_engine.shutdown()

@@ -12,12 +12,19 @@ from multiprocessing import Pipe
 
 import sys
 
+import pytest
 import torch
 
 from minivllm.core.interfaces import RunnerOutput
 from minivllm.executor import worker as worker_mod
 
 TIMEOUT_S = 10.0
+
+
+@pytest.fixture(autouse=True)
+def reply_thread_on(monkeypatch):
+    """The thread is opt-in (MINIVLLM_DRIVER_REPLY_THREAD=1); these tests are about it."""
+    monkeypatch.setenv("MINIVLLM_DRIVER_REPLY_THREAD", "1")
 
 
 class FakeRunner:
@@ -142,8 +149,12 @@ def test_without_async_scheduling_the_main_thread_answers():
     assert _reply_threads() == repliers  # none started
 
 
-def test_the_switch_turns_the_thread_off(monkeypatch):
-    monkeypatch.setenv("MINIVLLM_DRIVER_REPLY_THREAD", "0")
+@pytest.mark.parametrize("setting", ["0", None])
+def test_the_switch_turns_the_thread_off(monkeypatch, setting):
+    if setting is None:  # unset: off by default
+        monkeypatch.delenv("MINIVLLM_DRIVER_REPLY_THREAD")
+    else:
+        monkeypatch.setenv("MINIVLLM_DRIVER_REPLY_THREAD", setting)
     runner = FakeRunner()
     _release(runner, "a")
     conn, thread = _start(runner)
