@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cmath>
 #include <vector>
+#include <algorithm>
 
 #define CHECK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
   fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
@@ -664,6 +665,204 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v3(int* done, int nstages
 }
 
 // ---------------------------------------------------------------------------------------------
+// v4: chunk-level dataflow. A tile waits only for the 2,048-value input chunk it reads, not for
+// the whole previous stage, so a stage starts while the previous one ends. Every stage's tiles are
+// dealt to the blocks in turn (position p to block p mod G) in an order that finishes the next
+// stage's first chunks early: k chunk major, and gate_up's output rows interleave gate and up
+// chunks (g0 u0 g1 u1 ...), which down's first chunk needs.
+// No buffer is written while a stage may still read it: o and down add into zeroed per-layer
+// buffers O[l] and D[l]; h_l = Hm[l-1] + O[l-1] + D[l-1] is written once, chunk by chunk, into
+// Hm[l] by the block that reads the chunk first for qkv ("the owner": the block of the chunk's
+// first position). RMSNorm is applied where the GEMV's output is read (a scalar): the owners add
+// each chunk's sum of squares into ss[l].
+struct V4 {
+  const float* hin;            // h_0
+  float *qkv, *gu, *o, *d, *hm;  // per layer: 6,144 / 28,672 / 4,096 / 4,096 / 4,096
+  int* cnt;                    // per layer V4_CNT counters (below)
+  float* ss;                   // per layer: sum of squares of h_l, of h_l + o_l
+};
+constexpr int V4_CNT = 24;
+// counters of layer l: +0 q rows chunk ready [2], +2 o [2], +4 gate_up [14], +18 down [2],
+// +20 Hm chunk written [2], +22 ssQ terms [1], +23 ssG terms [1]. Tile counters count warps (8 a tile).
+__device__ inline void v4_order(int kind, const Stage& S, int p, int& kc, int& rt) {
+  kc = p / S.rowtiles;
+  const int j = p % S.rowtiles;
+  if (kind == 2) {  // gate_up: pairs (gate chunk c, up chunk c) of 128 row tiles each, in turn
+    const int pair = j / 256, half = (j % 256) / 128;
+    rt = half * 896 + pair * 128 + j % 128;
+  } else {
+    rt = j;
+  }
+}
+__device__ inline void wait_at_least(const int* c, int target) {
+  while (load_acquire(c) < target) __nanosleep(20);
+}
+
+// Chunk c (2,048 values) of a stage input: the sum of up to three fp32 vectors (or silu(s g) * s u),
+// times `scale`, as fp16 into xs[0..2048) and its 16 group sums into gsum. If `hm` is given, the
+// fp32 sum is written there too; with `want_sq` the chunk's sum of squares is returned to thread 0.
+__device__ float v4_load_chunk(const float* a, const float* b, const float* c3, const float* up,
+                               float scale, __half* xs, float* gsum, float* hm, bool want_sq, float* scratch) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  float4 v[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int i = (j * CONSUMERS + tid) * 4;
+    v[j] = __ldcg((const float4*)(a + i));
+    if (b) { float4 w = __ldcg((const float4*)(b + i)); v[j].x += w.x; v[j].y += w.y; v[j].z += w.z; v[j].w += w.w; }
+    if (c3) { float4 w = __ldcg((const float4*)(c3 + i)); v[j].x += w.x; v[j].y += w.y; v[j].z += w.z; v[j].w += w.w; }
+    if (up) {
+      float4 u = __ldcg((const float4*)(up + i));
+      v[j].x = silu(scale * v[j].x) * u.x; v[j].y = silu(scale * v[j].y) * u.y;
+      v[j].z = silu(scale * v[j].z) * u.z; v[j].w = silu(scale * v[j].w) * u.w;
+    }
+  }
+  float sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int i = (j * CONSUMERS + tid) * 4;
+    if (hm) *(float4*)(hm + i) = v[j];
+    if (want_sq) sq += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    // times the scale: x s for a normed input; for down, silu(s g) (above) times s u
+    __half2 h[2] = {__floats2half2_rn(v[j].x * scale, v[j].y * scale), __floats2half2_rn(v[j].z * scale, v[j].w * scale)};
+    *(uint2*)(xs + i) = *(uint2*)h;
+    float sum = __low2float(h[0]) + __high2float(h[0]) + __low2float(h[1]) + __high2float(h[1]);
+    for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) gsum[j * 8 + warp] = sum;
+  }
+  if (want_sq) {
+    for (int o = 16; o; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    if (lane == 0) scratch[warp] = sq;
+  }
+  consumer_sync();
+  float total = 0.f;
+  if (want_sq && tid == 0)
+    for (int w = 0; w < CONSUMERS / 32; ++w) total += scratch[w];
+  return total;
+}
+
+template <int D, int BPS>
+__global__ void __launch_bounds__(THREADS2, BPS) chain_v4(V4 B, int nstages, long long* prof) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;
+  __half* xs = (__half*)(ring + D * TILE_BYTES);  // two chunks (k = 4,096) or down's current chunk
+  float* gsum = (float*)(xs + 4096);
+  float* scratch = gsum + 32;
+  uint64_t* full = (uint64_t*)(scratch + 32);
+  uint64_t* empty = full + D;
+  const int G = gridDim.x, tid = threadIdx.x, warp = tid / 32;
+  if (tid == 0) {
+    for (int i = 0; i < D; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, CONSUMERS / 32); }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == CONSUMERS / 32) {  // the producer: this block's positions of every stage, in order
+    if (tid % 32 == 0) {
+      int i = 0;
+      for (int s = 0; s < nstages; ++s) {
+        const Stage& S = c_stages[s];
+        for (int p = blockIdx.x; p < S.ntiles; p += G, ++i) {
+          int kc, rt; v4_order(s % 4, S, p, kc, rt);
+          const int slot = i % D;
+          if (i >= D) mbar_wait_sleep(empty + slot, (i / D - 1) & 1);
+          bulk_load(ring + slot * TILE_BYTES, S.tiles + (size_t)(kc * S.rowtiles + rt) * (TILE_BYTES / 16),
+                    TILE_BYTES, full + slot);
+        }
+      }
+    }
+    return;
+  }
+
+  int i = 0;
+  long long t_wait = 0, t_input = 0, t_all = 0;
+  uint32_t xr[32];
+  for (int s = 0; s < nstages; ++s) {
+    const Stage& S = c_stages[s];
+    const int l = s / 4, kind = s % 4;
+    int* C = B.cnt + l * V4_CNT;
+    int* Cprev = B.cnt + (l - 1) * V4_CNT;
+    float* out_base = kind == 0 ? B.qkv + (size_t)l * 6144 : kind == 1 ? B.o + (size_t)l * 4096
+                    : kind == 2 ? B.gu + (size_t)l * 28672 : B.d + (size_t)l * 4096;
+    int loaded = 0, xr_kc = -1, down_kc = -1;  // loaded: bit c = chunk c is in xs (k = 4,096 stages)
+    long long t_stage = prof && tid == 0 ? clock64() : 0;
+    for (int p = blockIdx.x; p < S.ntiles; p += G, ++i) {
+      int kc, rt; v4_order(kind, S, p, kc, rt);
+      long long t0 = prof && tid == 0 ? clock64() : 0;
+      if (tid == 0) {  // this tile's input chunk must be complete
+        if (kind == 0 && l > 0) wait_at_least(Cprev + 18 + kc, 8 * 128 * 7);
+        if (kind == 1) { wait_at_least(C + 0 + kc, 8 * 128 * 2); wait_at_least(C + 22, 2); }
+        if (kind == 2) { wait_at_least(C + 2 + kc, 8 * 128 * 2); wait_at_least(C + 20 + kc, 1); }
+        if (kind == 3) { wait_at_least(C + 4 + kc, 8 * 128 * 2); wait_at_least(C + 4 + 7 + kc, 8 * 128 * 2);
+                         wait_at_least(C + 23, 2); }
+      }
+      consumer_sync();
+      long long t1 = prof && tid == 0 ? clock64() : 0;
+      const bool need = kind == 3 ? kc != down_kc : !(loaded >> kc & 1);
+      if (need) {
+        const int base = kc * KCHUNK, slot_x = kind == 3 ? 0 : base;
+        __half* xd = xs + slot_x;
+        float* gd = gsum + slot_x / GROUP;
+        if (kind == 0) {
+          const bool owner = blockIdx.x == (kc * S.rowtiles) % G;  // the block of the chunk's first position
+          const float* a = l == 0 ? B.hin + base : B.hm + (size_t)(l - 1) * 4096 + base;
+          const float* b = l == 0 ? nullptr : B.o + (size_t)(l - 1) * 4096 + base;
+          const float* c3 = l == 0 ? nullptr : B.d + (size_t)(l - 1) * 4096 + base;
+          float sq = v4_load_chunk(a, b, c3, nullptr, 1.f, xd, gd, owner ? B.hm + (size_t)l * 4096 + base : nullptr,
+                                   owner, scratch);
+          if (owner && tid == 0) {
+            atomicAdd(B.ss + 2 * l, sq);
+            __threadfence();
+            atomicAdd(C + 20 + kc, 1);
+            atomicAdd(C + 22, 1);
+          }
+        } else if (kind == 1) {
+          const float sc = rsqrtf(__ldcg(B.ss + 2 * l) / 4096.f + 1e-5f);
+          v4_load_chunk(B.qkv + (size_t)l * 6144 + base, nullptr, nullptr, nullptr, sc, xd, gd, nullptr, false, scratch);
+        } else if (kind == 2) {
+          // h_l + o_l; the owner of this chunk adds its sum of squares (down's RMSNorm)
+          const bool owner = blockIdx.x == (kc * S.rowtiles) % G;
+          float sq = v4_load_chunk(B.hm + (size_t)l * 4096 + base, B.o + (size_t)l * 4096 + base, nullptr, nullptr,
+                                   1.f, xd, gd, nullptr, owner, scratch);
+          if (owner && tid == 0) {
+            atomicAdd(B.ss + 2 * l + 1, sq);
+            __threadfence();
+            atomicAdd(C + 23, 1);
+          }
+        } else {
+          const float sc = rsqrtf(__ldcg(B.ss + 2 * l + 1) / 4096.f + 1e-5f);
+          const float* g = B.gu + (size_t)l * 28672 + base;
+          v4_load_chunk(g, nullptr, nullptr, g + 14336, sc, xd, gd, nullptr, false, scratch);
+          down_kc = kc;
+        }
+        loaded |= 1 << kc;
+        xr_kc = -1;
+      }
+      const int xoff = kind == 3 ? 0 : kc * KCHUNK;
+      if (kc != xr_kc) { load_xr(xs + xoff, xr); xr_kc = kc; }
+      long long t2 = prof && tid == 0 ? clock64() : 0;
+      const int slot = i % D;
+      mbar_wait_sleep(full + slot, (i / D) & 1);
+      compute_tile_v2<true, 4>(ring + slot * TILE_BYTES, xr, gsum + xoff / GROUP, out_base + rt * ROWS);
+      __syncwarp();
+      if (tid % 32 == 0) {
+        mbar_arrive(empty + slot);
+        const int row_chunk = rt * ROWS / KCHUNK;
+        int* ready = kind == 0 ? (row_chunk < 2 ? C + 0 + row_chunk : nullptr) : kind == 1 ? C + 2 + row_chunk
+                   : kind == 2 ? C + 4 + row_chunk : C + 18 + row_chunk;
+        if (ready) { __threadfence(); atomicAdd(ready, 1); }
+      }
+      if (prof && tid == 0) { t_wait += t1 - t0; t_input += t2 - t1; }
+    }
+    if (prof && tid == 0) t_all += clock64() - t_stage;
+  }
+  if (prof && tid == 0) {
+    long long* q = prof + (size_t)blockIdx.x * nstages * 4;
+    q[0] = t_wait; q[1] = t_input; q[2] = t_all; q[3] = 0;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The reference: one launch a stage, a block a row, fp32 dequantisation, the same fp16 inputs.
 __global__ void ref_prepare_x(int s, __half* x) {
   const Stage& S = c_stages[s];
@@ -916,6 +1115,63 @@ static float time_v3(const Plan& p, int* done, float* h, const float* h0, float*
   return best;
 }
 
+
+// v4's buffers and launches; the final h is Hm[L-1] + O[L-1] + D[L-1], summed here for the check.
+template <int D, int BPS>
+static float time_v4(const Plan& p, int layers, const float* h0, int sms, int iters, std::vector<float>& h_out) {
+  V4 B{};
+  B.hin = h0;
+  float *qkv, *gu, *o, *d, *hm, *ss; int* cnt;
+  const size_t qkv_b = (size_t)layers * 6144 * 4, gu_b = (size_t)layers * 28672 * 4, v_b = (size_t)layers * 4096 * 4;
+  CHECK(cudaMalloc(&qkv, qkv_b)); CHECK(cudaMalloc(&gu, gu_b)); CHECK(cudaMalloc(&o, v_b));
+  CHECK(cudaMalloc(&d, v_b)); CHECK(cudaMalloc(&hm, v_b)); CHECK(cudaMalloc(&ss, layers * 2 * 4));
+  CHECK(cudaMalloc(&cnt, (size_t)layers * V4_CNT * 4));
+  B.qkv = qkv; B.gu = gu; B.o = o; B.d = d; B.hm = hm; B.ss = ss; B.cnt = cnt;
+  const size_t smem = D * TILE_BYTES + 4096 * 2 + 64 * 4 + 2 * D * 8;
+  CHECK(cudaFuncSetAttribute(chain_v4<D, BPS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  int per_sm = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_v4<D, BPS>, THREADS2, smem));
+  if (per_sm < BPS) { fprintf(stderr, "v4 D=%d: %d blocks do not fit an SM\n", D, BPS); return -1.f; }
+  const int grid = sms * BPS, nst = (int)p.stages.size();
+  long long* prof; CHECK(cudaMalloc(&prof, (size_t)grid * nst * 4 * 8)); CHECK(cudaMemset(prof, 0, (size_t)grid * nst * 4 * 8));
+  cudaEvent_t a, b; CHECK(cudaEventCreate(&a)); CHECK(cudaEventCreate(&b));
+  float best = 1e9f, sum = 0.f;
+  for (int it = 0; it < iters + 2; ++it) {
+    CHECK(cudaMemsetAsync(qkv, 0, qkv_b)); CHECK(cudaMemsetAsync(gu, 0, gu_b));
+    CHECK(cudaMemsetAsync(o, 0, v_b)); CHECK(cudaMemsetAsync(d, 0, v_b));
+    CHECK(cudaMemsetAsync(ss, 0, layers * 2 * 4)); CHECK(cudaMemsetAsync(cnt, 0, (size_t)layers * V4_CNT * 4));
+    CHECK(cudaEventRecord(a));
+    chain_v4<D, BPS><<<grid, THREADS2, smem>>>(B, nst, it == iters + 1 ? prof : nullptr);
+    CHECK(cudaEventRecord(b)); CHECK(cudaEventSynchronize(b)); CHECK(cudaGetLastError());
+    float ms; CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (it >= 2 && it < iters + 1) { best = fminf(best, ms); sum += ms; }
+  }
+  std::vector<long long> hp((size_t)grid * nst * 4);
+  CHECK(cudaMemcpy(hp.data(), prof, hp.size() * 8, cudaMemcpyDeviceToHost));
+  int clock_khz = 0; CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  double w = 0, in = 0, all = 0, all_max = 0;
+  for (int g = 0; g < grid; ++g) {
+    const long long* q = &hp[(size_t)g * nst * 4];
+    w += q[0]; in += q[1]; all += q[2]; all_max = std::max(all_max, (double)q[2]);
+  }
+  const double us = clock_khz * 1e-3;
+  printf("{\"run\": \"chain_v4\", \"D\": %d, \"grid\": %d, \"best_ms\": %.4f, \"mean_ms\": %.4f, \"tb_per_s\": %.3f, "
+         "\"block_mean_us\": {\"waiting\": %.1f, \"inputs\": %.1f, \"all\": %.1f, \"all_max\": %.1f}}\n",
+         D, grid, best, sum / (iters - 1), p.tile_bytes / (best * 1e-3) / 1e12, w / grid / us, in / grid / us,
+         all / grid / us, all_max / us);
+  fflush(stdout);
+  std::vector<float> t1(4096), t2(4096), t3(4096);
+  const size_t last = (size_t)(layers - 1) * 4096 * 4;
+  CHECK(cudaMemcpy(t1.data(), (char*)hm + last, 4096 * 4, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(t2.data(), (char*)o + last, 4096 * 4, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(t3.data(), (char*)d + last, 4096 * 4, cudaMemcpyDeviceToHost));
+  h_out.resize(4096);
+  for (int k = 0; k < 4096; ++k) h_out[k] = t1[k] + t2[k] + t3[k];
+  CHECK(cudaFree(qkv)); CHECK(cudaFree(gu)); CHECK(cudaFree(o)); CHECK(cudaFree(d)); CHECK(cudaFree(hm));
+  CHECK(cudaFree(ss)); CHECK(cudaFree(cnt)); CHECK(cudaFree(prof));
+  return best;
+}
+
 int main(int argc, char** argv) {
   const int layers = argc > 1 ? atoi(argv[1]) : 32, iters = argc > 2 ? atoi(argv[2]) : 20;
   cudaDeviceProp prop; CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -969,8 +1225,9 @@ int main(int argc, char** argv) {
   std::vector<float> h_ref(4096), h_got(4096);
   CHECK(cudaMemcpy(h_ref.data(), h, 4096 * 4, cudaMemcpyDeviceToHost));
 
-  auto check = [&](const char* what) {
-    CHECK(cudaMemcpy(h_got.data(), h, 4096 * 4, cudaMemcpyDeviceToHost));
+  auto check = [&](const char* what, const std::vector<float>* given = nullptr) {
+    if (given) h_got = *given;
+    else CHECK(cudaMemcpy(h_got.data(), h, 4096 * 4, cudaMemcpyDeviceToHost));
     double num = 0, den = 0, maxabs = 0;
     for (int i = 0; i < 4096; ++i) {
       double d = h_got[i] - h_ref[i];
@@ -981,10 +1238,10 @@ int main(int argc, char** argv) {
     fflush(stdout);
   };
 #define ARGS p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters
+  std::vector<float> hv4;
   time_v2<5, 2, true>(ARGS); check("v2 D5 x2, zero folded");
-  time_v3<5, 2>(ARGS); check("v3 D5 x2");
-  time_v3<3, 2>(ARGS); check("v3 D3 x2");
-  time_v2<5, 2, true, true, true>(ARGS);
-  time_v3<5, 2, true>(ARGS);
+  time_v4<5, 2>(p, layers, h0, sms, iters, hv4); check("v4 D5 x2, chunk dataflow", &hv4);
+  time_v4<3, 2>(p, layers, h0, sms, iters, hv4); check("v4 D3 x2, chunk dataflow", &hv4);
+  time_v4<10, 1>(p, layers, h0, sms, iters, hv4); check("v4 D10 x1, chunk dataflow", &hv4);
   return 0;
 }
