@@ -150,6 +150,27 @@ __device__ inline void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+template <int N>
+__device__ inline float sum_squares(const float4* a) {
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) acc += a[j].x * a[j].x + a[j].y * a[j].y + a[j].z * a[j].z + a[j].w * a[j].w;
+  return acc;
+}
+
+// The sum of v over the block's first n threads (n a multiple of 32): a shuffle tree a warp, the
+// warps' partials through `scratch`, `sync` the barrier among those threads. Each gets the total.
+template <typename Sync>
+__device__ inline float block_sum(float v, float* scratch, int n, Sync sync) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  sync();
+  float total = 0.f;
+  for (int w = 0; w < n / 32; ++w) total += scratch[w];
+  return total;
+}
+__device__ inline void block_sync() { __syncthreads(); }
+
 __device__ inline float silu(float v) { return v / (1.f + __expf(-v)); }
 
 // The stage's whole input (k values, <= 14,336) as fp16 in shared memory, once a stage per block
@@ -189,21 +210,24 @@ __device__ void load_stage_input(const Stage& S, __half* xs, float* scratch) {
 #pragma unroll
     for (int j = 0; j < B; ++j) a[j] = __ldcg((const float4*)(S.in + (j * THREADS + tid) * 4));
     float scale = 1.f;
-    if (S.in_kind == IN_RMSNORM) {
-      float acc = 0.f;
-#pragma unroll
-      for (int j = 0; j < B; ++j) acc += a[j].x * a[j].x + a[j].y * a[j].y + a[j].z * a[j].z + a[j].w * a[j].w;
-      for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (tid % 32 == 0) scratch[tid / 32] = acc;
-      __syncthreads();
-      float total = 0.f;
-#pragma unroll
-      for (int w = 0; w < THREADS / 32; ++w) total += scratch[w];
-      scale = rsqrtf(total / S.k + 1e-5f);
-    }
+    if (S.in_kind == IN_RMSNORM) scale = rsqrtf(block_sum(sum_squares<B>(a), scratch, THREADS, block_sync) / S.k + 1e-5f);
     convert_store<B, false>(a, nullptr, scale, 0, S.k, xs);
   }
   __syncthreads();
+}
+
+// A lane's two rows' (scale, 1024 + zero) for the warp's two groups of a tile, and the zeros in the
+// forms the dequantisation subtracts: 1024 + z for row r (plain nibbles), -(64 + z) for row r + 8
+// (nibbles 16x, scaled by 1/16).
+__device__ inline void group_scales(const __half2* SZ, int r, int warp, __half2* sz_a, __half2* sz_b,
+                                    uint32_t* zero_a, uint32_t* zero_b16) {
+#pragma unroll
+  for (int grp = 0; grp < 2; ++grp) {
+    sz_a[grp] = SZ[r * GROUPS + warp * 2 + grp];
+    sz_b[grp] = SZ[(r + 8) * GROUPS + warp * 2 + grp];
+    zero_a[grp] = h2u(__half2half2(__high2half(sz_a[grp])));
+    zero_b16[grp] = h2u(__hsub2(__float2half2_rn(960.f), __half2half2(__high2half(sz_b[grp]))));
+  }
 }
 
 // One tile: 16 rows x 2,048 k, products on the tensor cores, partial sums added to out[0..16).
@@ -220,13 +244,7 @@ __device__ void compute_tile(const uint8_t* slot, const __half* xs, float* red, 
     const uint32_t sixteenth = h2u(__float2half2_rn(1.f / 16.f));
     uint32_t zero_a[2], zero_b16[2];
     __half2 sz_a[2], sz_b[2];
-#pragma unroll
-    for (int grp = 0; grp < 2; ++grp) {
-      sz_a[grp] = SZ[r * GROUPS + warp * 2 + grp];
-      sz_b[grp] = SZ[(r + 8) * GROUPS + warp * 2 + grp];
-      zero_a[grp] = h2u(__half2half2(__high2half(sz_a[grp])));  // 1024 + z, row r
-      zero_b16[grp] = h2u(__hsub2(__float2half2_rn(960.f), __half2half2(__high2half(sz_b[grp]))));  // -(64 + z)
-    }
+    group_scales(SZ, r, warp, sz_a, sz_b, zero_a, zero_b16);
     float c[4][4] = {};
 #pragma unroll
     for (int m = 0; m < 16; ++m) {
@@ -395,18 +413,7 @@ __device__ void load_input_v2(const Stage& S, int base, __half* xs, float* gsum,
     if (S.in_kind == IN_SWIGLU) u[j] = __ldcg((const float4*)(S.in + S.k + base + i));
   }
   float scale = 1.f;
-  if (S.in_kind == IN_RMSNORM) {
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < J; ++j) acc += a[j].x * a[j].x + a[j].y * a[j].y + a[j].z * a[j].z + a[j].w * a[j].w;
-    for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) scratch[warp] = acc;
-    consumer_sync();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < CONSUMERS / 32; ++w) total += scratch[w];
-    scale = rsqrtf(total / S.k + 1e-5f);
-  }
+  if (S.in_kind == IN_RMSNORM) scale = rsqrtf(block_sum(sum_squares<J>(a), scratch, CONSUMERS, consumer_sync) / S.k + 1e-5f);
 #pragma unroll
   for (int j = 0; j < J; ++j) {
     float4 v = a[j];
@@ -437,13 +444,7 @@ __device__ void compute_tile_v2(const uint8_t* slot, const uint32_t* xr, const f
   const uint32_t sixteenth = h2u(__float2half2_rn(1.f / 16.f));
   __half2 sz_a[2], sz_b[2];
   uint32_t zero_a[2], zero_b16[2];
-#pragma unroll
-  for (int grp = 0; grp < 2; ++grp) {
-    sz_a[grp] = SZ[r * GROUPS + warp * 2 + grp];
-    sz_b[grp] = SZ[(r + 8) * GROUPS + warp * 2 + grp];
-    zero_a[grp] = h2u(__half2half2(__high2half(sz_a[grp])));
-    zero_b16[grp] = h2u(__hsub2(__float2half2_rn(960.f), __half2half2(__high2half(sz_b[grp]))));
-  }
+  group_scales(SZ, r, warp, sz_a, sz_b, zero_a, zero_b16);
   float c[CH][4] = {};  // CH accumulator chains (CH / 2 a group): a chain's latency hides behind the others
 #pragma unroll
   for (int m = 0; m < 16; ++m) {
@@ -477,6 +478,43 @@ __device__ void compute_tile_v2(const uint8_t* slot, const uint32_t* xr, const f
   if (q == 0) { atomicAdd(out + r, acc_a); atomicAdd(out + r + 8, acc_b); }
 }
 
+// The end of a block's stage s in v2 and v3: once every math warp's atomics are issued, count the
+// block done (the fence orders them before the count) and keep thread 0's cycle record.
+__device__ inline void stage_done(int* done, int s, int nstages, long long* prof, long long t_stage,
+                                  long long t_spin, long long t_input, long long t_ring) {
+  consumer_sync();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  atomicAdd(done + s, 1);
+  if (prof) {
+    long long* p = prof + ((size_t)blockIdx.x * nstages + s) * 4;
+    p[0] = t_spin - t_stage; p[1] = t_input - t_spin; p[2] = clock64() - t_input; p[3] = t_ring;
+  }
+}
+
+// v2-v4's shared memory: the ring of D tiles, the stage input (4,096 fp16 values), its 32 group
+// sums, a scratch row, then each slot's full and empty barriers (v3 puts the slots' tile numbers
+// after them). Thread 0 initialises the barriers; every thread returns past a block barrier.
+struct RingSmem {
+  uint8_t* ring; __half* xs; float* gsum; float* scratch; uint64_t* full; uint64_t* empty;
+};
+template <int D>
+__device__ RingSmem ring_smem_init(uint8_t* smem) {
+  RingSmem m;
+  m.ring = smem;
+  m.xs = (__half*)(smem + D * TILE_BYTES);
+  m.gsum = (float*)(m.xs + 4096);
+  m.scratch = m.gsum + 32;
+  m.full = (uint64_t*)(m.scratch + 32);
+  m.empty = m.full + D;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < D; ++i) { mbar_init(m.full + i, 1); mbar_init(m.empty + i, CONSUMERS / 32); }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  return m;
+}
+
 // XREG: the warp's B fragments held in 32 registers a chunk (else read from shared memory a tile).
 // NOWAIT: no stage waits and no input loads (the math runs on whatever xs holds): the floor of
 // this kernel's streaming and math without any dependency between stages.
@@ -484,18 +522,8 @@ template <int D, int BPS, bool ZFOLD, bool SLEEP, bool NOWAIT = false, int PF = 
           bool XREG = (BPS < 3)>
 __global__ void __launch_bounds__(THREADS2, BPS) chain_v2(int* done, int nstages, long long* prof) {
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* ring = smem;
-  __half* xs = (__half*)(ring + D * TILE_BYTES);        // 4,096 values (or one 2,048 chunk)
-  float* gsum = (float*)(xs + 4096);                    // 32 group sums
-  float* scratch = gsum + 32;
-  uint64_t* full = (uint64_t*)(scratch + 32);
-  uint64_t* empty = full + D;
+  const RingSmem m = ring_smem_init<D>(smem);
   const int G = gridDim.x, tid = threadIdx.x, warp = tid / 32;
-  if (tid == 0) {
-    for (int i = 0; i < D; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, CONSUMERS / 32); }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
 
   if (warp == CONSUMERS / 32) {  // the producer
     if (tid % 32 == 0) {
@@ -507,10 +535,10 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v2(int* done, int nstages
       for (int i = 0; load.valid(); ++i, load.advance()) {
         const int slot = i % D;
         if (i >= D) {
-          if (SLEEP) mbar_wait_sleep(empty + slot, (i / D - 1) & 1);
-          else mbar_wait(empty + slot, (i / D - 1) & 1);
+          if (SLEEP) mbar_wait_sleep(m.empty + slot, (i / D - 1) & 1);
+          else mbar_wait(m.empty + slot, (i / D - 1) & 1);
         }
-        bulk_load(ring + slot * TILE_BYTES, load.src(), TILE_BYTES, full + slot);
+        bulk_load(m.ring + slot * TILE_BYTES, load.src(), TILE_BYTES, m.full + slot);
         if (PF > 0 && ahead.valid()) { prefetch_l2(ahead.src(), TILE_BYTES); ahead.advance(); }
       }
     }
@@ -533,36 +561,28 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v2(int* done, int nstages
     const bool chunked = !NOWAIT && S.in_kind == IN_SWIGLU;
     int cur_kc = -1, xr_kc = -1;
     uint32_t xr[32];
-    if (!chunked && !NOWAIT) load_input_v2<4>(S, 0, xs, gsum, scratch);
+    if (!chunked && !NOWAIT) load_input_v2<4>(S, 0, m.xs, m.gsum, m.scratch);
     if (prof && tid == 0) t_input = clock64();
     int kc = lo / S.rowtiles, rt = lo % S.rowtiles;
     for (int t = lo; t < hi; ++t, ++i, (++rt == S.rowtiles ? (rt = 0, ++kc) : 0)) {
       if (chunked && kc != cur_kc) {
         if (cur_kc >= 0) consumer_sync();  // every warp is done with the previous chunk
-        load_input_v2<2>(S, kc * KCHUNK, xs, gsum, scratch);
+        load_input_v2<2>(S, kc * KCHUNK, m.xs, m.gsum, m.scratch);
         cur_kc = kc; xr_kc = -1;
       }
       const int xoff = chunked || NOWAIT ? 0 : kc * KCHUNK;
-      if (XREG && kc != xr_kc) { load_xr(xs + xoff, xr); xr_kc = kc; }
-      if (!XREG) load_xr(xs + xoff, xr);  // into registers just before use: the compiler interleaves
+      if (XREG && kc != xr_kc) { load_xr(m.xs + xoff, xr); xr_kc = kc; }
+      if (!XREG) load_xr(m.xs + xoff, xr);  // into registers just before use: the compiler interleaves
       const int slot = i % D;  // D is a compile-time constant: a multiply, not a division
       long long t0 = prof && tid == 0 ? clock64() : 0;
-      if (SLEEP) mbar_wait_sleep(full + slot, (i / D) & 1);
-      else mbar_wait(full + slot, (i / D) & 1);
+      if (SLEEP) mbar_wait_sleep(m.full + slot, (i / D) & 1);
+      else mbar_wait(m.full + slot, (i / D) & 1);
       if (prof && tid == 0) t_ring += clock64() - t0;
-      compute_tile_v2<ZFOLD, CH>(ring + slot * TILE_BYTES, xr, gsum + xoff / GROUP, S.out + rt * ROWS);
+      compute_tile_v2<ZFOLD, CH>(m.ring + slot * TILE_BYTES, xr, m.gsum + xoff / GROUP, S.out + rt * ROWS);
       __syncwarp();
-      if (tid % 32 == 0) mbar_arrive(empty + slot);
+      if (tid % 32 == 0) mbar_arrive(m.empty + slot);
     }
-    consumer_sync();  // every warp's atomics are issued
-    if (tid == 0) {
-      __threadfence();
-      atomicAdd(done + s, 1);
-      if (prof) {
-        long long* p = prof + ((size_t)blockIdx.x * nstages + s) * 4;
-        p[0] = t_spin - t_stage; p[1] = t_input - t_spin; p[2] = clock64() - t_input; p[3] = t_ring;
-      }
-    }
+    stage_done(done, s, nstages, prof, t_stage, t_spin, t_input, t_ring);
   }
 }
 
@@ -575,30 +595,20 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v2(int* done, int nstages
 template <int D, int BPS, bool NOWAIT = false, int CH = 4>
 __global__ void __launch_bounds__(THREADS2, BPS) chain_v3(int* done, int nstages, long long* prof) {
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* ring = smem;
-  __half* xs = (__half*)(ring + D * TILE_BYTES);
-  float* gsum = (float*)(xs + 4096);
-  float* scratch = gsum + 32;
-  uint64_t* full = (uint64_t*)(scratch + 32);
-  uint64_t* empty = full + D;
-  volatile int* slot_tile = (volatile int*)(empty + D);
-  int* claim = done + MAX_STAGES;
+  const RingSmem m = ring_smem_init<D>(smem);
   const int G = gridDim.x, tid = threadIdx.x, warp = tid / 32;
-  if (tid == 0) {
-    for (int i = 0; i < D; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, CONSUMERS / 32); }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  volatile int* slot_tile = (volatile int*)(m.empty + D);
+  int* claim = done + MAX_STAGES;
 
   if (warp == CONSUMERS / 32) {  // the producer
     if (tid % 32 == 0) {
       int i = 0;
       auto emit = [&](const Stage& S, int t) {
         const int slot = i % D;
-        if (i >= D) mbar_wait_sleep(empty + slot, (i / D - 1) & 1);
+        if (i >= D) mbar_wait_sleep(m.empty + slot, (i / D - 1) & 1);
         slot_tile[slot] = t;
-        if (t >= 0) bulk_load(ring + slot * TILE_BYTES, S.tiles + (size_t)t * (TILE_BYTES / 16), TILE_BYTES, full + slot);
-        else mbar_arrive(full + slot);
+        if (t >= 0) bulk_load(m.ring + slot * TILE_BYTES, S.tiles + (size_t)t * (TILE_BYTES / 16), TILE_BYTES, m.full + slot);
+        else mbar_arrive(m.full + slot);
         ++i;
       };
       for (int s = 0; s < nstages; ++s) {
@@ -626,41 +636,33 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v3(int* done, int nstages
     if (prof && tid == 0) t_spin = clock64();
     const bool chunked = !NOWAIT && S.in_kind == IN_SWIGLU;
     int cur_kc = -1, xr_kc = -1;
-    if (!chunked && !NOWAIT) load_input_v2<4>(S, 0, xs, gsum, scratch);
+    if (!chunked && !NOWAIT) load_input_v2<4>(S, 0, m.xs, m.gsum, m.scratch);
     if (prof && tid == 0) t_input = clock64();
     for (;; ++i) {
       const int slot = i % D;
       long long t0 = prof && tid == 0 ? clock64() : 0;
-      mbar_wait_sleep(full + slot, (i / D) & 1);
+      mbar_wait_sleep(m.full + slot, (i / D) & 1);
       if (prof && tid == 0) t_ring += clock64() - t0;
       const int t = slot_tile[slot];
       if (t < 0) {
         __syncwarp();
-        if (tid % 32 == 0) mbar_arrive(empty + slot);
+        if (tid % 32 == 0) mbar_arrive(m.empty + slot);
         ++i;
         break;
       }
       const int kc = t / S.rowtiles, rt = t % S.rowtiles;
       if (chunked && kc != cur_kc) {
         if (cur_kc >= 0) consumer_sync();
-        load_input_v2<2>(S, kc * KCHUNK, xs, gsum, scratch);
+        load_input_v2<2>(S, kc * KCHUNK, m.xs, m.gsum, m.scratch);
         cur_kc = kc; xr_kc = -1;
       }
       const int xoff = chunked || NOWAIT ? 0 : kc * KCHUNK;
-      if (kc != xr_kc) { load_xr(xs + xoff, xr); xr_kc = kc; }
-      compute_tile_v2<true, CH>(ring + slot * TILE_BYTES, xr, gsum + xoff / GROUP, S.out + rt * ROWS);
+      if (kc != xr_kc) { load_xr(m.xs + xoff, xr); xr_kc = kc; }
+      compute_tile_v2<true, CH>(m.ring + slot * TILE_BYTES, xr, m.gsum + xoff / GROUP, S.out + rt * ROWS);
       __syncwarp();
-      if (tid % 32 == 0) mbar_arrive(empty + slot);
+      if (tid % 32 == 0) mbar_arrive(m.empty + slot);
     }
-    consumer_sync();
-    if (tid == 0) {
-      __threadfence();
-      atomicAdd(done + s, 1);
-      if (prof) {
-        long long* p = prof + ((size_t)blockIdx.x * nstages + s) * 4;
-        p[0] = t_spin - t_stage; p[1] = t_input - t_spin; p[2] = clock64() - t_input; p[3] = t_ring;
-      }
-    }
+    stage_done(done, s, nstages, prof, t_stage, t_spin, t_input, t_ring);
   }
 }
 
@@ -730,32 +732,16 @@ __device__ float v4_load_chunk(const float* a, const float* b, const float* c3, 
     for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (lane == 0) gsum[j * 8 + warp] = sum;
   }
-  if (want_sq) {
-    for (int o = 16; o; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-    if (lane == 0) scratch[warp] = sq;
-  }
+  if (want_sq) return block_sum(sq, scratch, CONSUMERS, consumer_sync);
   consumer_sync();
-  float total = 0.f;
-  if (want_sq && tid == 0)
-    for (int w = 0; w < CONSUMERS / 32; ++w) total += scratch[w];
-  return total;
+  return 0.f;
 }
 
 template <int D, int BPS>
 __global__ void __launch_bounds__(THREADS2, BPS) chain_v4(V4 B, int nstages, long long* prof) {
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* ring = smem;
-  __half* xs = (__half*)(ring + D * TILE_BYTES);  // two chunks (k = 4,096) or down's current chunk
-  float* gsum = (float*)(xs + 4096);
-  float* scratch = gsum + 32;
-  uint64_t* full = (uint64_t*)(scratch + 32);
-  uint64_t* empty = full + D;
+  const RingSmem m = ring_smem_init<D>(smem);  // xs: both chunks (k = 4,096) or down's current one
   const int G = gridDim.x, tid = threadIdx.x, warp = tid / 32;
-  if (tid == 0) {
-    for (int i = 0; i < D; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, CONSUMERS / 32); }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
 
   if (warp == CONSUMERS / 32) {  // the producer: this block's positions of every stage, in order
     if (tid % 32 == 0) {
@@ -765,9 +751,9 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v4(V4 B, int nstages, lon
         for (int p = blockIdx.x; p < S.ntiles; p += G, ++i) {
           int kc, rt; v4_order(s % 4, S, p, kc, rt);
           const int slot = i % D;
-          if (i >= D) mbar_wait_sleep(empty + slot, (i / D - 1) & 1);
-          bulk_load(ring + slot * TILE_BYTES, S.tiles + (size_t)(kc * S.rowtiles + rt) * (TILE_BYTES / 16),
-                    TILE_BYTES, full + slot);
+          if (i >= D) mbar_wait_sleep(m.empty + slot, (i / D - 1) & 1);
+          bulk_load(m.ring + slot * TILE_BYTES, S.tiles + (size_t)(kc * S.rowtiles + rt) * (TILE_BYTES / 16),
+                    TILE_BYTES, m.full + slot);
         }
       }
     }
@@ -801,15 +787,15 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v4(V4 B, int nstages, lon
       const bool need = kind == 3 ? kc != down_kc : !(loaded >> kc & 1);
       if (need) {
         const int base = kc * KCHUNK, slot_x = kind == 3 ? 0 : base;
-        __half* xd = xs + slot_x;
-        float* gd = gsum + slot_x / GROUP;
+        __half* xd = m.xs + slot_x;
+        float* gd = m.gsum + slot_x / GROUP;
         if (kind == 0) {
           const bool owner = blockIdx.x == (kc * S.rowtiles) % G;  // the block of the chunk's first position
           const float* a = l == 0 ? B.hin + base : B.hm + (size_t)(l - 1) * 4096 + base;
           const float* b = l == 0 ? nullptr : B.o + (size_t)(l - 1) * 4096 + base;
           const float* c3 = l == 0 ? nullptr : B.d + (size_t)(l - 1) * 4096 + base;
           float sq = v4_load_chunk(a, b, c3, nullptr, 1.f, xd, gd, owner ? B.hm + (size_t)l * 4096 + base : nullptr,
-                                   owner, scratch);
+                                   owner, m.scratch);
           if (owner && tid == 0) {
             atomicAdd(B.ss + 2 * l, sq);
             __threadfence();
@@ -818,12 +804,12 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v4(V4 B, int nstages, lon
           }
         } else if (kind == 1) {
           const float sc = rsqrtf(__ldcg(B.ss + 2 * l) / 4096.f + 1e-5f);
-          v4_load_chunk(B.qkv + (size_t)l * 6144 + base, nullptr, nullptr, nullptr, sc, xd, gd, nullptr, false, scratch);
+          v4_load_chunk(B.qkv + (size_t)l * 6144 + base, nullptr, nullptr, nullptr, sc, xd, gd, nullptr, false, m.scratch);
         } else if (kind == 2) {
           // h_l + o_l; the owner of this chunk adds its sum of squares (down's RMSNorm)
           const bool owner = blockIdx.x == (kc * S.rowtiles) % G;
           float sq = v4_load_chunk(B.hm + (size_t)l * 4096 + base, B.o + (size_t)l * 4096 + base, nullptr, nullptr,
-                                   1.f, xd, gd, nullptr, owner, scratch);
+                                   1.f, xd, gd, nullptr, owner, m.scratch);
           if (owner && tid == 0) {
             atomicAdd(B.ss + 2 * l + 1, sq);
             __threadfence();
@@ -832,21 +818,21 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v4(V4 B, int nstages, lon
         } else {
           const float sc = rsqrtf(__ldcg(B.ss + 2 * l + 1) / 4096.f + 1e-5f);
           const float* g = B.gu + (size_t)l * 28672 + base;
-          v4_load_chunk(g, nullptr, nullptr, g + 14336, sc, xd, gd, nullptr, false, scratch);
+          v4_load_chunk(g, nullptr, nullptr, g + 14336, sc, xd, gd, nullptr, false, m.scratch);
           down_kc = kc;
         }
         loaded |= 1 << kc;
         xr_kc = -1;
       }
       const int xoff = kind == 3 ? 0 : kc * KCHUNK;
-      if (kc != xr_kc) { load_xr(xs + xoff, xr); xr_kc = kc; }
+      if (kc != xr_kc) { load_xr(m.xs + xoff, xr); xr_kc = kc; }
       long long t2 = prof && tid == 0 ? clock64() : 0;
       const int slot = i % D;
-      mbar_wait_sleep(full + slot, (i / D) & 1);
-      compute_tile_v2<true, 4>(ring + slot * TILE_BYTES, xr, gsum + xoff / GROUP, out_base + rt * ROWS);
+      mbar_wait_sleep(m.full + slot, (i / D) & 1);
+      compute_tile_v2<true, 4>(m.ring + slot * TILE_BYTES, xr, m.gsum + xoff / GROUP, out_base + rt * ROWS);
       __syncwarp();
       if (tid % 32 == 0) {
-        mbar_arrive(empty + slot);
+        mbar_arrive(m.empty + slot);
         const int row_chunk = rt * ROWS / KCHUNK;
         int* ready = kind == 0 ? (row_chunk < 2 ? C + 0 + row_chunk : nullptr) : kind == 1 ? C + 2 + row_chunk
                    : kind == 2 ? C + 4 + row_chunk : C + 18 + row_chunk;
@@ -871,12 +857,7 @@ __global__ void ref_prepare_x(int s, __half* x) {
   if (S.in_kind == IN_RMSNORM) {
     float acc = 0.f;
     for (int i = threadIdx.x; i < S.k; i += blockDim.x) acc += S.in[i] * S.in[i];
-    for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = acc;
-    __syncthreads();
-    float total = 0.f;
-    for (int w = 0; w < blockDim.x / 32; ++w) total += part[w];
-    scale = rsqrtf(total / S.k + 1e-5f);
+    scale = rsqrtf(block_sum(acc, part, blockDim.x, block_sync) / S.k + 1e-5f);
   }
   for (int i = threadIdx.x; i < S.k; i += blockDim.x) {
     float v = S.in[i];
@@ -895,14 +876,8 @@ __global__ void ref_gemv(int s, const __half* x) {
     acc += w * __half2float(x[k]);
   }
   __shared__ float part[32];
-  for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = acc;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float total = 0.f;
-    for (int w = 0; w < blockDim.x / 32; ++w) total += part[w];
-    S.out[row] += total;
-  }
+  const float total = block_sum(acc, part, blockDim.x, block_sync);
+  if (threadIdx.x == 0) S.out[row] += total;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -941,48 +916,57 @@ static Plan make_plan(int layers, float* h, float* qkv_out, float* gu_out, uint8
   return p;
 }
 
-template <int D, int LOADER, int MODE, bool WA = false>
-static float time_chain(const Plan& p, int* done, float* h, const float* h0, float* qkv_out,
-                        float* gu_out, size_t qkv_bytes, size_t gu_bytes, int sms, int iters, int per_sm_wanted = 1) {
-  const int nst = (int)p.stages.size();
-  long long* prof = nullptr;
-  CHECK(cudaMalloc(&prof, (size_t)sms * per_sm_wanted * nst * 4 * sizeof(long long)));
-  CHECK(cudaMemset(prof, 0, (size_t)sms * per_sm_wanted * nst * 4 * sizeof(long long)));
-  const size_t smem = D * TILE_BYTES + XMAX * 2 + (THREADS / 32) * ROWS * 4 + 32 * 4 + D * 8;
-  CHECK(cudaFuncSetAttribute(chain_kernel<D, LOADER, MODE, WA>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+// The buffers every v1-v3 launch resets, and the figures' names.
+struct Run {
+  const Plan& p;
+  int* done; float* h; const float* h0; float* qkv_out; float* gu_out;
+  size_t qkv_bytes, gu_bytes;
+  int sms, iters;
+};
+
+// Times one persistent kernel: `launch(grid, smem, prof)` starts it once (prof: the per-stage cycle
+// records, or nullptr). Best of `iters` launches after two warm-ups; the last launch is the profiled
+// one and is not timed. Prints the per-stage means and the time as two JSON lines headed `label`.
+template <typename Launch>
+static float time_persistent(const Run& r, const char* label, const void* kernel, int threads, size_t smem,
+                             int per_sm_wanted, Launch launch) {
+  const int nst = (int)r.p.stages.size(), grid = r.sms * per_sm_wanted;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   int per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<D, LOADER, MODE, WA>, THREADS, smem));
-  if (per_sm < per_sm_wanted) { fprintf(stderr, "D=%d: %d blocks do not fit an SM\n", D, per_sm_wanted); return -1.f; }
-  const int grid = sms * per_sm_wanted;  // every block resident, so the spin waits cannot deadlock
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  // every block must be resident, or the spin waits deadlock
+  if (per_sm < per_sm_wanted) { fprintf(stderr, "%s: %d blocks do not fit an SM\n", label, per_sm_wanted); return -1.f; }
+  long long* prof = nullptr;
+  CHECK(cudaMalloc(&prof, (size_t)grid * nst * 4 * sizeof(long long)));
+  CHECK(cudaMemset(prof, 0, (size_t)grid * nst * 4 * sizeof(long long)));
   cudaEvent_t a, b; CHECK(cudaEventCreate(&a)); CHECK(cudaEventCreate(&b));
   float best = 1e9f, sum = 0.f;
-  for (int it = 0; it < iters + 2; ++it) {
-    CHECK(cudaMemsetAsync(done, 0, 2 * MAX_STAGES * sizeof(int)));
-    CHECK(cudaMemsetAsync(qkv_out, 0, qkv_bytes));
-    CHECK(cudaMemsetAsync(gu_out, 0, gu_bytes));
-    CHECK(cudaMemcpyAsync(h, h0, 4096 * sizeof(float), cudaMemcpyDeviceToDevice));
+  for (int it = 0; it < r.iters + 2; ++it) {
+    CHECK(cudaMemsetAsync(r.done, 0, 2 * MAX_STAGES * sizeof(int)));
+    CHECK(cudaMemsetAsync(r.qkv_out, 0, r.qkv_bytes));
+    CHECK(cudaMemsetAsync(r.gu_out, 0, r.gu_bytes));
+    CHECK(cudaMemcpyAsync(r.h, r.h0, 4096 * sizeof(float), cudaMemcpyDeviceToDevice));
     CHECK(cudaEventRecord(a));
-    chain_kernel<D, LOADER, MODE, WA><<<grid, THREADS, smem>>>(done, (int)p.stages.size(), p.total,
-                                                               it == iters + 1 ? prof : nullptr);
+    launch(grid, smem, it == r.iters + 1 ? prof : nullptr);
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     CHECK(cudaGetLastError());
     float ms; CHECK(cudaEventElapsedTime(&ms, a, b));
-    if (it >= 2 && it < iters + 1) { best = fminf(best, ms); sum += ms; }
+    if (it >= 2 && it < r.iters + 1) { best = fminf(best, ms); sum += ms; }
   }
-  // The profiled launch (the last): mean us a stage of each GEMV, over blocks that ran it.
+  // The profiled launch: mean us a stage of each GEMV, over the blocks that ran it.
   std::vector<long long> hp((size_t)grid * nst * 4);
   CHECK(cudaMemcpy(hp.data(), prof, hp.size() * sizeof(long long), cudaMemcpyDeviceToHost));
   CHECK(cudaFree(prof));
   int clock_khz = 0; CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const char* names[4] = {"qkv", "o", "gate_up", "down"};
-  printf("{\"run\": \"stages\", \"D\": %d, \"mode\": %d, \"wa\": %d, \"grid\": %d", D, MODE, (int)WA, grid);
+  printf("{\"run\": \"stages\", %s, \"grid\": %d", label, grid);
   double token_us = 0;
   for (int j = 0; j < 4; ++j) {
     double sum4[4] = {0, 0, 0, 0}; long n = 0;
-    for (int b = 0; b < grid; ++b)
+    for (int blk = 0; blk < grid; ++blk)
       for (int s = j; s < nst; s += 4) {
-        const long long* q = &hp[((size_t)b * nst + s) * 4];
+        const long long* q = &hp[((size_t)blk * nst + s) * 4];
         if (q[0] + q[1] + q[2] == 0) continue;
         for (int f = 0; f < 4; ++f) sum4[f] += q[f];
         ++n;
@@ -993,128 +977,48 @@ static float time_chain(const Plan& p, int* done, float* h, const float* h0, flo
            sum4[0], sum4[1], sum4[2], sum4[3]);
   }
   printf(", \"sum_ms\": %.3f}\n", token_us * 1e-3);
-  printf("{\"run\": \"chain\", \"D\": %d, \"loader\": %d, \"mode\": %d, \"wa\": %d, \"grid\": %d, \"best_ms\": %.4f, \"mean_ms\": %.4f, "
-         "\"tb_per_s\": %.3f}\n", D, LOADER, MODE, (int)WA, grid, best, sum / (iters - 1), p.tile_bytes / (best * 1e-3) / 1e12);
+  printf("{\"run\": \"chain\", %s, \"grid\": %d, \"best_ms\": %.4f, \"mean_ms\": %.4f, \"tb_per_s\": %.3f}\n",
+         label, grid, best, sum / (r.iters - 1), r.p.tile_bytes / (best * 1e-3) / 1e12);
   fflush(stdout);
   return best;
+}
+
+template <int D, int LOADER, int MODE, bool WA = false>
+static float time_chain(const Run& r, int per_sm_wanted = 1) {
+  char label[128];
+  snprintf(label, sizeof label, "\"kernel\": \"v1\", \"D\": %d, \"loader\": %d, \"mode\": %d, \"wa\": %d", D, LOADER, MODE, (int)WA);
+  const size_t smem = D * TILE_BYTES + XMAX * 2 + (THREADS / 32) * ROWS * 4 + 32 * 4 + D * 8;
+  const int nst = (int)r.p.stages.size();
+  return time_persistent(r, label, (const void*)chain_kernel<D, LOADER, MODE, WA>, THREADS, smem, per_sm_wanted,
+                         [&](int grid, size_t sm, long long* prof) {
+                           chain_kernel<D, LOADER, MODE, WA><<<grid, THREADS, sm>>>(r.done, nst, r.p.total, prof);
+                         });
 }
 
 template <int D, int BPS, bool ZFOLD, bool SLEEP = true, bool NOWAIT = false, int PF = 0>
-static float time_v2(const Plan& p, int* done, float* h, const float* h0, float* qkv_out,
-                        float* gu_out, size_t qkv_bytes, size_t gu_bytes, int sms, int iters) {
-  const int per_sm_wanted = BPS;
-  const int nst = (int)p.stages.size();
-  long long* prof = nullptr;
-  CHECK(cudaMalloc(&prof, (size_t)sms * per_sm_wanted * nst * 4 * sizeof(long long)));
-  CHECK(cudaMemset(prof, 0, (size_t)sms * per_sm_wanted * nst * 4 * sizeof(long long)));
+static float time_v2(const Run& r) {
+  char label[128];
+  snprintf(label, sizeof label, "\"kernel\": \"v2\", \"D\": %d, \"zfold\": %d, \"nowait\": %d, \"pf\": %d", D,
+           (int)ZFOLD, (int)NOWAIT, PF);
   const size_t smem = D * TILE_BYTES + 4096 * 2 + 64 * 4 + 2 * D * 8;
-  CHECK(cudaFuncSetAttribute(chain_v2<D, BPS, ZFOLD, SLEEP, NOWAIT, PF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  int per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_v2<D, BPS, ZFOLD, SLEEP, NOWAIT, PF>, THREADS2, smem));
-  if (per_sm < per_sm_wanted) { fprintf(stderr, "D=%d: %d blocks do not fit an SM\n", D, per_sm_wanted); return -1.f; }
-  const int grid = sms * per_sm_wanted;  // every block resident, so the spin waits cannot deadlock
-  cudaEvent_t a, b; CHECK(cudaEventCreate(&a)); CHECK(cudaEventCreate(&b));
-  float best = 1e9f, sum = 0.f;
-  for (int it = 0; it < iters + 2; ++it) {
-    CHECK(cudaMemsetAsync(done, 0, 2 * MAX_STAGES * sizeof(int)));
-    CHECK(cudaMemsetAsync(qkv_out, 0, qkv_bytes));
-    CHECK(cudaMemsetAsync(gu_out, 0, gu_bytes));
-    CHECK(cudaMemcpyAsync(h, h0, 4096 * sizeof(float), cudaMemcpyDeviceToDevice));
-    CHECK(cudaEventRecord(a));
-    chain_v2<D, BPS, ZFOLD, SLEEP, NOWAIT, PF><<<grid, THREADS2, smem>>>(done, (int)p.stages.size(), it == iters + 1 ? prof : nullptr);
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    CHECK(cudaGetLastError());
-    float ms; CHECK(cudaEventElapsedTime(&ms, a, b));
-    if (it >= 2 && it < iters + 1) { best = fminf(best, ms); sum += ms; }
-  }
-  // The profiled launch (the last): mean us a stage of each GEMV, over blocks that ran it.
-  std::vector<long long> hp((size_t)grid * nst * 4);
-  CHECK(cudaMemcpy(hp.data(), prof, hp.size() * sizeof(long long), cudaMemcpyDeviceToHost));
-  CHECK(cudaFree(prof));
-  int clock_khz = 0; CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
-  const char* names[4] = {"qkv", "o", "gate_up", "down"};
-  printf("{\"run\": \"stages_v2\", \"D\": %d, \"zfold\": %d, \"nowait\": %d, \"pf\": %d, \"grid\": %d", D, (int)ZFOLD, (int)NOWAIT, PF, grid);
-  double token_us = 0;
-  for (int j = 0; j < 4; ++j) {
-    double sum4[4] = {0, 0, 0, 0}; long n = 0;
-    for (int b = 0; b < grid; ++b)
-      for (int s = j; s < nst; s += 4) {
-        const long long* q = &hp[((size_t)b * nst + s) * 4];
-        if (q[0] + q[1] + q[2] == 0) continue;
-        for (int f = 0; f < 4; ++f) sum4[f] += q[f];
-        ++n;
-      }
-    for (int f = 0; f < 4; ++f) sum4[f] = n ? sum4[f] / n / (clock_khz * 1e-3) : 0;
-    token_us += (sum4[0] + sum4[1] + sum4[2]) * nst / 4;
-    printf(", \"%s_us\": {\"spin\": %.2f, \"input\": %.2f, \"tiles\": %.2f, \"ring_wait\": %.2f}", names[j],
-           sum4[0], sum4[1], sum4[2], sum4[3]);
-  }
-  printf(", \"sum_ms\": %.3f}\n", token_us * 1e-3);
-  printf("{\"run\": \"chain_v2\", \"D\": %d, \"zfold\": %d, \"nowait\": %d, \"pf\": %d, \"grid\": %d, \"best_ms\": %.4f, \"mean_ms\": %.4f, "
-         "\"tb_per_s\": %.3f}\n", D, (int)ZFOLD, (int)NOWAIT, PF, grid, best, sum / (iters - 1), p.tile_bytes / (best * 1e-3) / 1e12);
-  fflush(stdout);
-  return best;
+  const int nst = (int)r.p.stages.size();
+  return time_persistent(r, label, (const void*)chain_v2<D, BPS, ZFOLD, SLEEP, NOWAIT, PF>, THREADS2, smem, BPS,
+                         [&](int grid, size_t sm, long long* prof) {
+                           chain_v2<D, BPS, ZFOLD, SLEEP, NOWAIT, PF><<<grid, THREADS2, sm>>>(r.done, nst, prof);
+                         });
 }
 
 template <int D, int BPS, bool NOWAIT = false>
-static float time_v3(const Plan& p, int* done, float* h, const float* h0, float* qkv_out,
-                        float* gu_out, size_t qkv_bytes, size_t gu_bytes, int sms, int iters) {
-  const int per_sm_wanted = BPS;
-  const int nst = (int)p.stages.size();
-  long long* prof = nullptr;
-  CHECK(cudaMalloc(&prof, (size_t)sms * per_sm_wanted * nst * 4 * sizeof(long long)));
-  CHECK(cudaMemset(prof, 0, (size_t)sms * per_sm_wanted * nst * 4 * sizeof(long long)));
+static float time_v3(const Run& r) {
+  char label[128];
+  snprintf(label, sizeof label, "\"kernel\": \"v3\", \"D\": %d, \"nowait\": %d", D, (int)NOWAIT);
   const size_t smem = D * TILE_BYTES + 4096 * 2 + 64 * 4 + 2 * D * 8 + D * 4;
-  CHECK(cudaFuncSetAttribute(chain_v3<D, BPS, NOWAIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  int per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_v3<D, BPS, NOWAIT>, THREADS2, smem));
-  if (per_sm < per_sm_wanted) { fprintf(stderr, "D=%d: %d blocks do not fit an SM\n", D, per_sm_wanted); return -1.f; }
-  const int grid = sms * per_sm_wanted;  // every block resident, so the spin waits cannot deadlock
-  cudaEvent_t a, b; CHECK(cudaEventCreate(&a)); CHECK(cudaEventCreate(&b));
-  float best = 1e9f, sum = 0.f;
-  for (int it = 0; it < iters + 2; ++it) {
-    CHECK(cudaMemsetAsync(done, 0, 2 * MAX_STAGES * sizeof(int)));
-    CHECK(cudaMemsetAsync(qkv_out, 0, qkv_bytes));
-    CHECK(cudaMemsetAsync(gu_out, 0, gu_bytes));
-    CHECK(cudaMemcpyAsync(h, h0, 4096 * sizeof(float), cudaMemcpyDeviceToDevice));
-    CHECK(cudaEventRecord(a));
-    chain_v3<D, BPS, NOWAIT><<<grid, THREADS2, smem>>>(done, (int)p.stages.size(), it == iters + 1 ? prof : nullptr);
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    CHECK(cudaGetLastError());
-    float ms; CHECK(cudaEventElapsedTime(&ms, a, b));
-    if (it >= 2 && it < iters + 1) { best = fminf(best, ms); sum += ms; }
-  }
-  // The profiled launch (the last): mean us a stage of each GEMV, over blocks that ran it.
-  std::vector<long long> hp((size_t)grid * nst * 4);
-  CHECK(cudaMemcpy(hp.data(), prof, hp.size() * sizeof(long long), cudaMemcpyDeviceToHost));
-  CHECK(cudaFree(prof));
-  int clock_khz = 0; CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
-  const char* names[4] = {"qkv", "o", "gate_up", "down"};
-  printf("{\"run\": \"stages_v3\", \"D\": %d, \"nowait\": %d, \"grid\": %d", D, (int)NOWAIT, grid);
-  double token_us = 0;
-  for (int j = 0; j < 4; ++j) {
-    double sum4[4] = {0, 0, 0, 0}; long n = 0;
-    for (int b = 0; b < grid; ++b)
-      for (int s = j; s < nst; s += 4) {
-        const long long* q = &hp[((size_t)b * nst + s) * 4];
-        if (q[0] + q[1] + q[2] == 0) continue;
-        for (int f = 0; f < 4; ++f) sum4[f] += q[f];
-        ++n;
-      }
-    for (int f = 0; f < 4; ++f) sum4[f] = n ? sum4[f] / n / (clock_khz * 1e-3) : 0;
-    token_us += (sum4[0] + sum4[1] + sum4[2]) * nst / 4;
-    printf(", \"%s_us\": {\"spin\": %.2f, \"input\": %.2f, \"tiles\": %.2f, \"ring_wait\": %.2f}", names[j],
-           sum4[0], sum4[1], sum4[2], sum4[3]);
-  }
-  printf(", \"sum_ms\": %.3f}\n", token_us * 1e-3);
-  printf("{\"run\": \"chain_v3\", \"D\": %d, \"nowait\": %d, \"grid\": %d, \"best_ms\": %.4f, \"mean_ms\": %.4f, "
-         "\"tb_per_s\": %.3f}\n", D, (int)NOWAIT, grid, best, sum / (iters - 1), p.tile_bytes / (best * 1e-3) / 1e12);
-  fflush(stdout);
-  return best;
+  const int nst = (int)r.p.stages.size();
+  return time_persistent(r, label, (const void*)chain_v3<D, BPS, NOWAIT>, THREADS2, smem, BPS,
+                         [&](int grid, size_t sm, long long* prof) {
+                           chain_v3<D, BPS, NOWAIT><<<grid, THREADS2, sm>>>(r.done, nst, prof);
+                         });
 }
-
 
 // v4's buffers and launches; the final h is Hm[L-1] + O[L-1] + D[L-1], summed here for the check.
 template <int D, int BPS>
@@ -1237,11 +1141,17 @@ int main(int argc, char** argv) {
            what, sqrt(num / den), maxabs, sqrt(den / 4096), sqrt(num / den) < 1e-2 ? "true" : "false");
     fflush(stdout);
   };
-#define ARGS p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters
+const Run run{p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters};
+  // The rows of docs/perf.md's record (2026-11-29): v1 and its read-only and ring-only bounds, v2 (the
+  // best) with and without the zero folded and with no stage waits, v3, v4.
   std::vector<float> hv4;
-  time_v2<5, 2, true>(ARGS); check("v2 D5 x2, zero folded");
+  time_chain<4, 1, 0>(run, 2); check("v1 D4 x2");
+  time_chain<4, 1, 1>(run, 2);
+  time_chain<4, 1, 3>(run, 2);
+  time_v2<5, 2, true>(run); check("v2 D5 x2, zero folded");
+  time_v2<5, 2, false>(run); check("v2 D5 x2");
+  time_v2<5, 2, true, true, true>(run);
+  time_v3<5, 2>(run); check("v3 D5 x2");
   time_v4<5, 2>(p, layers, h0, sms, iters, hv4); check("v4 D5 x2, chunk dataflow", &hv4);
-  time_v4<3, 2>(p, layers, h0, sms, iters, hv4); check("v4 D3 x2, chunk dataflow", &hv4);
-  time_v4<10, 1>(p, layers, h0, sms, iters, hv4); check("v4 D10 x1, chunk dataflow", &hv4);
   return 0;
 }
