@@ -14,8 +14,9 @@ message per step arrives on the connection, and ("profile", "start" | "stop", pa
 driver rank (last stage, TP rank 0) answers each with ("out", RunnerOutput); the other ranks
 answer nothing. ("expert_counts",) between steps: the driver answers ("counts", per-layer
 counts of a MoE model, or None). ("finish",): with async scheduling, take in the step in flight
-now (none will be queued behind it; see serve). With async scheduling the driver's answers go out
-from a reply thread (`Replier`): each step's output as soon as the device has run it. Any
+now (none will be queued behind it; see serve). With async scheduling and
+MINIVLLM_DRIVER_REPLY_THREAD=1 the driver's answers go out from a reply thread (`Replier`): each
+step's output as soon as the device has run it; by default the main thread answers. Any
 exception is sent as ("error", traceback) and the process exits; a closed connection (the engine
 is gone) makes it exit too, so no worker outlives its engine.
 """
@@ -132,8 +133,9 @@ def serve(conn, worker: Worker, overlap: bool) -> None:
     it, as the in-process engine does, so the device never waits for the connection; when the
     engine core needs the result with no step to queue behind it, it sends ("finish",). (Polling
     for the next step instead lost the overlap at every step: the engine core sends step N + 1 a
-    few milliseconds after it has taken in N - 1, while N still runs.) The driver's output of a
-    step does not wait for that: its Replier sends it once the device is done with the step."""
+    few milliseconds after it has taken in N - 1, while N still runs.) With the Replier on
+    (`reply_thread_enabled`), the driver's output of a step does not wait for that: the Replier
+    sends it once the device is done with the step."""
     replier = Replier(conn, worker.runner) if overlap and worker.is_driver and reply_thread_enabled() else None
     pending = None
 
