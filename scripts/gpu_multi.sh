@@ -39,6 +39,8 @@
 #   awq-gemv-xpair      the same (default and kept launches), XPAIR on and off (issue 25)
 #   awq-gemv-pairs      the same, the scales and zeros read as one word a pair and as two tiles (issue 25)
 #   awq-gemv-keep       awq-gemv-tiles, then --write-from on the machine: later steps use the new table (issue 25)
+#   persistent-chain    scripts/persistent_gemv/chain.cu built with nvcc and run: a token's 128 W4A16 GEMVs in one
+#                       persistent launch, each design against its reference (issue 25, docs/perf.md 2026-11-29)
 #   dense-stream        scripts/bench_dense_gemv.py --stream: the streaming dense GEMV's tiles (issue 21)
 #   inv-gemm            scripts/bench_invariant_gemm.py: the invariant GEMM's launches vs cuBLAS, with bit checks (issue 22)
 #   inv-gemm-splits     the same for o/down at 1, 2 and 4 K slices (issue 22)
@@ -242,6 +244,10 @@ run_step() {  # run_step STEP LANE_DIR PORT
       cp minivllm/kernels/configs/w4a16_tiled/*.json "$dir/" ;;
     gemv-read-probe)  # issue 25: the W4A16 GEMV's reads alone on its own tiles vs a flat read vs the GEMV
       python3 scripts/probe_gemv_read.py --out "$dir/gemv-read-probe.json" ;;
+    persistent-chain)  # issue 25: scripts/persistent_gemv/chain.cu built with nvcc and run (a token's 128
+      # GEMVs in one persistent launch, v1-v4, each checked against its per-stage reference)
+      nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/chain scripts/persistent_gemv/chain.cu \
+        && /tmp/chain 32 20 | tee "$dir/persistent-chain.jsonl" ;;
     awq-gemv-xpair)  # issue 25: a token's GEMVs in one graph (kept table and default launches), activation
       # pairs loaded as words (the default) and formed in registers (MINIVLLM_W4A16_GEMV_XPAIR=0)
       python3 scripts/bench_w4a16_gemv.py --fp16 --out "$dir/awq-gemv-seq-xpair.json" --sequence "default,kept"
