@@ -5,8 +5,8 @@
 // the dependency waits, how close do the GEMVs come to the H200's copy rate? Lease 46's Triton
 // chain (grid barriers, loads issued only after each barrier) was 3x SLOWER than separate launches;
 // the difference here is the decoupling: weights do not depend on activations, so every block
-// keeps D tiles of cp.async copies in flight into a shared-memory ring across stage boundaries,
-// and only the math waits for the previous stage.
+// keeps D tiles of bulk copies in flight into a shared-memory ring across stage boundaries, and
+// only the math waits for the previous stage.
 //
 // Layout (ours, a load-time repack of AWQ's): a tile is 16 output rows x 2,048 k of int4 in the
 // order the tensor cores' m16n8k16 A fragment wants ([8 warps][16 k steps][32 lanes] words), then
@@ -18,8 +18,14 @@
 // by atomics; qkv and gate_up read RMS-normalised h; down reads silu(gate) * up; o reads q (the
 // first 4,096 outputs of qkv: attention is not modelled). RMSNorm gains are 1.
 //
+// The designs, each checked against the per-stage reference at the end of the file (figures:
+// docs/perf.md, 2026-11-29): v1, one block-wide loop (its MODEs give the read-only and ring-only
+// bounds); v2, a producer warp and 8 math warps on full/empty mbarriers (the fastest); v3, v2 with
+// each stage's tail claimed at run time; v4, chunk-level dataflow (each tile waits only for the
+// input chunk it reads).
+//
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o chain chain.cu
-// Run:   ./chain [layers=32] [iterations=20]
+// Run:   ./chain [layers=32] [iterations=20]   (or the gpu_multi.sh step persistent-chain)
 #include <cuda_fp16.h>
 #include <cstdint>
 #include <cstdio>
