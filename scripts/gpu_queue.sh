@@ -39,7 +39,8 @@
 #      latency chain, 65 norm launches; 75 % needs a persistent decode layer (nvcc is on the device).
 #      Lease 64's prototype (scripts/persistent_gemv/chain.cu: build with nvcc there, run ./chain 32 20):
 #      a token's 128 GEMVs in one launch 1.42 ms against 1.92 as separate launches in the same call;
-#      1.03 ms with no stage waits; the ring of bulk copies alone 0.84 ms. Next: chunk-level dataflow.
+#      1.03 ms with no stage waits; the ring of bulk copies alone 0.84 ms. Chunk-level dataflow with
+#      tiles dealt in turn (v4) was 3.39 ms; next: overlap only down's and o's first k chunk.
 #      Passed on the final code: test_greedy_argmax.py 20, test_triton_kernels.py -k decode 90,
 #      test_pdl.py 4 (lease 58), test_quant_kernels.py -k quantized_default_model 8 (lease 61). The A/A
 #      run (lease 61): ab/70c240c 2.472 against the root's 2.474 ms, so the folder moves nothing; lease

@@ -102,10 +102,6 @@ __global__ void fill_tiles(int s) {
 
 // ---------------------------------------------------------------------------------------------
 // Small PTX helpers.
-__device__ inline void cp_async16(void* smem, const void* gmem) {
-  uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
 __device__ inline uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ inline void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
@@ -132,8 +128,6 @@ __device__ inline void mbar_wait_sleep(uint64_t* bar, int parity) {
       " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1, %2;\n"
       " @!p bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)), "r"(parity), "r"(100000) : "memory");
 }
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 __device__ inline int load_acquire(const int* p) {
   int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory"); return v;
 }
@@ -236,44 +230,73 @@ __device__ inline void group_scales(const __half2* SZ, int r, int warp, __half2*
   }
 }
 
-// One tile: 16 rows x 2,048 k, products on the tensor cores, partial sums added to out[0..16).
-// xs is the chunk's first input value. Four accumulator chains (two a group) so the mma latency
-// does not serialise the tile.
-template <bool MATH, bool WA>
+// xr: this lane's B fragments of the warp's 256 k (k = 16m + 2q and + 8), every B column = x.
+__device__ inline void load_xr(const __half* xs, uint32_t* xr) {
+  const uint32_t* X = (const uint32_t*)xs + (threadIdx.x / 32) * 128 + threadIdx.x % 4;
+#pragma unroll
+  for (int m = 0; m < 16; ++m) { xr[2 * m] = X[m * 8]; xr[2 * m + 1] = X[m * 8 + 4]; }
+}
+
+// A warp's share of one tile (16 rows x its 256 k) on the tensor cores: acc_a and acc_b are the
+// partial sums of rows r = lane / 4 and r + 8. Four accumulator chains, so the mma latency does not
+// serialise the tile. ZFOLD: the zero is folded out: c = sum (1024 + n) x for row r and
+// sum (1024 + 16 n) x for row r + 8, corrected with the group's input sum gsum; else each
+// dequantised register subtracts its zero before the product.
+template <bool ZFOLD>
+__device__ inline void tile_dot(const uint8_t* slot, const uint32_t* xr, const float* gsum, float& acc_a,
+                                float& acc_b) {
+  constexpr int CH = 4;
+  const int warp = threadIdx.x / 32, r = threadIdx.x % 32 / 4;
+  const uint32_t* W = (const uint32_t*)slot + warp * 16 * 32 + threadIdx.x % 32;
+  const __half2* SZ = (const __half2*)(slot + WORD_BYTES);
+  const uint32_t sixteenth = h2u(__float2half2_rn(1.f / 16.f));
+  __half2 sz_a[2], sz_b[2];
+  uint32_t zero_a[2], zero_b16[2];
+  group_scales(SZ, r, warp, sz_a, sz_b, zero_a, zero_b16);
+  float c[CH][4] = {};
+#pragma unroll
+  for (int m = 0; m < 16; ++m) {
+    const int grp = m / 8, chain = grp * (CH / 2) + m % (CH / 2);
+    uint32_t w = W[m * 32], w8 = w >> 8;
+    uint32_t a0 = lop_or(w, 0x000F000Fu, 0x64006400u), a1 = lop_or(w, 0x00F000F0u, 0x64006400u);
+    uint32_t a2 = lop_or(w8, 0x000F000Fu, 0x64006400u), a3 = lop_or(w8, 0x00F000F0u, 0x64006400u);
+    if (!ZFOLD) {
+      a0 = h2u(__hsub2(u2h(a0), u2h(zero_a[grp])));
+      a1 = h2u(__hfma2(u2h(a1), u2h(sixteenth), u2h(zero_b16[grp])));
+      a2 = h2u(__hsub2(u2h(a2), u2h(zero_a[grp])));
+      a3 = h2u(__hfma2(u2h(a3), u2h(sixteenth), u2h(zero_b16[grp])));
+    }
+    mma16816(c[chain], a0, a1, a2, a3, xr[2 * m], xr[2 * m + 1]);
+  }
+  acc_a = acc_b = 0.f;
+#pragma unroll
+  for (int grp = 0; grp < 2; ++grp) {
+    float va = 0.f, vb = 0.f;
+#pragma unroll
+    for (int j = 0; j < CH / 2; ++j) { va += c[grp * (CH / 2) + j][0]; vb += c[grp * (CH / 2) + j][2]; }
+    if (ZFOLD) {
+      const float gs = gsum[warp * 2 + grp];
+      const float za = __high2float(sz_a[grp]), zb = __high2float(sz_b[grp]) - 1024.f;
+      va = va - za * gs;                              // (1024 + z) sum x
+      vb = (vb - 1024.f * gs) * (1.f / 16.f) - zb * gs;
+    }
+    acc_a += __low2float(sz_a[grp]) * va;
+    acc_b += __low2float(sz_b[grp]) * vb;
+  }
+}
+
+// v1's tile: the warps' partial sums reduced through shared memory, one atomic a row.
+// xs is the chunk's first input value.
+template <bool MATH>
 __device__ void compute_tile(const uint8_t* slot, const __half* xs, float* red, float* out) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, r = lane / 4, q = lane % 4;
-  const uint32_t* W = (const uint32_t*)slot + warp * 16 * 32 + lane;
-  const __half2* SZ = (const __half2*)(slot + WORD_BYTES);
-  const uint32_t* X = (const uint32_t*)xs + warp * 128 + q;  // half2 pairs of this warp's k range
   float acc_a = 0.f, acc_b = 0.f;  // rows r and r + 8
   if (MATH) {
-    const uint32_t sixteenth = h2u(__float2half2_rn(1.f / 16.f));
-    uint32_t zero_a[2], zero_b16[2];
-    __half2 sz_a[2], sz_b[2];
-    group_scales(SZ, r, warp, sz_a, sz_b, zero_a, zero_b16);
-    float c[4][4] = {};
-#pragma unroll
-    for (int m = 0; m < 16; ++m) {
-      const int grp = m / 8, chain = grp * 2 + (m % 2);
-      uint32_t w = W[m * 32], w8 = w >> 8;
-      uint32_t a0 = h2u(__hsub2(u2h(lop_or(w, 0x000F000Fu, 0x64006400u)), u2h(zero_a[grp])));
-      uint32_t a1 = h2u(__hfma2(u2h(lop_or(w, 0x00F000F0u, 0x64006400u)), u2h(sixteenth), u2h(zero_b16[grp])));
-      uint32_t a2 = h2u(__hsub2(u2h(lop_or(w8, 0x000F000Fu, 0x64006400u)), u2h(zero_a[grp])));
-      uint32_t a3 = h2u(__hfma2(u2h(lop_or(w8, 0x00F000F0u, 0x64006400u)), u2h(sixteenth), u2h(zero_b16[grp])));
-      uint32_t b0 = X[m * 8], b1 = X[m * 8 + 4];  // k = 16m + 2q (+ 8), every B column = x
-      mma16816(c[chain], a0, a1, a2, a3, b0, b1);
-    }
-#pragma unroll
-    for (int grp = 0; grp < 2; ++grp) {
-      acc_a += __low2float(sz_a[grp]) * (c[2 * grp][0] + c[2 * grp + 1][0]);
-      acc_b += __low2float(sz_b[grp]) * (c[2 * grp][2] + c[2 * grp + 1][2]);
-    }
+    uint32_t xr[32];
+    load_xr(xs, xr);
+    tile_dot<false>(slot, xr, nullptr, acc_a, acc_b);
   } else {
-    acc_a = (float)W[0] * 0.f;  // the read alone (keeps the ring's consumer in the loop)
-  }
-  if (WA) {
-    if (q == 0) { atomicAdd(out + r, acc_a); atomicAdd(out + r + 8, acc_b); }
-    return;
+    acc_a = (float)((const uint32_t*)slot)[warp * 512 + lane] * 0.f;  // the read alone (keeps the ring's consumer in the loop)
   }
   if (q == 0) { red[warp * ROWS + r] = acc_a; red[warp * ROWS + r + 8] = acc_b; }
   __syncthreads();
@@ -288,14 +311,13 @@ __device__ void compute_tile(const uint8_t* slot, const __half* xs, float* red, 
 // ---------------------------------------------------------------------------------------------
 // The persistent chain. Block b takes the global tiles g = b, b + G, b + 2G, ... (stage-major), so
 // every block's bytes over the whole token differ by at most one tile.
-// WA: partial sums added by each warp's own atomics (no block reduction) instead of one a row.
+// Each tile is one bulk copy through the copy engine, completing on its slot's mbarrier.
 // PROF: thread 0 of each block records, a stage, cycles spinning on the previous stage, loading the
 // input, running the tiles, and waiting on the ring (prof[(block * nstages + s) * 4 + ...]).
-// LOADER: 0 = cp.async, 16 bytes a thread (Ampere's way); 1 = one bulk copy a tile through the copy
-// engine, completing on the slot's mbarrier (Hopper's way). MODE: 0 = everything; 1 = loads and
-// waits, no math (the read bound of this schedule); 2 = math and waits on stale slots, no loads; 3 = the ring alone (loads, no waits
-// on other stages, no inputs, no math).
-template <int D, int LOADER, int MODE, bool WA>
+// MODE: 0 = everything; 1 = loads and waits, no math (the read bound of this schedule); 3 = the ring
+// alone (loads, no waits on other stages, no inputs, no math). (Measured and removed, in git
+// history: the per-thread cp.async loader, mode 2 and per-warp atomics; docs/perf.md 2026-11-29.)
+template <int D, int MODE>
 __global__ void __launch_bounds__(THREADS, 1) chain_kernel(int* done, int nstages, int total, long long* prof) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;
@@ -304,31 +326,25 @@ __global__ void __launch_bounds__(THREADS, 1) chain_kernel(int* done, int nstage
   float* scratch = red + (THREADS / 32) * ROWS;
   uint64_t* bars = (uint64_t*)(scratch + 32);  // one a slot
   const int G = gridDim.x, tid = threadIdx.x;
-  constexpr bool LOADS = MODE != 2, MATH = MODE == 0 || MODE == 2, WAITS = MODE != 3;
+  constexpr bool MATH = MODE == 0, WAITS = MODE != 3;
   long long t_stage = 0, t_spin = 0, t_input = 0, t_ring = 0;
 
-  if (LOADER == 1 && tid == 0) {
+  if (tid == 0) {
     for (int i = 0; i < D; ++i) mbar_init(bars + i, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
   int load_g = blockIdx.x, load_s = 0;
-  auto issue = [&](int slot) {  // the next tile of this block into `slot` (an empty group past the end)
-    if (LOADS && load_g < total) {
+  auto issue = [&](int slot) {  // the next tile of this block into `slot` (nothing past the end)
+    if (load_g < total && tid == 0) {
       while (load_s + 1 < nstages && load_g >= c_stages[load_s + 1].base) ++load_s;
       const Stage& S = c_stages[load_s];
       const uint4* src = S.tiles + (size_t)(load_g - S.base) * (TILE_BYTES / 16);
-      uint4* dst = (uint4*)(ring + slot * TILE_BYTES);
-      if (LOADER == 0) {
-        for (int c = tid; c < TILE_BYTES / 16; c += THREADS) cp_async16(dst + c, src + c);
-      } else if (tid == 0) {
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the slot's reads before the copy
-        bulk_load(dst, src, TILE_BYTES, bars + slot);
-      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the slot's reads before the copy
+      bulk_load(ring + slot * TILE_BYTES, src, TILE_BYTES, bars + slot);
     }
     load_g += G;
-    if (LOADER == 0) cp_async_commit();
   };
 #pragma unroll
   for (int i = 0; i < D; ++i) issue(i);
@@ -350,14 +366,11 @@ __global__ void __launch_bounds__(THREADS, 1) chain_kernel(int* done, int nstage
       if (WAITS) load_stage_input(S, xs, scratch);
       if (prof && tid == 0) t_input = clock64();
     }
-    if (LOADS) {
-      long long t0 = prof && tid == 0 ? clock64() : 0;
-      if (LOADER == 0) cp_async_wait<D - 1>();
-      else mbar_wait(bars + i % D, (i / D) & 1);
-      if (prof && tid == 0) t_ring += clock64() - t0;
-    }
+    long long t0 = prof && tid == 0 ? clock64() : 0;
+    mbar_wait(bars + i % D, (i / D) & 1);
+    if (prof && tid == 0) t_ring += clock64() - t0;
     __syncthreads();
-    compute_tile<MATH, WA>(ring + (i % D) * TILE_BYTES, xs + kc * KCHUNK, red, S.out + rt * ROWS);
+    compute_tile<MATH>(ring + (i % D) * TILE_BYTES, xs + kc * KCHUNK, red, S.out + rt * ROWS);
     __syncthreads();  // the slot and `red` are free again
     issue(i % D);
     if (g + G >= S.base + S.ntiles && tid == 0) {  // this block's last tile of stage s
@@ -369,7 +382,6 @@ __global__ void __launch_bounds__(THREADS, 1) chain_kernel(int* done, int nstage
       }
     }
   }
-  if (LOADER == 0) cp_async_wait<0>();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -388,24 +400,6 @@ __device__ inline void mbar_arrive(uint64_t* bar) {
 __device__ inline void tile_range(const Stage& S, int b, int G, int& lo, int& hi) {
   lo = (int)((long long)b * S.ntiles / G); hi = (int)((long long)(b + 1) * S.ntiles / G);
 }
-// Walks this block's tiles in order across stages (the producer's two cursors: load, prefetch).
-struct TileCursor {
-  int s = 0, t = 0, hi = 0, nstages = 0;
-  __device__ void start(int n) { nstages = n; s = -1; t = hi = 0; next_stage(); }
-  __device__ void next_stage() {
-    while (++s < nstages) {
-      int lo; tile_range(c_stages[s], blockIdx.x, gridDim.x, lo, hi);
-      if (lo < hi) { t = lo; return; }
-    }
-  }
-  __device__ bool valid() const { return s < nstages; }
-  __device__ const uint4* src() const { return c_stages[s].tiles + (size_t)t * (TILE_BYTES / 16); }
-  __device__ void advance() { if (++t >= hi) next_stage(); }
-};
-__device__ inline void prefetch_l2(const void* src, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
-
 // The input values [base, base + n) (n = 4,096 or a 2,048 chunk), fp16 into xs[0..n), and each
 // 128-group's sum of those fp16 values into gsum. Thread t's float4 j sits in group 8j + warp.
 template <int J>
@@ -435,53 +429,13 @@ __device__ void load_input_v2(const Stage& S, int base, __half* xs, float* gsum,
   consumer_sync();
 }
 
-// One tile, zero folded: c = sum (1024 + n) x for row r and sum (1024 + 16 n) x for row r + 8.
-// xr: this lane's B fragments of the warp's 256 k (k = 16m + 2q and + 8), loaded once a chunk.
-__device__ inline void load_xr(const __half* xs, uint32_t* xr) {
-  const uint32_t* X = (const uint32_t*)xs + (threadIdx.x / 32) * 128 + threadIdx.x % 4;
-#pragma unroll
-  for (int m = 0; m < 16; ++m) { xr[2 * m] = X[m * 8]; xr[2 * m + 1] = X[m * 8 + 4]; }
-}
-template <bool ZFOLD, int CH>
-__device__ void compute_tile_v2(const uint8_t* slot, const uint32_t* xr, const float* gsum, float* out) {
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, r = lane / 4, q = lane % 4;
-  const uint32_t* W = (const uint32_t*)slot + warp * 16 * 32 + lane;
-  const __half2* SZ = (const __half2*)(slot + WORD_BYTES);
-  const uint32_t sixteenth = h2u(__float2half2_rn(1.f / 16.f));
-  __half2 sz_a[2], sz_b[2];
-  uint32_t zero_a[2], zero_b16[2];
-  group_scales(SZ, r, warp, sz_a, sz_b, zero_a, zero_b16);
-  float c[CH][4] = {};  // CH accumulator chains (CH / 2 a group): a chain's latency hides behind the others
-#pragma unroll
-  for (int m = 0; m < 16; ++m) {
-    const int grp = m / 8, chain = grp * (CH / 2) + m % (CH / 2);
-    uint32_t w = W[m * 32], w8 = w >> 8;
-    uint32_t a0 = lop_or(w, 0x000F000Fu, 0x64006400u), a1 = lop_or(w, 0x00F000F0u, 0x64006400u);
-    uint32_t a2 = lop_or(w8, 0x000F000Fu, 0x64006400u), a3 = lop_or(w8, 0x00F000F0u, 0x64006400u);
-    if (!ZFOLD) {
-      a0 = h2u(__hsub2(u2h(a0), u2h(zero_a[grp])));
-      a1 = h2u(__hfma2(u2h(a1), u2h(sixteenth), u2h(zero_b16[grp])));
-      a2 = h2u(__hsub2(u2h(a2), u2h(zero_a[grp])));
-      a3 = h2u(__hfma2(u2h(a3), u2h(sixteenth), u2h(zero_b16[grp])));
-    }
-    mma16816(c[chain], a0, a1, a2, a3, xr[2 * m], xr[2 * m + 1]);
-  }
-  float acc_a = 0.f, acc_b = 0.f;
-#pragma unroll
-  for (int grp = 0; grp < 2; ++grp) {
-    float va = 0.f, vb = 0.f;
-#pragma unroll
-    for (int j = 0; j < CH / 2; ++j) { va += c[grp * (CH / 2) + j][0]; vb += c[grp * (CH / 2) + j][2]; }
-    if (ZFOLD) {
-      const float gs = gsum[warp * 2 + grp];
-      const float za = __high2float(sz_a[grp]), zb = __high2float(sz_b[grp]) - 1024.f;
-      va = va - za * gs;                              // (1024 + z) sum x
-      vb = (vb - 1024.f * gs) * (1.f / 16.f) - zb * gs;
-    }
-    acc_a += __low2float(sz_a[grp]) * va;
-    acc_b += __low2float(sz_b[grp]) * vb;
-  }
-  if (q == 0) { atomicAdd(out + r, acc_a); atomicAdd(out + r + 8, acc_b); }
+// v2-v4's tile: each warp adds its own partial sums by atomics.
+template <bool ZFOLD>
+__device__ inline void compute_tile_v2(const uint8_t* slot, const uint32_t* xr, const float* gsum, float* out) {
+  float acc_a, acc_b;
+  tile_dot<ZFOLD>(slot, xr, gsum, acc_a, acc_b);
+  const int lane = threadIdx.x % 32, r = lane / 4;
+  if (lane % 4 == 0) { atomicAdd(out + r, acc_a); atomicAdd(out + r + 8, acc_b); }
 }
 
 // The end of a block's stage s in v2 and v3: once every math warp's atomics are issued, count the
@@ -521,11 +475,11 @@ __device__ RingSmem ring_smem_init(uint8_t* smem) {
   return m;
 }
 
-// XREG: the warp's B fragments held in 32 registers a chunk (else read from shared memory a tile).
-// NOWAIT: no stage waits and no input loads (the math runs on whatever xs holds): the floor of
-// this kernel's streaming and math without any dependency between stages.
-template <int D, int BPS, bool ZFOLD, bool SLEEP, bool NOWAIT = false, int PF = 0, int CH = (BPS == 1 ? 8 : 4),
-          bool XREG = (BPS < 3)>
+// The warp's B fragments are held in 32 registers a chunk. NOWAIT: no stage waits and no input
+// loads (the math runs on whatever xs holds): the floor of this kernel's streaming and math without
+// any dependency between stages. (Measured and removed, in git history: L2 prefetch ahead of the
+// ring, spinning waits, 8 chains at one block an SM, B from shared memory at three; docs/perf.md.)
+template <int D, int BPS, bool ZFOLD, bool NOWAIT = false>
 __global__ void __launch_bounds__(THREADS2, BPS) chain_v2(int* done, int nstages, long long* prof) {
   extern __shared__ __align__(128) uint8_t smem[];
   const RingSmem m = ring_smem_init<D>(smem);
@@ -533,19 +487,14 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v2(int* done, int nstages
 
   if (warp == CONSUMERS / 32) {  // the producer
     if (tid % 32 == 0) {
-      // PF > 0: tiles PF ahead of the one being loaded are prefetched into L2, so that HBM keeps
-      // streaming while a stage boundary holds the math (and the ring stays full).
-      TileCursor load, ahead;
-      load.start(nstages); ahead.start(nstages);
-      for (int k = 0; k < PF && ahead.valid(); ++k) { prefetch_l2(ahead.src(), TILE_BYTES); ahead.advance(); }
-      for (int i = 0; load.valid(); ++i, load.advance()) {
-        const int slot = i % D;
-        if (i >= D) {
-          if (SLEEP) mbar_wait_sleep(m.empty + slot, (i / D - 1) & 1);
-          else mbar_wait(m.empty + slot, (i / D - 1) & 1);
+      int i = 0;
+      for (int s = 0; s < nstages; ++s) {
+        int lo, hi; tile_range(c_stages[s], blockIdx.x, G, lo, hi);
+        for (int t = lo; t < hi; ++t, ++i) {
+          const int slot = i % D;
+          if (i >= D) mbar_wait_sleep(m.empty + slot, (i / D - 1) & 1);
+          bulk_load(m.ring + slot * TILE_BYTES, c_stages[s].tiles + (size_t)t * (TILE_BYTES / 16), TILE_BYTES, m.full + slot);
         }
-        bulk_load(m.ring + slot * TILE_BYTES, load.src(), TILE_BYTES, m.full + slot);
-        if (PF > 0 && ahead.valid()) { prefetch_l2(ahead.src(), TILE_BYTES); ahead.advance(); }
       }
     }
     return;
@@ -560,7 +509,7 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v2(int* done, int nstages
     if (prof && tid == 0) { t_stage = clock64(); t_ring = 0; }
     if (!NOWAIT && s > 0 && tid == 0) {
       const int target = min(G, c_stages[s - 1].ntiles);
-      while (load_acquire(done + s - 1) < target) { if (SLEEP) __nanosleep(32); }
+      while (load_acquire(done + s - 1) < target) __nanosleep(32);
     }
     consumer_sync();
     if (prof && tid == 0) t_spin = clock64();
@@ -577,14 +526,12 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v2(int* done, int nstages
         cur_kc = kc; xr_kc = -1;
       }
       const int xoff = chunked || NOWAIT ? 0 : kc * KCHUNK;
-      if (XREG && kc != xr_kc) { load_xr(m.xs + xoff, xr); xr_kc = kc; }
-      if (!XREG) load_xr(m.xs + xoff, xr);  // into registers just before use: the compiler interleaves
+      if (kc != xr_kc) { load_xr(m.xs + xoff, xr); xr_kc = kc; }
       const int slot = i % D;  // D is a compile-time constant: a multiply, not a division
       long long t0 = prof && tid == 0 ? clock64() : 0;
-      if (SLEEP) mbar_wait_sleep(m.full + slot, (i / D) & 1);
-      else mbar_wait(m.full + slot, (i / D) & 1);
+      mbar_wait_sleep(m.full + slot, (i / D) & 1);
       if (prof && tid == 0) t_ring += clock64() - t0;
-      compute_tile_v2<ZFOLD, CH>(m.ring + slot * TILE_BYTES, xr, m.gsum + xoff / GROUP, S.out + rt * ROWS);
+      compute_tile_v2<ZFOLD>(m.ring + slot * TILE_BYTES, xr, m.gsum + xoff / GROUP, S.out + rt * ROWS);
       __syncwarp();
       if (tid % 32 == 0) mbar_arrive(m.empty + slot);
     }
@@ -598,7 +545,7 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v2(int* done, int nstages
 // slowest block's fixed share does. The producer writes each slot's tile number (or -1: this block
 // has no more tiles of the stage) before the slot's barrier completes; every block signals every
 // stage. claim[s] counts the claimed tail tiles of stage s.
-template <int D, int BPS, bool NOWAIT = false, int CH = 4>
+template <int D, int BPS>
 __global__ void __launch_bounds__(THREADS2, BPS) chain_v3(int* done, int nstages, long long* prof) {
   extern __shared__ __align__(128) uint8_t smem[];
   const RingSmem m = ring_smem_init<D>(smem);
@@ -635,14 +582,14 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v3(int* done, int nstages
   for (int s = 0; s < nstages; ++s) {
     const Stage& S = c_stages[s];
     if (prof && tid == 0) { t_stage = clock64(); t_ring = 0; }
-    if (!NOWAIT && s > 0 && tid == 0) {
+    if (s > 0 && tid == 0) {
       while (load_acquire(done + s - 1) < G) __nanosleep(32);
     }
     consumer_sync();
     if (prof && tid == 0) t_spin = clock64();
-    const bool chunked = !NOWAIT && S.in_kind == IN_SWIGLU;
+    const bool chunked = S.in_kind == IN_SWIGLU;
     int cur_kc = -1, xr_kc = -1;
-    if (!chunked && !NOWAIT) load_input_v2<4>(S, 0, m.xs, m.gsum, m.scratch);
+    if (!chunked) load_input_v2<4>(S, 0, m.xs, m.gsum, m.scratch);
     if (prof && tid == 0) t_input = clock64();
     for (;; ++i) {
       const int slot = i % D;
@@ -662,9 +609,9 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v3(int* done, int nstages
         load_input_v2<2>(S, kc * KCHUNK, m.xs, m.gsum, m.scratch);
         cur_kc = kc; xr_kc = -1;
       }
-      const int xoff = chunked || NOWAIT ? 0 : kc * KCHUNK;
+      const int xoff = chunked ? 0 : kc * KCHUNK;
       if (kc != xr_kc) { load_xr(m.xs + xoff, xr); xr_kc = kc; }
-      compute_tile_v2<true, CH>(m.ring + slot * TILE_BYTES, xr, m.gsum + xoff / GROUP, S.out + rt * ROWS);
+      compute_tile_v2<true>(m.ring + slot * TILE_BYTES, xr, m.gsum + xoff / GROUP, S.out + rt * ROWS);
       __syncwarp();
       if (tid % 32 == 0) mbar_arrive(m.empty + slot);
     }
@@ -835,7 +782,7 @@ __global__ void __launch_bounds__(THREADS2, BPS) chain_v4(V4 B, int nstages, lon
       long long t2 = prof && tid == 0 ? clock64() : 0;
       const int slot = i % D;
       mbar_wait_sleep(m.full + slot, (i / D) & 1);
-      compute_tile_v2<true, 4>(m.ring + slot * TILE_BYTES, xr, m.gsum + xoff / GROUP, out_base + rt * ROWS);
+      compute_tile_v2<true>(m.ring + slot * TILE_BYTES, xr, m.gsum + xoff / GROUP, out_base + rt * ROWS);
       __syncwarp();
       if (tid % 32 == 0) {
         mbar_arrive(m.empty + slot);
@@ -989,40 +936,40 @@ static float time_persistent(const Run& r, const char* label, const void* kernel
   return best;
 }
 
-template <int D, int LOADER, int MODE, bool WA = false>
+template <int D, int MODE>
 static float time_chain(const Run& r, int per_sm_wanted = 1) {
   char label[128];
-  snprintf(label, sizeof label, "\"kernel\": \"v1\", \"D\": %d, \"loader\": %d, \"mode\": %d, \"wa\": %d", D, LOADER, MODE, (int)WA);
+  snprintf(label, sizeof label, "\"kernel\": \"v1\", \"D\": %d, \"mode\": %d", D, MODE);
   const size_t smem = D * TILE_BYTES + XMAX * 2 + (THREADS / 32) * ROWS * 4 + 32 * 4 + D * 8;
   const int nst = (int)r.p.stages.size();
-  return time_persistent(r, label, (const void*)chain_kernel<D, LOADER, MODE, WA>, THREADS, smem, per_sm_wanted,
+  return time_persistent(r, label, (const void*)chain_kernel<D, MODE>, THREADS, smem, per_sm_wanted,
                          [&](int grid, size_t sm, long long* prof) {
-                           chain_kernel<D, LOADER, MODE, WA><<<grid, THREADS, sm>>>(r.done, nst, r.p.total, prof);
+                           chain_kernel<D, MODE><<<grid, THREADS, sm>>>(r.done, nst, r.p.total, prof);
                          });
 }
 
-template <int D, int BPS, bool ZFOLD, bool SLEEP = true, bool NOWAIT = false, int PF = 0>
+template <int D, int BPS, bool ZFOLD, bool NOWAIT = false>
 static float time_v2(const Run& r) {
   char label[128];
-  snprintf(label, sizeof label, "\"kernel\": \"v2\", \"D\": %d, \"zfold\": %d, \"nowait\": %d, \"pf\": %d", D,
-           (int)ZFOLD, (int)NOWAIT, PF);
+  snprintf(label, sizeof label, "\"kernel\": \"v2\", \"D\": %d, \"zfold\": %d, \"nowait\": %d", D,
+           (int)ZFOLD, (int)NOWAIT);
   const size_t smem = D * TILE_BYTES + 4096 * 2 + 64 * 4 + 2 * D * 8;
   const int nst = (int)r.p.stages.size();
-  return time_persistent(r, label, (const void*)chain_v2<D, BPS, ZFOLD, SLEEP, NOWAIT, PF>, THREADS2, smem, BPS,
+  return time_persistent(r, label, (const void*)chain_v2<D, BPS, ZFOLD, NOWAIT>, THREADS2, smem, BPS,
                          [&](int grid, size_t sm, long long* prof) {
-                           chain_v2<D, BPS, ZFOLD, SLEEP, NOWAIT, PF><<<grid, THREADS2, sm>>>(r.done, nst, prof);
+                           chain_v2<D, BPS, ZFOLD, NOWAIT><<<grid, THREADS2, sm>>>(r.done, nst, prof);
                          });
 }
 
-template <int D, int BPS, bool NOWAIT = false>
+template <int D, int BPS>
 static float time_v3(const Run& r) {
   char label[128];
-  snprintf(label, sizeof label, "\"kernel\": \"v3\", \"D\": %d, \"nowait\": %d", D, (int)NOWAIT);
+  snprintf(label, sizeof label, "\"kernel\": \"v3\", \"D\": %d", D);
   const size_t smem = D * TILE_BYTES + 4096 * 2 + 64 * 4 + 2 * D * 8 + D * 4;
   const int nst = (int)r.p.stages.size();
-  return time_persistent(r, label, (const void*)chain_v3<D, BPS, NOWAIT>, THREADS2, smem, BPS,
+  return time_persistent(r, label, (const void*)chain_v3<D, BPS>, THREADS2, smem, BPS,
                          [&](int grid, size_t sm, long long* prof) {
-                           chain_v3<D, BPS, NOWAIT><<<grid, THREADS2, sm>>>(r.done, nst, prof);
+                           chain_v3<D, BPS><<<grid, THREADS2, sm>>>(r.done, nst, prof);
                          });
 }
 
@@ -1151,12 +1098,12 @@ const Run run{p, done, h, h0, qkv_out, gu_out, qkv_bytes, gu_bytes, sms, iters};
   // The rows of docs/perf.md's record (2026-11-29): v1 and its read-only and ring-only bounds, v2 (the
   // best) with and without the zero folded and with no stage waits, v3, v4.
   std::vector<float> hv4;
-  time_chain<4, 1, 0>(run, 2); check("v1 D4 x2");
-  time_chain<4, 1, 1>(run, 2);
-  time_chain<4, 1, 3>(run, 2);
+  time_chain<4, 0>(run, 2); check("v1 D4 x2");
+  time_chain<4, 1>(run, 2);
+  time_chain<4, 3>(run, 2);
   time_v2<5, 2, true>(run); check("v2 D5 x2, zero folded");
   time_v2<5, 2, false>(run); check("v2 D5 x2");
-  time_v2<5, 2, true, true, true>(run);
+  time_v2<5, 2, true, true>(run);
   time_v3<5, 2>(run); check("v3 D5 x2");
   time_v4<5, 2>(p, layers, h0, sms, iters, hv4); check("v4 D5 x2, chunk dataflow", &hv4);
   return 0;
