@@ -119,6 +119,11 @@ class Attention(nn.Module):
         self.calibrate_kv = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = self.o_proj(self.attend(positions, x, meta))
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def attend(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Everything before o_proj: x [T, hidden] -> the heads' outputs [T, q_size]."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if qkv.device.type == "cpu" and qkv.dtype == torch.float32 and self.q_norm is None:
@@ -144,8 +149,7 @@ class Attention(nn.Module):
                 calibrate_kv_scales(self, k, v)
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
-        out = self.o_proj(o.reshape(t, self.q_size))
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return o.reshape(t, self.q_size)
 
     def _rotate_and_store(self, positions, q, k, v, meta) -> torch.Tensor | None:
         """The backend's one-kernel rotary (after the q/k norm) and K/V store where it has one

@@ -54,6 +54,9 @@ class DecoderLayer(nn.Module):
         self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, placement, comm, quant, f"{prefix}.mlp", tp,
                                    plan.moe_intermediate_size, plan.shared_expert_intermediate_size) if self.is_moe
                     else MLP(cfg.hidden_size, plan.intermediate_size, quant, f"{prefix}.mlp", tp))
+        # o_proj .. down_proj of a one-token step in one persistent launch (kernels/w4_layer_tail.py:
+        # attached by the runner to eligible 4-bit layers on Hopper with MINIVLLM_W4_LAYER_TAIL=1)
+        self.tail = None
 
     def forward(self, positions, hidden, residual, meta, token_valid: torch.Tensor | None = None):
         if residual is None:
@@ -61,6 +64,8 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
+        if self.tail is not None and hidden.shape[0] == 1:
+            return self.tail(self.self_attn.attend(positions, hidden, meta), residual)
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return (self.mlp(hidden, token_valid) if self.is_moe else self.mlp(hidden)), residual

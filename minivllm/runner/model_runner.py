@@ -148,6 +148,7 @@ class ModelRunner:
             elif self.device.type == "cuda":
                 self._use_dense_gemv(self.model)
                 self._fuse_fp8_activation_quant(self.model)
+                self._attach_w4_layer_tails(self.model)
         self.expert_counts = ExpertCountsReader(self.model, self.device)
         if self.config.speculative is not None:
             from minivllm.spec_decode import make_speculator
@@ -168,6 +169,18 @@ class ModelRunner:
         logger.info("LoRA: %d slots of rank %d on %d linear layers (%s)", self.config.lora.max_loras,
                     self.config.lora.max_lora_rank, len(set(self.lora.layers.values())),
                     "Triton gather kernels" if self.lora.state.use_triton else "torch reference")
+
+    def _attach_w4_layer_tails(self, model: CausalLM) -> None:
+        """MINIVLLM_W4_LAYER_TAIL=1: one-token steps of eligible 4-bit layers run o_proj .. down_proj
+        as one persistent launch (kernels/w4_layer_tail.py). Not with LoRA (its adapters wrap the
+        linears the tail replaces)."""
+        from minivllm.kernels import w4_layer_tail
+        if not w4_layer_tail.enabled():
+            return
+        if self.lora is not None:
+            logger.info("W4 layer tail: off with LoRA")
+            return
+        w4_layer_tail.attach_layer_tails(model)
 
     def _use_dense_gemv(self, model: CausalLM) -> None:
         """Steps of one or two rows (batch-1 decode): the decoder linears that the kept sweep

@@ -1,0 +1,278 @@
+// A decoder layer's tail for one token in ONE persistent launch (batch-1 decode, W4A16, Hopper):
+//
+//   o   = attn @ Wo^T                       stage 0: input `attn` [k0] fp16
+//   s   = o + residual  (-> residual_out)   stage 1 input: RMSNorm(s) * w, as the engine's
+//   h   = RMSNorm(s) * w                      fused_add_rms_norm rounds it
+//   a   = silu(h @ Wg^T) * (h @ Wu^T)       stage 1: gate and up rows paired in each tile
+//   out = a @ Wd^T                          stage 2: input a [I] fp16
+//
+// It replaces five launches (o GEMV, add + norm, gate_up GEMV, SiLU-and-mul, down GEMV) by one,
+// and streams the weights (kernels/w4_tile.cuh's tile format, written by quant/w4_tiles.py) with
+// bulk copies into a shared-memory ring that runs ahead of the dependency waits between the
+// stages: weights do not depend on activations. Measured design: scripts/persistent_gemv/chain.cu
+// (its v2) and docs/perf.md (2026-11-29).
+//
+// Block layout: warp 8 (the producer) issues one bulk copy a tile into a ring of D slots (full and
+// empty mbarriers); warps 0-7 do the math. Every block takes a contiguous range of each stage's
+// row tiles (16 output rows) and runs all of a row tile's k chunks itself, so its rows are complete
+// in the block: the 8 warps' partial sums are added through shared memory in a fixed order and the
+// row is stored once. No atomics on data: the result has the same bits on every run.
+//
+// Dependencies: stage s's math starts once every block that holds row tiles of stage s - 1 has
+// counted itself done (counters[s - 1], release/acquire at GPU scope). The last block to leave
+// resets the counters to 0, so the next launch (stream order) finds them zeroed.
+//
+// Every block must be resident at once (the waits spin): the host launches occupancy x SMs blocks.
+// Shapes: every k a multiple of 2,048, group size 128, fp16 activations and scales.
+#include "w4_tile.cuh"
+
+using namespace w4tile;
+
+namespace {
+
+constexpr int CONSUMERS = MATH_THREADS;     // 8 math warps
+constexpr int THREADS = CONSUMERS + 32;     // + the producer warp
+constexpr int D = 4;                        // ring slots
+constexpr int NSTAGES = 3;
+
+enum InKind { IN_PLAIN = 0, IN_ADD_NORM = 1 };
+enum OutKind { OUT_STORE = 0, OUT_SWIGLU = 1 };
+
+struct Stage {
+  const uint4* tiles;   // rowtiles x kchunks tiles, tile (rt, kc) at rt * kchunks + kc
+  const __half* in0;    // [k] input (IN_ADD_NORM: the addend, o)
+  const __half* in1;    // IN_ADD_NORM: [k] residual
+  const __half* norm_w; // IN_ADD_NORM: [k] RMSNorm weight
+  __half* res_out;      // IN_ADD_NORM: [k] in0 + in1, written by the stage's last block
+  __half* out;          // OUT_STORE: [16 rowtiles]; OUT_SWIGLU: [8 rowtiles] (rows 0-7 gate, 8-15 up)
+  int k, rowtiles, kchunks, in_kind, out_kind;
+};
+struct Args {
+  Stage st[NSTAGES];
+  int* counters;  // [NSTAGES + 1], 0 on entry and on exit
+  float eps;
+};
+
+__device__ inline void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
+
+// Block b's row tiles of a stage: [lo, hi). Exactly min(G, rowtiles) blocks get a non-empty range,
+// and the last block always does.
+__device__ inline void rowtile_range(const Stage& S, int b, int G, int& lo, int& hi) {
+  lo = (int)((long long)b * S.rowtiles / G);
+  hi = (int)((long long)(b + 1) * S.rowtiles / G);
+}
+
+// The sum of v over the 8 math warps (each gets the total); scratch: 8 floats.
+__device__ inline float consumers_sum(float v, float* scratch) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  consumer_sync();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < CONSUMERS / 32; ++w) total += scratch[w];
+  consumer_sync();  // scratch may be reused
+  return total;
+}
+
+// The stage's input, k fp16 values, into xs, and each 128-group's sum of them (fp32) into gsum.
+// IN_ADD_NORM: s = fp16(in0 + in1) (written to res_out by `writer`), then
+// fp16(fp16(s * rsqrt(mean(s^2) + eps)) * w): the engine's fused_add_rms_norm, value for value.
+__device__ void load_stage_input(const Stage& S, bool writer, float eps, __half* xs, float* gsum, float* scratch) {
+  const int tid = threadIdx.x, n8 = S.k / 8;  // uint4 = 8 values
+  if (S.in_kind == IN_PLAIN) {
+    for (int i = tid; i < n8; i += CONSUMERS) ((uint4*)xs)[i] = __ldcg((const uint4*)S.in0 + i);
+  } else {
+    float ss = 0.f;
+    for (int i = tid; i < n8; i += CONSUMERS) {
+      uint4 a = __ldcg((const uint4*)S.in0 + i), b = __ldcg((const uint4*)S.in1 + i);
+      const __half2* ah = (const __half2*)&a;
+      const __half2* bh = (const __half2*)&b;
+      uint4 s;
+      __half2* sh = (__half2*)&s;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
+        sh[j] = __floats2half2_rn(fa.x + fb.x, fa.y + fb.y);
+        const float2 fs = __half22float2(sh[j]);
+        ss += fs.x * fs.x + fs.y * fs.y;
+      }
+      ((uint4*)xs)[i] = s;
+      if (writer) ((uint4*)S.res_out)[i] = s;
+    }
+    const float rstd = rsqrtf(consumers_sum(ss, scratch) / S.k + eps);
+    for (int i = tid; i < n8; i += CONSUMERS) {
+      uint4 s = ((uint4*)xs)[i], w = __ldg((const uint4*)S.norm_w + i);
+      __half2* sh = (__half2*)&s;
+      const __half2* wh = (const __half2*)&w;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 fs = __half22float2(sh[j]);
+        const float2 y = __half22float2(__floats2half2_rn(fs.x * rstd, fs.y * rstd));  // HF: cast before the weight
+        const float2 fw = __half22float2(wh[j]);
+        sh[j] = __floats2half2_rn(y.x * fw.x, y.y * fw.y);
+      }
+      ((uint4*)xs)[i] = s;
+    }
+  }
+  consumer_sync();
+  // group sums: warp w takes groups w, w + 8, ...; a lane sums 4 of the group's 128 values
+  const int warp = tid / 32, lane = tid % 32;
+  for (int g = warp; g < S.k / GROUP; g += CONSUMERS / 32) {
+    const uint2 v = ((const uint2*)(xs + g * GROUP))[lane];
+    const float2 p = __half22float2(u2h(v.x)), q = __half22float2(u2h(v.y));
+    float sum = p.x + p.y + q.x + q.y;
+    for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) gsum[g] = sum;
+  }
+  consumer_sync();
+}
+
+// A finished row tile: red holds the 8 warps' partial sums of its 16 rows ([warp][row]).
+__device__ inline void store_rowtile(const Stage& S, int rt, const float* red) {
+  const int tid = threadIdx.x;
+  if (S.out_kind == OUT_STORE) {
+    if (tid < ROWS) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < CONSUMERS / 32; ++w) v += red[w * ROWS + tid];
+      S.out[rt * ROWS + tid] = __float2half_rn(v);
+    }
+  } else if (tid < ROWS / 2) {  // rows tid (gate) and tid + 8 (up), each rounded to fp16 first
+    float g = 0.f, u = 0.f;
+#pragma unroll
+    for (int w = 0; w < CONSUMERS / 32; ++w) { g += red[w * ROWS + tid]; u += red[w * ROWS + tid + 8]; }
+    const float gf = __half2float(__float2half_rn(g)), uf = __half2float(__float2half_rn(u));
+    const float act = __half2float(__float2half_rn(gf / (1.f + expf(-gf))));  // torch's silu, rounded
+    S.out[rt * (ROWS / 2) + tid] = __float2half_rn(act * uf);
+  }
+}
+
+__global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_constant__ Args args) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;
+  int kmax = 0;
+#pragma unroll
+  for (int s = 0; s < NSTAGES; ++s) kmax = max(kmax, args.st[s].k);
+  __half* xs = (__half*)(ring + D * TILE_BYTES);
+  float* gsum = (float*)(xs + kmax);
+  float* red = gsum + kmax / GROUP;
+  float* scratch = red + (CONSUMERS / 32) * ROWS;
+  uint64_t* full = (uint64_t*)(scratch + 32);
+  uint64_t* empty = full + D;
+  const int G = gridDim.x, tid = threadIdx.x, warp = tid / 32;
+  if (tid == 0) {
+    for (int i = 0; i < D; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, CONSUMERS / 32); }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == CONSUMERS / 32) {  // the producer: every tile of this block, in the order the math takes them
+    if (tid % 32 == 0) {
+      int i = 0;
+      for (int s = 0; s < NSTAGES; ++s) {
+        const Stage& S = args.st[s];
+        int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
+        for (int t = lo * S.kchunks; t < hi * S.kchunks; ++t, ++i) {
+          const int slot = i % D;
+          if (i >= D) mbar_wait_sleep(empty + slot, (i / D - 1) & 1);
+          bulk_load(ring + slot * TILE_BYTES, S.tiles + (size_t)t * (TILE_BYTES / 16), TILE_BYTES, full + slot);
+        }
+      }
+    }
+    return;
+  }
+
+  int i = 0;
+  uint32_t xr[32];
+  for (int s = 0; s < NSTAGES; ++s) {
+    const Stage& S = args.st[s];
+    int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
+    if (lo == hi) continue;
+    if (s > 0 && tid == 0) {  // every row of the previous stage is stored
+      const int target = min(G, args.st[s - 1].rowtiles);
+      while (load_acquire(args.counters + s - 1) < target) __nanosleep(32);
+    }
+    consumer_sync();
+    load_stage_input(S, blockIdx.x == G - 1, args.eps, xs, gsum, scratch);
+    for (int rt = lo; rt < hi; ++rt) {
+      float acc_a = 0.f, acc_b = 0.f;  // rows lane / 4 and + 8, this warp's k
+      for (int kc = 0; kc < S.kchunks; ++kc, ++i) {
+        load_xr(xs + kc * KCHUNK, xr);
+        const int slot = i % D;
+        mbar_wait_sleep(full + slot, (i / D) & 1);
+        float a, b;
+        tile_dot<true>(ring + slot * TILE_BYTES, xr, gsum + kc * GROUPS, a, b);
+        acc_a += a; acc_b += b;
+        __syncwarp();
+        if (tid % 32 == 0) mbar_arrive(empty + slot);
+      }
+      const int lane = tid % 32;
+      if (lane % 4 == 0) { red[warp * ROWS + lane / 4] = acc_a; red[warp * ROWS + lane / 4 + 8] = acc_b; }
+      consumer_sync();
+      store_rowtile(S, rt, red);
+      consumer_sync();  // red is free again
+    }
+    if (tid == 0) {  // the stores above (threads < 16) are ordered before the count by the barrier + fence
+      __threadfence();
+      atomicAdd(args.counters + s, 1);
+    }
+  }
+  // leave: the last block out resets the counters (every wait is over by then)
+  if (tid == 0) {
+    __threadfence();
+    if (atomicAdd(args.counters + NSTAGES, 1) == G - 1) {
+      for (int s = 0; s <= NSTAGES; ++s) args.counters[s] = 0;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace
+
+// ---- host side (ctypes: minivllm/kernels/w4_layer_tail.py) ----------------------------------
+extern "C" {
+
+// The launch's dynamic shared memory for the widest stage input kmax.
+int w4lt_smem_bytes(int kmax) {
+  return D * TILE_BYTES + kmax * 2 + (kmax / GROUP) * 4 + (CONSUMERS / 32) * ROWS * 4 + 32 * 4 + 2 * D * 8;
+}
+
+// Sets the kernel's shared-memory limit and returns the blocks that fit the device at once
+// (occupancy x SMs; 0 when not even one fits), or -1 with a CUDA error.
+int w4lt_grid(int device, int kmax) {
+  const int smem = w4lt_smem_bytes(kmax);
+  if (cudaSetDevice(device) != cudaSuccess) return -1;
+  if (cudaFuncSetAttribute(w4_layer_tail_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    return -1;
+  int per_sm = 0, sms = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, w4_layer_tail_kernel, THREADS, smem) != cudaSuccess)
+    return -1;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return -1;
+  return per_sm * sms;
+}
+
+// The host-side mirror of a Stage, flat for ctypes: 6 pointers, then 5 ints.
+struct FlatStage {
+  const void *tiles, *in0, *in1, *norm_w;
+  void *res_out, *out;
+  int k, rowtiles, kchunks, in_kind, out_kind;
+};
+
+// Launches on `stream` (captured into a CUDA graph when the stream is capturing); returns the
+// launch's cudaError_t.
+int w4lt_launch(const FlatStage* stages, int* counters, float eps, int grid, int kmax, void* stream) {
+  Args a;
+  for (int s = 0; s < NSTAGES; ++s) {
+    const FlatStage& f = stages[s];
+    a.st[s] = Stage{(const uint4*)f.tiles, (const __half*)f.in0, (const __half*)f.in1, (const __half*)f.norm_w,
+                    (__half*)f.res_out, (__half*)f.out, f.k, f.rowtiles, f.kchunks, f.in_kind, f.out_kind};
+  }
+  a.counters = counters;
+  a.eps = eps;
+  w4_layer_tail_kernel<<<grid, THREADS, w4lt_smem_bytes(kmax), (cudaStream_t)stream>>>(a);
+  return (int)cudaGetLastError();
+}
+
+const char* w4lt_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
+
+}  // extern "C"

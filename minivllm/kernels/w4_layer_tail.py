@@ -1,0 +1,210 @@
+"""The W4A16 layer tail: o_proj, add + RMSNorm, gate_up, SiLU-and-mul and down_proj of one decode
+token in one persistent CUDA launch (kernels/cuda/w4_layer_tail.cu), for batch-1 decode of 4-bit
+models on Hopper GPUs.
+
+Why: at batch 1 a decoder layer is nine short launches, and each boundary between two of them
+leaves the memory idle for a few microseconds; the tail's five are 81 % of a layer's weight bytes
+(Llama-3.1-8B). One persistent launch streams their weights with bulk copies into a shared-memory
+ring that runs ahead of the waits between its stages (docs/perf.md, 2026-11-29: the prototype
+scripts/persistent_gemv/chain.cu).
+
+Switch: MINIVLLM_W4_LAYER_TAIL=1 (off by default). The runner attaches a tail to every eligible
+decoder layer after loading (`attach_layer_tails`); DecoderLayer takes it for steps of exactly one
+token. Eligible: a CUDA device of compute capability 9.0, float16 activations, W4A16 o_proj,
+gate_up_proj and down_proj with group size 128, no act-order permutation and no bias, every input
+width a multiple of 2,048, no tensor parallelism, no LoRA. The weights are kept a second time in
+the tile format (quant/w4_tiles.py): o + gate_up + down again (3.1 GB for Llama-3.1-8B).
+
+The kernel is compiled on first use with nvcc (CUDA_HOME, /usr/local/cuda or PATH) into
+~/.cache/minivllm (MINIVLLM_CACHE_DIR) and loaded through ctypes; launches go to the current
+stream, so CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+
+import torch
+from torch import nn
+
+from minivllm.quant.w4_tiles import TILE_K, gate_up_row_order, tiles_fit, to_tiles
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
+SOURCES = ("w4_layer_tail.cu", "w4_tile.cuh")
+IN_PLAIN, IN_ADD_NORM = 0, 1
+OUT_STORE, OUT_SWIGLU = 0, 1
+NSTAGES = 3
+
+
+def enabled() -> bool:
+    return os.environ.get("MINIVLLM_W4_LAYER_TAIL", "0") == "1"
+
+
+class _Stage(ctypes.Structure):  # FlatStage in w4_layer_tail.cu
+    _fields_ = [("tiles", ctypes.c_void_p), ("in0", ctypes.c_void_p), ("in1", ctypes.c_void_p),
+                ("norm_w", ctypes.c_void_p), ("res_out", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("k", ctypes.c_int), ("rowtiles", ctypes.c_int), ("kchunks", ctypes.c_int),
+                ("in_kind", ctypes.c_int), ("out_kind", ctypes.c_int)]
+
+
+def find_nvcc() -> str | None:
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def _cache_dir() -> str:
+    return os.environ.get("MINIVLLM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "minivllm"))
+
+
+_lib_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def load_library() -> ctypes.CDLL:
+    """The compiled kernel (built once per source version; raises RuntimeError naming what is
+    missing: nvcc, or the compiler's message)."""
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        digest = hashlib.sha256()
+        for name in SOURCES:
+            with open(os.path.join(SOURCE_DIR, name), "rb") as f:
+                digest.update(f.read())
+        path = os.path.join(_cache_dir(), f"w4_layer_tail-{digest.hexdigest()[:16]}.so")
+        if not os.path.exists(path):
+            _build(path)
+        lib = ctypes.CDLL(path)
+        lib.w4lt_grid.restype = ctypes.c_int
+        lib.w4lt_grid.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.w4lt_launch.restype = ctypes.c_int
+        lib.w4lt_launch.argtypes = [ctypes.POINTER(_Stage), ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
+                                    ctypes.c_int, ctypes.c_void_p]
+        lib.w4lt_error_string.restype = ctypes.c_char_p
+        lib.w4lt_error_string.argtypes = [ctypes.c_int]
+        _lib = lib
+        return lib
+
+
+def _build(path: str) -> None:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("MINIVLLM_W4_LAYER_TAIL=1 needs nvcc (the CUDA toolkit) to build its kernel: none found in "
+                           "CUDA_HOME, /usr/local/cuda or PATH")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    cmd = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-gencode=arch=compute_90a,code=sm_90a",
+           "-o", tmp, os.path.join(SOURCE_DIR, "w4_layer_tail.cu")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the W4 layer tail failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+    os.replace(tmp, path)  # atomic: a concurrent builder's file is as good as ours
+    logger.info("built the W4 layer tail kernel: %s", path)
+
+
+class W4LayerTail(nn.Module):
+    """One decoder layer's o_proj .. down_proj for a single token (module docstring). forward(attn
+    [1, q_size], residual [1, H]) -> (mlp_out [1, H], attn_out + residual [1, H]), the values of
+    o_proj, post_attention_layernorm and the MLP run one after the other."""
+
+    def __init__(self, o_proj: nn.Module, gate_up: nn.Module, down: nn.Module, norm_weight: torch.Tensor,
+                 eps: float, counters: torch.Tensor, grid: int) -> None:
+        super().__init__()
+        self.q_size, self.hidden = o_proj.in_features, o_proj.out_features
+        self.intermediate = down.in_features
+        self.register_buffer("o_tiles", to_tiles(o_proj.qweight, o_proj.scales, o_proj.zeros), persistent=False)
+        order = gate_up_row_order(self.intermediate, gate_up.qweight.device)
+        self.register_buffer("gu_tiles", to_tiles(gate_up.qweight, gate_up.scales, gate_up.zeros, order),
+                             persistent=False)
+        self.register_buffer("down_tiles", to_tiles(down.qweight, down.scales, down.zeros), persistent=False)
+        self.norm_weight, self.eps = norm_weight, eps  # post_attention_layernorm's
+        self.counters, self.grid = counters, grid
+        self.kmax = max(self.q_size, self.hidden, self.intermediate)
+
+    def extra_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.o_tiles, self.gu_tiles, self.down_tiles))
+
+    def forward(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert attn.shape == (1, self.q_size) and residual.shape == (1, self.hidden), (attn.shape, residual.shape)
+        attn, residual = attn.contiguous(), residual.contiguous()
+        dev = attn.device
+        o = torch.empty(self.hidden, dtype=torch.float16, device=dev)
+        act = torch.empty(self.intermediate, dtype=torch.float16, device=dev)
+        out = torch.empty(1, self.hidden, dtype=torch.float16, device=dev)
+        res_out = torch.empty(1, self.hidden, dtype=torch.float16, device=dev)
+        h, i, q = self.hidden, self.intermediate, self.q_size
+        stages = (_Stage * NSTAGES)(
+            _Stage(self.o_tiles.data_ptr(), attn.data_ptr(), 0, 0, 0, o.data_ptr(), q, h // 16, q // TILE_K,
+                   IN_PLAIN, OUT_STORE),
+            _Stage(self.gu_tiles.data_ptr(), o.data_ptr(), residual.data_ptr(), self.norm_weight.data_ptr(),
+                   res_out.data_ptr(), act.data_ptr(), h, i // 8, h // TILE_K, IN_ADD_NORM, OUT_SWIGLU),
+            _Stage(self.down_tiles.data_ptr(), act.data_ptr(), 0, 0, 0, out.data_ptr(), i, h // 16, i // TILE_K,
+                   IN_PLAIN, OUT_STORE),
+        )
+        lib = load_library()
+        err = lib.w4lt_launch(stages, self.counters.data_ptr(), float(self.eps), self.grid, self.kmax,
+                              torch.cuda.current_stream(dev).cuda_stream)
+        if err != 0:
+            raise RuntimeError(f"W4 layer tail launch failed: {lib.w4lt_error_string(err).decode()}")
+        return out, res_out
+
+
+def why_not_eligible(layer: nn.Module) -> str | None:
+    """None if this DecoderLayer can take a tail, else the reason (module docstring's list)."""
+    from minivllm.quant.w4a16 import W4A16Method
+    if getattr(layer, "is_moe", False):
+        return "MoE layer"
+    attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    if attn.tp is not None or mlp.tp is not None:
+        return "tensor parallelism"
+    if norm.fp8_out or norm.weight.dtype != torch.float16:
+        return f"norm weight {norm.weight.dtype}"
+    for lin in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        if not isinstance(getattr(lin, "method", None), W4A16Method) or getattr(lin, "qweight", None) is None:
+            return f"{type(lin).__name__} is not a W4A16 layer on the GPU"
+        if lin.perm is not None or lin.bias is not None:
+            return "act-order or bias"
+        if lin.scales.dtype != torch.float16 or not tiles_fit(lin.out_features, lin.in_features, lin.group_size):
+            return (f"shape {lin.out_features}x{lin.in_features}, group {lin.group_size}, {lin.scales.dtype} "
+                    "(needs fp16, group 128, inputs a multiple of 2,048)")
+    dev = attn.o_proj.qweight.device
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
+        return "needs a compute capability 9.0 GPU"
+    return None
+
+
+def attach_layer_tails(model: nn.Module) -> int:
+    """Gives every eligible decoder layer of `model` a W4LayerTail (`layer.tail`); returns how
+    many. Raises RuntimeError if the kernel cannot be built or launched on this GPU."""
+    layers = [layer for layer in getattr(model, "layers", []) if why_not_eligible(layer) is None]
+    if not layers:
+        reasons = {why_not_eligible(layer) for layer in getattr(model, "layers", [])}
+        logger.info("W4 layer tail: no eligible layer (%s)", "; ".join(sorted(r for r in reasons if r)))
+        return 0
+    dev = layers[0].self_attn.o_proj.qweight.device
+    lib = load_library()
+    mlp = layers[0].mlp
+    kmax = max(layers[0].self_attn.o_proj.in_features, mlp.down_proj.in_features, mlp.down_proj.out_features)
+    grid = lib.w4lt_grid(dev.index if dev.index is not None else torch.cuda.current_device(), kmax)
+    if grid <= 0:
+        raise RuntimeError(f"W4 layer tail: no block of the kernel fits this GPU (kmax {kmax}, grid {grid})")
+    counters = torch.zeros(NSTAGES + 1, dtype=torch.int32, device=dev)  # one set: launches run in stream order
+    extra = 0
+    for layer in layers:
+        norm = layer.post_attention_layernorm
+        layer.tail = W4LayerTail(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, norm.weight,
+                                 norm.eps, counters, grid)
+        extra += layer.tail.extra_bytes()
+    logger.info("W4 layer tail on %d of %d layers (grid %d, %.2f GB of tiles)", len(layers),
+                len(model.layers), grid, extra / 1e9)
+    return len(layers)
