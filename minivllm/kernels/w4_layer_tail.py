@@ -12,8 +12,11 @@ Switch: MINIVLLM_W4_LAYER_TAIL=1 (off by default). The runner attaches a tail to
 decoder layer after loading (`attach_layer_tails`); DecoderLayer takes it for steps of exactly one
 token. Eligible: a CUDA device of compute capability 9.0, float16 activations, W4A16 o_proj,
 gate_up_proj and down_proj with group size 128, no act-order permutation and no bias, every input
-width a multiple of 2,048, no tensor parallelism, no LoRA. The weights are kept a second time in
-the tile format (quant/w4_tiles.py): o + gate_up + down again (3.1 GB for Llama-3.1-8B).
+width a multiple of 2,048, no tensor parallelism, no LoRA. Where every layer is eligible (and its
+qkv_proj too), a tail also runs the next layer's input norm and qkv projection: a one-token step
+is then two launches a layer, attention and the tail (CausalLM.forward_tails). The weights are
+kept a second time in the tile format (quant/w4_tiles.py): the four projections again (3.5 GB
+for Llama-3.1-8B).
 
 The kernel is compiled on first use with nvcc (CUDA_HOME, /usr/local/cuda or PATH) into
 ~/.cache/minivllm (MINIVLLM_CACHE_DIR) and loaded through ctypes; launches go to the current
@@ -41,11 +44,26 @@ SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
 SOURCES = ("w4_layer_tail.cu", "w4_tile.cuh")
 IN_PLAIN, IN_ADD_NORM = 0, 1
 OUT_STORE, OUT_SWIGLU = 0, 1
-NSTAGES = 3
+MAX_STAGES = 4
 
 
 def enabled() -> bool:
     return os.environ.get("MINIVLLM_W4_LAYER_TAIL", "0") == "1"
+
+
+def chain_enabled() -> bool:
+    """Whether a tail also runs the next layer's input norm and qkv projection (its stage 3), so
+    that a one-token step is one launch of attention and one of the tail a layer
+    (CausalLM.forward_tails); MINIVLLM_W4_TAIL_CHAIN=0 keeps each layer's tail to its own layer
+    (A/B runs)."""
+    return os.environ.get("MINIVLLM_W4_TAIL_CHAIN", "1") != "0"
+
+
+def pdl_on(device: torch.device) -> bool:
+    """The tail launches with PDL where the engine's kernels do (kernels/pdl.py), unless
+    MINIVLLM_W4_TAIL_PDL=0 (A/B runs). Read at each launch."""
+    from minivllm.kernels.pdl import pdl_enabled
+    return pdl_enabled(device) and os.environ.get("MINIVLLM_W4_TAIL_PDL", "1") != "0"
 
 
 class _Stage(ctypes.Structure):  # FlatStage in w4_layer_tail.cu
@@ -88,8 +106,8 @@ def load_library() -> ctypes.CDLL:
         lib.w4lt_grid.restype = ctypes.c_int
         lib.w4lt_grid.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.w4lt_launch.restype = ctypes.c_int
-        lib.w4lt_launch.argtypes = [ctypes.POINTER(_Stage), ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
-                                    ctypes.c_int, ctypes.c_void_p]
+        lib.w4lt_launch.argtypes = [ctypes.POINTER(_Stage), ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
+                                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         lib.w4lt_error_string.restype = ctypes.c_char_p
         lib.w4lt_error_string.argtypes = [ctypes.c_int]
         _lib = lib
@@ -113,12 +131,16 @@ def _build(path: str) -> None:
 
 
 class W4LayerTail(nn.Module):
-    """One decoder layer's o_proj .. down_proj for a single token (module docstring). forward(attn
-    [1, q_size], residual [1, H]) -> (mlp_out [1, H], attn_out + residual [1, H]), the values of
-    o_proj, post_attention_layernorm and the MLP run one after the other."""
+    """One decoder layer's o_proj .. down_proj for a single token (module docstring).
+
+    forward(attn [1, q_size], residual [1, H]) -> (mlp_out [1, H], attn_out + residual [1, H]):
+    the values of o_proj, post_attention_layernorm and the MLP run one after the other.
+    forward(attn, residual, next_tail) also runs the next layer's input_layernorm and qkv_proj
+    (stage 3, with next_tail's qkv tiles) -> (qkv [1, q + 2 kv] of the next layer, its residual)."""
 
     def __init__(self, o_proj: nn.Module, gate_up: nn.Module, down: nn.Module, norm_weight: torch.Tensor,
-                 eps: float, counters: torch.Tensor, grid: int) -> None:
+                 eps: float, counters: torch.Tensor, grid: int, qkv_proj: nn.Module | None = None,
+                 input_norm_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         self.q_size, self.hidden = o_proj.in_features, o_proj.out_features
         self.intermediate = down.in_features
@@ -128,35 +150,50 @@ class W4LayerTail(nn.Module):
                              persistent=False)
         self.register_buffer("down_tiles", to_tiles(down.qweight, down.scales, down.zeros), persistent=False)
         self.norm_weight, self.eps = norm_weight, eps  # post_attention_layernorm's
+        # this layer's qkv_proj and input_layernorm, run by the PREVIOUS layer's tail (stage 3)
+        self.qkv_rows = qkv_proj.out_features if qkv_proj is not None else 0
+        self.register_buffer("qkv_tiles", None if qkv_proj is None else
+                             to_tiles(qkv_proj.qweight, qkv_proj.scales, qkv_proj.zeros), persistent=False)
+        self.input_norm_weight = input_norm_weight
         self.counters, self.grid = counters, grid
         self.kmax = max(self.q_size, self.hidden, self.intermediate)
 
     def extra_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.o_tiles, self.gu_tiles, self.down_tiles))
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
-    def forward(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, attn: torch.Tensor, residual: torch.Tensor,
+                next_tail: W4LayerTail | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         assert attn.shape == (1, self.q_size) and residual.shape == (1, self.hidden), (attn.shape, residual.shape)
         attn, residual = attn.contiguous(), residual.contiguous()
         dev = attn.device
-        o = torch.empty(self.hidden, dtype=torch.float16, device=dev)
-        act = torch.empty(self.intermediate, dtype=torch.float16, device=dev)
-        out = torch.empty(1, self.hidden, dtype=torch.float16, device=dev)
-        res_out = torch.empty(1, self.hidden, dtype=torch.float16, device=dev)
         h, i, q = self.hidden, self.intermediate, self.q_size
-        stages = (_Stage * NSTAGES)(
+        o = torch.empty(h, dtype=torch.float16, device=dev)
+        act = torch.empty(i, dtype=torch.float16, device=dev)
+        mlp_out = torch.empty(1, h, dtype=torch.float16, device=dev)
+        res1 = torch.empty(1, h, dtype=torch.float16, device=dev)
+        stages = [
             _Stage(self.o_tiles.data_ptr(), attn.data_ptr(), 0, 0, 0, o.data_ptr(), q, h // 16, q // TILE_K,
                    IN_PLAIN, OUT_STORE),
             _Stage(self.gu_tiles.data_ptr(), o.data_ptr(), residual.data_ptr(), self.norm_weight.data_ptr(),
-                   res_out.data_ptr(), act.data_ptr(), h, i // 8, h // TILE_K, IN_ADD_NORM, OUT_SWIGLU),
-            _Stage(self.down_tiles.data_ptr(), act.data_ptr(), 0, 0, 0, out.data_ptr(), i, h // 16, i // TILE_K,
-                   IN_PLAIN, OUT_STORE),
-        )
+                   res1.data_ptr(), act.data_ptr(), h, i // 8, h // TILE_K, IN_ADD_NORM, OUT_SWIGLU),
+            _Stage(self.down_tiles.data_ptr(), act.data_ptr(), 0, 0, 0, mlp_out.data_ptr(), i, h // 16,
+                   i // TILE_K, IN_PLAIN, OUT_STORE),
+        ]
+        result = (mlp_out, res1)
+        if next_tail is not None:
+            qkv = torch.empty(1, next_tail.qkv_rows, dtype=torch.float16, device=dev)
+            res2 = torch.empty(1, h, dtype=torch.float16, device=dev)
+            stages.append(_Stage(next_tail.qkv_tiles.data_ptr(), mlp_out.data_ptr(), res1.data_ptr(),
+                                 next_tail.input_norm_weight.data_ptr(), res2.data_ptr(), qkv.data_ptr(), h,
+                                 next_tail.qkv_rows // 16, h // TILE_K, IN_ADD_NORM, OUT_STORE))
+            result = (qkv, res2)
         lib = load_library()
-        err = lib.w4lt_launch(stages, self.counters.data_ptr(), float(self.eps), self.grid, self.kmax,
+        err = lib.w4lt_launch((_Stage * len(stages))(*stages), len(stages), self.counters.data_ptr(),
+                              float(self.eps), self.grid, self.kmax, int(pdl_on(dev)),
                               torch.cuda.current_stream(dev).cuda_stream)
         if err != 0:
             raise RuntimeError(f"W4 layer tail launch failed: {lib.w4lt_error_string(err).decode()}")
-        return out, res_out
+        return result
 
 
 def why_not_eligible(layer: nn.Module) -> str | None:
@@ -183,12 +220,25 @@ def why_not_eligible(layer: nn.Module) -> str | None:
     return None
 
 
+def _qkv_chainable(layer: nn.Module, eps: float) -> bool:
+    """Whether a tail can run this layer's input norm and qkv_proj (as the previous tail's stage 3)."""
+    from minivllm.quant.w4a16 import W4A16Method
+    lin, norm = layer.self_attn.qkv_proj, layer.input_layernorm
+    return (isinstance(getattr(lin, "method", None), W4A16Method) and getattr(lin, "qweight", None) is not None
+            and lin.perm is None and lin.bias is None and lin.scales.dtype == torch.float16
+            and tiles_fit(lin.out_features, lin.in_features, lin.group_size) and not norm.fp8_out
+            and norm.weight.dtype == torch.float16 and norm.eps == eps)
+
+
 def attach_layer_tails(model: nn.Module) -> int:
     """Gives every eligible decoder layer of `model` a W4LayerTail (`layer.tail`); returns how
-    many. Raises RuntimeError if the kernel cannot be built or launched on this GPU."""
-    layers = [layer for layer in getattr(model, "layers", []) if why_not_eligible(layer) is None]
+    many. With every layer eligible (and chain_enabled()), each tail also holds its layer's qkv
+    tiles and the model runs one-token steps through CausalLM.forward_tails (`model.tail_chain`).
+    Raises RuntimeError if the kernel cannot be built or launched on this GPU."""
+    all_layers = list(getattr(model, "layers", []))
+    layers = [layer for layer in all_layers if why_not_eligible(layer) is None]
     if not layers:
-        reasons = {why_not_eligible(layer) for layer in getattr(model, "layers", [])}
+        reasons = {why_not_eligible(layer) for layer in all_layers}
         logger.info("W4 layer tail: no eligible layer (%s)", "; ".join(sorted(r for r in reasons if r)))
         return 0
     dev = layers[0].self_attn.o_proj.qweight.device
@@ -198,13 +248,19 @@ def attach_layer_tails(model: nn.Module) -> int:
     grid = lib.w4lt_grid(dev.index if dev.index is not None else torch.cuda.current_device(), kmax)
     if grid <= 0:
         raise RuntimeError(f"W4 layer tail: no block of the kernel fits this GPU (kmax {kmax}, grid {grid})")
-    counters = torch.zeros(NSTAGES + 1, dtype=torch.int32, device=dev)  # one set: launches run in stream order
+    counters = torch.zeros(MAX_STAGES + 1, dtype=torch.int32, device=dev)  # one set: launches run in stream order
+    eps = layers[0].post_attention_layernorm.eps
+    chain = (chain_enabled() and len(layers) == len(all_layers) and getattr(model, "norm", None) is not None
+             and getattr(model, "embed_tokens", None) is not None
+             and all(_qkv_chainable(layer, eps) and layer.post_attention_layernorm.eps == eps for layer in layers))
     extra = 0
     for layer in layers:
         norm = layer.post_attention_layernorm
         layer.tail = W4LayerTail(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, norm.weight,
-                                 norm.eps, counters, grid)
+                                 norm.eps, counters, grid, layer.self_attn.qkv_proj if chain else None,
+                                 layer.input_layernorm.weight if chain else None)
         extra += layer.tail.extra_bytes()
-    logger.info("W4 layer tail on %d of %d layers (grid %d, %.2f GB of tiles)", len(layers),
-                len(model.layers), grid, extra / 1e9)
+    model.tail_chain = chain
+    logger.info("W4 layer tail on %d of %d layers (grid %d, %.2f GB of tiles%s)", len(layers), len(all_layers),
+                grid, extra / 1e9, ", chained through the next layer's qkv" if chain else "")
     return len(layers)

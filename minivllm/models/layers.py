@@ -124,8 +124,11 @@ class Attention(nn.Module):
 
     def attend(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Everything before o_proj: x [T, hidden] -> the heads' outputs [T, q_size]."""
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.attend_qkv(positions, self.qkv_proj(x), meta)
+
+    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """From the projected qkv [T, q_size + 2 kv_size]: rotary, K/V store, attention -> [T, q_size]."""
+        t = qkv.shape[0]
         if qkv.device.type == "cpu" and qkv.dtype == torch.float32 and self.q_norm is None:
             # CPU fast path: rotate q and k in one go (fewer small ops per layer, same numbers)
             qk = self.rotary.rotate_qk_cpu(positions, qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim))

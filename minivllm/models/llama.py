@@ -110,6 +110,9 @@ class CausalLM(nn.Module):
                 target.weight = self.embed_tokens.weight
         # CPU float32: the same math in fewer ops (models/cpu_forward.py), set by the runner
         self.cpu_forward = None
+        # every layer's W4 tail also runs the next layer's qkv: one-token steps take forward_tails
+        # (kernels/w4_layer_tail.py: attach_layer_tails sets it)
+        self.tail_chain = False
 
     @property
     def vocab_size(self) -> int:
@@ -127,6 +130,9 @@ class CausalLM(nn.Module):
         input_ids unused), and every stage but the last returns an IntermediateTensors."""
         if self.cpu_forward is not None:
             return self.cpu_forward.forward(input_ids, positions, meta, output_rows, num_layers, intermediate)
+        if self.tail_chain and input_ids.shape[0] == 1 and num_layers is None and intermediate is None:
+            hidden = self.forward_tails(input_ids, positions, meta)
+            return hidden if output_rows is None else hidden[output_rows]
         if intermediate is None:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
@@ -139,6 +145,20 @@ class CausalLM(nn.Module):
             return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden if output_rows is None else hidden[output_rows]
+
+    def forward_tails(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One token through the chained W4 tails: the first layer's norm and qkv_proj, then per
+        layer attention and one tail launch (o_proj .. down_proj and the next layer's norm and
+        qkv_proj; the last layer's stops at down_proj), then the final norm -> [1, hidden]."""
+        residual = self.embed_tokens(input_ids)
+        first = self.layers[0]
+        qkv = first.self_attn.qkv_proj(first.input_layernorm(residual))
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn.attend_qkv(positions, qkv, meta)
+            next_tail = self.layers[i + 1].tail if i + 1 < len(self.layers) else None
+            qkv, residual = layer.tail(attn, residual, next_tail)  # the last: (mlp_out, residual)
+        hidden, _ = self.norm(qkv, residual)
+        return hidden
 
     def expert_token_counts(self) -> torch.Tensor | None:
         """Tokens routed to each expert since the last reset: int64 [MoE layers, E] on the

@@ -38,12 +38,13 @@ def _case(q_size: int, hidden: int, inter: int, seed: int = 0):
     return o, gu, down, norm, attn, residual
 
 
-def _tail(o, gu, down, norm):
+def _tail(o, gu, down, norm, qkv=None, input_norm=None):
     from minivllm.kernels import w4_layer_tail as lt
     kmax = max(o.in_features, down.in_features, down.out_features)
     grid = lt.load_library().w4lt_grid(torch.cuda.current_device(), kmax)
-    counters = torch.zeros(lt.NSTAGES + 1, dtype=torch.int32, device="cuda")
-    return lt.W4LayerTail(o, gu, down, norm.weight, norm.eps, counters, grid)
+    counters = torch.zeros(lt.MAX_STAGES + 1, dtype=torch.int32, device="cuda")
+    return lt.W4LayerTail(o, gu, down, norm.weight, norm.eps, counters, grid, qkv,
+                          None if input_norm is None else input_norm.weight)
 
 
 def _unfused(o, gu, down, norm, attn, residual):
@@ -90,6 +91,39 @@ def test_layer_tail_matches_the_unfused_path(q_size: int, hidden: int, inter: in
     assert _rel(out, ref_out) < 1.5e-2
 
 
+def test_chained_tail_runs_the_next_layers_norm_and_qkv() -> None:
+    """Stage 3: the next layer's input_layernorm(mlp_out, residual) and qkv_proj, in the same launch."""
+    from minivllm.kernels.fused_ops import fused_add_rms_norm
+    from minivllm.kernels.w4a16_gemm import w4a16_linear
+    o, gu, down, norm, attn, residual = _case(4096, 4096, 14336, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    qkv_lin = _linear(4096 + 2 * 1024, 4096, gen)
+    in_norm = types.SimpleNamespace(weight=(1 + 0.1 * torch.randn(4096, generator=gen)).half().cuda(), eps=1e-5)
+    tail = _tail(o, gu, down, norm)
+    nxt = _tail(o, gu, down, norm, qkv_lin, in_norm)  # only its qkv tiles and input norm are used
+    mlp_out, res1 = tail(attn, residual)
+    qkv, res2 = tail(attn, residual, nxt)
+    h, ref_res2 = fused_add_rms_norm(mlp_out, res1, in_norm.weight, in_norm.eps)
+    ref_qkv = w4a16_linear(h, qkv_lin.qweight, qkv_lin.scales, qkv_lin.zeros, 128)
+    assert torch.equal(res2, ref_res2)  # the same fp16 sum of the same (bit-identical) inputs
+    assert qkv.shape == (1, 6144) and _rel(qkv, ref_qkv) < 1e-2
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_layer_tail_with_and_without_pdl(pdl: str, monkeypatch) -> None:
+    """PDL changes when the blocks start, not the result."""
+    monkeypatch.delenv("MINIVLLM_W4_TAIL_PDL", raising=False)
+    case = _case(4096, 4096, 14336, seed=4)
+    tail = _tail(*case[:4])
+    ref = tail(*case[4:])
+    monkeypatch.setenv("MINIVLLM_W4_TAIL_PDL", pdl)
+    from minivllm.kernels.fused_ops import silu_and_mul
+    for _ in range(5):
+        silu_and_mul(torch.randn(1, 2 * 14336, device="cuda").half())  # a PDL kernel before the tail
+        out = tail(*case[4:])
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
 def test_layer_tail_gives_the_same_bits_every_launch() -> None:
     """No atomics on data: repeated launches (the counters reset by the kernel itself) agree."""
     case = _case(4096, 4096, 14336, seed=1)
@@ -134,21 +168,27 @@ def _small_awq_llama(tmp_path, layers: int = 2) -> str:
 
 
 def test_engine_takes_the_tail_for_decode_steps(tmp_path, monkeypatch) -> None:
-    """The same greedy tokens with and without the tail (dummy AWQ Llama-3.1-8B shapes, 2 layers,
-    CUDA graphs): the tail runs every decode step, the prompt's step takes the unfused path."""
+    """The same greedy tokens with and without the tails (dummy AWQ Llama-3.1-8B shapes, 3 layers,
+    CUDA graphs), chained through each next layer's qkv or not: the tails run every decode step,
+    the prompt's step takes the unfused path."""
     from minivllm import LLM, SamplingParams
-    model = _small_awq_llama(tmp_path)
+    model = _small_awq_llama(tmp_path, layers=3)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(100, 164))}]
     tokens = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("MINIVLLM_W4_LAYER_TAIL", on)
+    for mode, env in (("off", {"MINIVLLM_W4_LAYER_TAIL": "0"}),
+                      ("layer", {"MINIVLLM_W4_LAYER_TAIL": "1", "MINIVLLM_W4_TAIL_CHAIN": "0"}),
+                      ("chain", {"MINIVLLM_W4_LAYER_TAIL": "1", "MINIVLLM_W4_TAIL_CHAIN": "1"})):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
         llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="float16", max_model_len=1024,
-                  gpu_memory_utilization=0.3, seed=0)
-        layers = llm.llm_engine.executor.runner.model.layers
-        assert all((layer.tail is not None) == (on == "1") for layer in layers)
-        tokens[on] = llm.generate(prompts, params)[0].outputs[0].token_ids
-        del llm
+                  kv_cache_memory_bytes=1 << 30, seed=0)
+        runner_model = llm.llm_engine.executor.runner.model
+        assert all((layer.tail is not None) == (mode != "off") for layer in runner_model.layers)
+        assert runner_model.tail_chain == (mode == "chain")
+        tokens[mode] = llm.generate(prompts, params)[0].outputs[0].token_ids
+        llm.llm_engine.shutdown()
+        del llm, runner_model
         torch.cuda.empty_cache()
-    assert len(tokens["1"]) == 12
-    assert tokens["1"] == tokens["0"]
+    assert len(tokens["chain"]) == 12
+    assert tokens["layer"] == tokens["off"] and tokens["chain"] == tokens["off"]

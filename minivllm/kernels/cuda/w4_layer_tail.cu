@@ -5,8 +5,11 @@
 //   h   = RMSNorm(s) * w                      fused_add_rms_norm rounds it
 //   a   = silu(h @ Wg^T) * (h @ Wu^T)       stage 1: gate and up rows paired in each tile
 //   out = a @ Wd^T                          stage 2: input a [I] fp16
+//   qkv = RMSNorm(out + s) * w' @ Wqkv'^T   stage 3 (optional): the NEXT layer's input norm and
+//                                           qkv projection (-> residual_out of that norm too)
 //
-// It replaces five launches (o GEMV, add + norm, gate_up GEMV, SiLU-and-mul, down GEMV) by one,
+// It replaces five launches (o GEMV, add + norm, gate_up GEMV, SiLU-and-mul, down GEMV) by one, and
+// with stage 3 the next layer's norm and qkv GEMV as well,
 // and streams the weights (kernels/w4_tile.cuh's tile format, written by quant/w4_tiles.py) with
 // bulk copies into a shared-memory ring that runs ahead of the dependency waits between the
 // stages: weights do not depend on activations. Measured design: scripts/persistent_gemv/chain.cu
@@ -24,6 +27,12 @@
 //
 // Every block must be resident at once (the waits spin): the host launches occupancy x SMs blocks.
 // Shapes: every k a multiple of 2,048, group size 128, fp16 activations and scales.
+//
+// PDL (programmatic dependent launch, kernels/pdl.py's contract): launched with it, the kernel may
+// start while the previous one (attention) runs. The producer streams weights at once (no kernel
+// writes them); the math warps wait (griddepcontrol.wait) before their first read of another
+// kernel's output or the counters, then let the next kernel be scheduled. Every block is resident
+// before any dependent can start (it starts only once every block has signalled).
 #include "w4_tile.cuh"
 
 using namespace w4tile;
@@ -33,7 +42,7 @@ namespace {
 constexpr int CONSUMERS = MATH_THREADS;     // 8 math warps
 constexpr int THREADS = CONSUMERS + 32;     // + the producer warp
 constexpr int D = 4;                        // ring slots
-constexpr int NSTAGES = 3;
+constexpr int MAX_STAGES = 4;
 
 enum InKind { IN_PLAIN = 0, IN_ADD_NORM = 1 };
 enum OutKind { OUT_STORE = 0, OUT_SWIGLU = 1 };
@@ -48,9 +57,10 @@ struct Stage {
   int k, rowtiles, kchunks, in_kind, out_kind;
 };
 struct Args {
-  Stage st[NSTAGES];
-  int* counters;  // [NSTAGES + 1], 0 on entry and on exit
+  Stage st[MAX_STAGES];
+  int* counters;  // [MAX_STAGES + 1], 0 on entry and on exit
   float eps;
+  int nstages, pdl;
 };
 
 __device__ inline void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
@@ -151,8 +161,7 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;
   int kmax = 0;
-#pragma unroll
-  for (int s = 0; s < NSTAGES; ++s) kmax = max(kmax, args.st[s].k);
+  for (int s = 0; s < args.nstages; ++s) kmax = max(kmax, args.st[s].k);
   __half* xs = (__half*)(ring + D * TILE_BYTES);
   float* gsum = (float*)(xs + kmax);
   float* red = gsum + kmax / GROUP;
@@ -169,7 +178,7 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   if (warp == CONSUMERS / 32) {  // the producer: every tile of this block, in the order the math takes them
     if (tid % 32 == 0) {
       int i = 0;
-      for (int s = 0; s < NSTAGES; ++s) {
+      for (int s = 0; s < args.nstages; ++s) {
         const Stage& S = args.st[s];
         int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
         for (int t = lo * S.kchunks; t < hi * S.kchunks; ++t, ++i) {
@@ -182,9 +191,13 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
     return;
   }
 
+  if (args.pdl) {  // the previous kernels' outputs (and the counters' reset) are visible after this
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if (tid == 0) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  }
   int i = 0;
   uint32_t xr[32];
-  for (int s = 0; s < NSTAGES; ++s) {
+  for (int s = 0; s < args.nstages; ++s) {
     const Stage& S = args.st[s];
     int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
     if (lo == hi) continue;
@@ -220,8 +233,8 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   // leave: the last block out resets the counters (every wait is over by then)
   if (tid == 0) {
     __threadfence();
-    if (atomicAdd(args.counters + NSTAGES, 1) == G - 1) {
-      for (int s = 0; s <= NSTAGES; ++s) args.counters[s] = 0;
+    if (atomicAdd(args.counters + MAX_STAGES, 1) == G - 1) {
+      for (int s = 0; s <= MAX_STAGES; ++s) args.counters[s] = 0;
       __threadfence();
     }
   }
@@ -258,19 +271,32 @@ struct FlatStage {
   int k, rowtiles, kchunks, in_kind, out_kind;
 };
 
-// Launches on `stream` (captured into a CUDA graph when the stream is capturing); returns the
-// launch's cudaError_t.
-int w4lt_launch(const FlatStage* stages, int* counters, float eps, int grid, int kmax, void* stream) {
-  Args a;
-  for (int s = 0; s < NSTAGES; ++s) {
+// Launches `nstages` stages on `stream` (captured into a CUDA graph when the stream is capturing),
+// with PDL if `pdl`; returns the launch's cudaError_t.
+int w4lt_launch(const FlatStage* stages, int nstages, int* counters, float eps, int grid, int kmax, int pdl,
+                void* stream) {
+  if (nstages < 1 || nstages > MAX_STAGES) return (int)cudaErrorInvalidValue;
+  Args a = {};
+  for (int s = 0; s < nstages; ++s) {
     const FlatStage& f = stages[s];
     a.st[s] = Stage{(const uint4*)f.tiles, (const __half*)f.in0, (const __half*)f.in1, (const __half*)f.norm_w,
                     (__half*)f.res_out, (__half*)f.out, f.k, f.rowtiles, f.kchunks, f.in_kind, f.out_kind};
   }
   a.counters = counters;
   a.eps = eps;
-  w4_layer_tail_kernel<<<grid, THREADS, w4lt_smem_bytes(kmax), (cudaStream_t)stream>>>(a);
-  return (int)cudaGetLastError();
+  a.nstages = nstages;
+  a.pdl = pdl;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = w4lt_smem_bytes(kmax);
+  cfg.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, w4_layer_tail_kernel, a);
 }
 
 const char* w4lt_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
