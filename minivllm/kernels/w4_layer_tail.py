@@ -85,23 +85,23 @@ def _cache_dir() -> str:
 
 
 _lib_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+_libs: dict[tuple[str, ...], ctypes.CDLL] = {}
 
 
-def load_library() -> ctypes.CDLL:
-    """The compiled kernel (built once per source version; raises RuntimeError naming what is
-    missing: nvcc, or the compiler's message)."""
-    global _lib
+def load_library(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The compiled kernel (built once per source version and set of -D defines, e.g. the
+    profiling build's W4LT_PROFILE; raises RuntimeError naming what is missing: nvcc, or the
+    compiler's message)."""
     with _lib_lock:
-        if _lib is not None:
-            return _lib
-        digest = hashlib.sha256()
+        if defines in _libs:
+            return _libs[defines]
+        digest = hashlib.sha256(repr(defines).encode())
         for name in SOURCES:
             with open(os.path.join(SOURCE_DIR, name), "rb") as f:
                 digest.update(f.read())
         path = os.path.join(_cache_dir(), f"w4_layer_tail-{digest.hexdigest()[:16]}.so")
         if not os.path.exists(path):
-            _build(path)
+            _build(path, defines)
         lib = ctypes.CDLL(path)
         lib.w4lt_grid.restype = ctypes.c_int
         lib.w4lt_grid.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -110,11 +110,11 @@ def load_library() -> ctypes.CDLL:
                                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         lib.w4lt_error_string.restype = ctypes.c_char_p
         lib.w4lt_error_string.argtypes = [ctypes.c_int]
-        _lib = lib
+        _libs[defines] = lib
         return lib
 
 
-def _build(path: str) -> None:
+def _build(path: str, defines: tuple[str, ...] = ()) -> None:
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("MINIVLLM_W4_LAYER_TAIL=1 needs nvcc (the CUDA toolkit) to build its kernel: none found in "
@@ -122,12 +122,32 @@ def _build(path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     cmd = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-gencode=arch=compute_90a,code=sm_90a",
-           "-o", tmp, os.path.join(SOURCE_DIR, "w4_layer_tail.cu")]
+           *(f"-D{d}" for d in defines), "-o", tmp, os.path.join(SOURCE_DIR, "w4_layer_tail.cu")]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"building the W4 layer tail failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
     os.replace(tmp, path)  # atomic: a concurrent builder's file is as good as ours
     logger.info("built the W4 layer tail kernel: %s", path)
+
+
+def stage(tiles: torch.Tensor, in0: torch.Tensor, out: torch.Tensor, k: int, rows: int, in_kind: int = IN_PLAIN,
+          out_kind: int = OUT_STORE, in1: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
+          res_out: torch.Tensor | None = None) -> _Stage:
+    """One stage of a launch: a GEMV of `rows` outputs (tile rows: OUT_SWIGLU's pairs count 2 a
+    row) over k inputs."""
+    ptr = (lambda t: 0 if t is None else t.data_ptr())
+    return _Stage(tiles.data_ptr(), in0.data_ptr(), ptr(in1), ptr(norm_w), ptr(res_out), out.data_ptr(), k,
+                  rows // 16, k // TILE_K, in_kind, out_kind)
+
+
+def launch(stages: list[_Stage], counters: torch.Tensor, eps: float, grid: int, kmax: int, device: torch.device,
+           lib: ctypes.CDLL | None = None) -> None:
+    """One launch of the kernel over `stages` on the current stream (raises on a launch error)."""
+    lib = lib or load_library()
+    err = lib.w4lt_launch((_Stage * len(stages))(*stages), len(stages), counters.data_ptr(), float(eps), grid, kmax,
+                          int(pdl_on(device)), torch.cuda.current_stream(device).cuda_stream)
+    if err != 0:
+        raise RuntimeError(f"W4 layer tail launch failed: {lib.w4lt_error_string(err).decode()}")
 
 
 class W4LayerTail(nn.Module):
@@ -172,52 +192,19 @@ class W4LayerTail(nn.Module):
         mlp_out = torch.empty(1, h, dtype=torch.float16, device=dev)
         res1 = torch.empty(1, h, dtype=torch.float16, device=dev)
         stages = [
-            _Stage(self.o_tiles.data_ptr(), attn.data_ptr(), 0, 0, 0, o.data_ptr(), q, h // 16, q // TILE_K,
-                   IN_PLAIN, OUT_STORE),
-            _Stage(self.gu_tiles.data_ptr(), o.data_ptr(), residual.data_ptr(), self.norm_weight.data_ptr(),
-                   res1.data_ptr(), act.data_ptr(), h, i // 8, h // TILE_K, IN_ADD_NORM, OUT_SWIGLU),
-            _Stage(self.down_tiles.data_ptr(), act.data_ptr(), 0, 0, 0, mlp_out.data_ptr(), i, h // 16,
-                   i // TILE_K, IN_PLAIN, OUT_STORE),
+            stage(self.o_tiles, attn, o, q, h),
+            stage(self.gu_tiles, o, act, h, 2 * i, IN_ADD_NORM, OUT_SWIGLU, residual, self.norm_weight, res1),
+            stage(self.down_tiles, act, mlp_out, i, h),
         ]
         result = (mlp_out, res1)
         if next_tail is not None:
             qkv = torch.empty(1, next_tail.qkv_rows, dtype=torch.float16, device=dev)
             res2 = torch.empty(1, h, dtype=torch.float16, device=dev)
-            stages.append(_Stage(next_tail.qkv_tiles.data_ptr(), mlp_out.data_ptr(), res1.data_ptr(),
-                                 next_tail.input_norm_weight.data_ptr(), res2.data_ptr(), qkv.data_ptr(), h,
-                                 next_tail.qkv_rows // 16, h // TILE_K, IN_ADD_NORM, OUT_STORE))
+            stages.append(stage(next_tail.qkv_tiles, mlp_out, qkv, h, next_tail.qkv_rows, IN_ADD_NORM, OUT_STORE,
+                                res1, next_tail.input_norm_weight, res2))
             result = (qkv, res2)
-        lib = load_library()
-        err = lib.w4lt_launch((_Stage * len(stages))(*stages), len(stages), self.counters.data_ptr(),
-                              float(self.eps), self.grid, self.kmax, int(pdl_on(dev)),
-                              torch.cuda.current_stream(dev).cuda_stream)
-        if err != 0:
-            raise RuntimeError(f"W4 layer tail launch failed: {lib.w4lt_error_string(err).decode()}")
+        launch(stages, self.counters, self.eps, self.grid, self.kmax, dev)
         return result
-
-
-def why_not_eligible(layer: nn.Module) -> str | None:
-    """None if this DecoderLayer can take a tail, else the reason (module docstring's list)."""
-    from minivllm.quant.w4a16 import W4A16Method
-    if getattr(layer, "is_moe", False):
-        return "MoE layer"
-    attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-    if attn.tp is not None or mlp.tp is not None:
-        return "tensor parallelism"
-    if norm.fp8_out or norm.weight.dtype != torch.float16:
-        return f"norm weight {norm.weight.dtype}"
-    for lin in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        if not isinstance(getattr(lin, "method", None), W4A16Method) or getattr(lin, "qweight", None) is None:
-            return f"{type(lin).__name__} is not a W4A16 layer on the GPU"
-        if lin.perm is not None or lin.bias is not None:
-            return "act-order or bias"
-        if lin.scales.dtype != torch.float16 or not tiles_fit(lin.out_features, lin.in_features, lin.group_size):
-            return (f"shape {lin.out_features}x{lin.in_features}, group {lin.group_size}, {lin.scales.dtype} "
-                    "(needs fp16, group 128, inputs a multiple of 2,048)")
-    dev = attn.o_proj.qweight.device
-    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
-        return "needs a compute capability 9.0 GPU"
-    return None
 
 
 def _qkv_chainable(layer: nn.Module, eps: float) -> bool:

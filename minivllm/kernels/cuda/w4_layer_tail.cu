@@ -41,7 +41,10 @@ namespace {
 
 constexpr int CONSUMERS = MATH_THREADS;     // 8 math warps
 constexpr int THREADS = CONSUMERS + 32;     // + the producer warp
-constexpr int D = 4;                        // ring slots
+#ifndef W4LT_SLOTS
+#define W4LT_SLOTS 4
+#endif
+constexpr int D = W4LT_SLOTS;               // ring slots (2 blocks an SM fit 4 at k = 14,336)
 constexpr int MAX_STAGES = 4;
 
 enum InKind { IN_PLAIN = 0, IN_ADD_NORM = 1 };
@@ -62,6 +65,25 @@ struct Args {
   float eps;
   int nstages, pdl;
 };
+
+#ifdef W4LT_PROFILE
+// scripts/persistent_gemv/profile_tail.py's build: thread 0 of each block stamps %globaltimer (ns)
+// at kernel entry, at each stage's start, after its wait, after its input load and after its last
+// row tile, and at exit: g_prof[((launch % 64) * grid + block) * (2 + 4 MAX_STAGES) + ...], launch
+// counted by g_launch (the last block out adds one). Not in the engine's build.
+__device__ long long* g_prof;
+__device__ int g_launch;
+__device__ inline void stamp(int slot) {
+  if (threadIdx.x == 0 && g_prof) {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const int launch = *(volatile int*)&g_launch % 64;
+    g_prof[((size_t)launch * gridDim.x + blockIdx.x) * (2 + 4 * MAX_STAGES) + slot] = t;
+  }
+}
+#else
+__device__ inline void stamp(int) {}
+#endif
 
 __device__ inline void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
 
@@ -84,57 +106,128 @@ __device__ inline float consumers_sum(float v, float* scratch) {
   return total;
 }
 
-// The stage's input, k fp16 values, into xs, and each 128-group's sum of them (fp32) into gsum.
-// IN_ADD_NORM: s = fp16(in0 + in1) (written to res_out by `writer`), then
-// fp16(fp16(s * rsqrt(mean(s^2) + eps)) * w): the engine's fused_add_rms_norm, value for value.
-__device__ void load_stage_input(const Stage& S, bool writer, float eps, __half* xs, float* gsum, float* scratch) {
-  const int tid = threadIdx.x, n8 = S.k / 8;  // uint4 = 8 values
-  if (S.in_kind == IN_PLAIN) {
-    for (int i = tid; i < n8; i += CONSUMERS) ((uint4*)xs)[i] = __ldcg((const uint4*)S.in0 + i);
-  } else {
-    float ss = 0.f;
-    for (int i = tid; i < n8; i += CONSUMERS) {
-      uint4 a = __ldcg((const uint4*)S.in0 + i), b = __ldcg((const uint4*)S.in1 + i);
-      const __half2* ah = (const __half2*)&a;
-      const __half2* bh = (const __half2*)&b;
-      uint4 s;
-      __half2* sh = (__half2*)&s;
+// Stores this thread's uint4s of the stage input (uint4 i = tid + 256 j: 8 values) into xs and
+// each 128-group's sum into gsum: a group's 16 uint4s sit in 16 consecutive threads, so the sum is
+// four shuffles inside half a warp (no pass over shared memory).
+// (v holds uint4s j0 .. j0 + B - 1 of the thread's J.)
+template <int B>
+__device__ inline void store_input(const uint4* v, __half* xs, float* gsum, int j0, int J) {
+  const int tid = threadIdx.x;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
-        sh[j] = __floats2half2_rn(fa.x + fb.x, fa.y + fb.y);
-        const float2 fs = __half22float2(sh[j]);
+  for (int jj = 0; jj < B; ++jj) {
+    const int j = j0 + jj;
+    if (j >= J) break;
+    ((uint4*)xs)[tid + CONSUMERS * j] = v[jj];
+    const __half2* h = (const __half2*)&v[jj];
+    float sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) { const float2 f = __half22float2(h[e]); sum += f.x + f.y; }
+    for (int o = 8; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if ((tid & 15) == 0) gsum[tid / 16 + (CONSUMERS / 16) * j] = sum;
+  }
+}
+
+// Stage s's input (k = 2048 J values) into xs and its group sums into gsum, once the previous
+// stage's rows are all stored. The loads go in batches (all of a batch issued before the first is
+// used; batches of 4 uint4s a thread, 2 for the norm: the register budget is 96 a thread).
+// IN_ADD_NORM: s = fp16(in0 + in1) (written to res_out by `writer`), then
+// fp16(fp16(s * rsqrt(mean(s^2) + eps)) * w), the engine's fused_add_rms_norm value for value; for
+// k <= 4,096 its weights are read before the wait (no kernel writes them).
+template <int J>
+__device__ void wait_and_load_input(const Stage& S, int s, const int* counter, int wait_target, float eps,
+                                    bool writer, __half* xs, float* gsum, float* scratch) {
+  const int tid = threadIdx.x;
+  constexpr bool PRELOAD = J <= 2;
+  uint4 w[PRELOAD ? J : 1];
+  if (PRELOAD && S.in_kind == IN_ADD_NORM) {
+#pragma unroll
+    for (int j = 0; j < (PRELOAD ? J : 1); ++j) w[j] = __ldg((const uint4*)S.norm_w + tid + CONSUMERS * j);
+  }
+  if (wait_target > 0 && tid == 0) {  // every row of the previous stage is stored
+    while (load_acquire(counter) < wait_target) __nanosleep(32);
+  }
+  consumer_sync();
+  stamp(3 + 4 * s);
+  if (S.in_kind == IN_PLAIN) {
+#pragma unroll
+    for (int j0 = 0; j0 < J; j0 += 4) {
+      constexpr int B = J < 4 ? J : 4;
+      uint4 v[B];
+#pragma unroll
+      for (int j = 0; j < B; ++j)
+        if (j0 + j < J) v[j] = __ldcg((const uint4*)S.in0 + tid + CONSUMERS * (j0 + j));
+      store_input<B>(v, xs, gsum, j0, J);
+    }
+    consumer_sync();
+    return;
+  }
+  constexpr int B = J < 2 ? J : 2;
+  float ss = 0.f;
+#pragma unroll
+  for (int j0 = 0; j0 < J; j0 += B) {  // s = fp16(in0 + in1) into xs (each thread its own uint4s)
+    uint4 a[B], b[B];
+#pragma unroll
+    for (int j = 0; j < B; ++j) {
+      if (j0 + j >= J) break;
+      a[j] = __ldcg((const uint4*)S.in0 + tid + CONSUMERS * (j0 + j));
+      b[j] = __ldcg((const uint4*)S.in1 + tid + CONSUMERS * (j0 + j));
+    }
+#pragma unroll
+    for (int j = 0; j < B; ++j) {
+      if (j0 + j >= J) break;
+      __half2* ah = (__half2*)&a[j];
+      const __half2* bh = (const __half2*)&b[j];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 fa = __half22float2(ah[e]), fb = __half22float2(bh[e]);
+        ah[e] = __floats2half2_rn(fa.x + fb.x, fa.y + fb.y);
+        const float2 fs = __half22float2(ah[e]);
         ss += fs.x * fs.x + fs.y * fs.y;
       }
-      ((uint4*)xs)[i] = s;
-      if (writer) ((uint4*)S.res_out)[i] = s;
+      ((uint4*)xs)[tid + CONSUMERS * (j0 + j)] = a[j];
+      if (writer) ((uint4*)S.res_out)[tid + CONSUMERS * (j0 + j)] = a[j];
     }
-    const float rstd = rsqrtf(consumers_sum(ss, scratch) / S.k + eps);
-    for (int i = tid; i < n8; i += CONSUMERS) {
-      uint4 s = ((uint4*)xs)[i], w = __ldg((const uint4*)S.norm_w + i);
-      __half2* sh = (__half2*)&s;
-      const __half2* wh = (const __half2*)&w;
+  }
+  const float rstd = rsqrtf(consumers_sum(ss, scratch) / S.k + eps);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 fs = __half22float2(sh[j]);
+  for (int j0 = 0; j0 < J; j0 += B) {  // the normed values over s, and the group sums
+    uint4 v[B];
+#pragma unroll
+    for (int j = 0; j < B; ++j) {
+      if (j0 + j >= J) break;
+      v[j] = ((const uint4*)xs)[tid + CONSUMERS * (j0 + j)];
+      const uint4 wj = PRELOAD ? w[(j0 + j) % (PRELOAD ? J : 1)] : __ldg((const uint4*)S.norm_w + tid + CONSUMERS * (j0 + j));
+      __half2* sh = (__half2*)&v[j];
+      const __half2* wh = (const __half2*)&wj;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 fs = __half22float2(sh[e]);
         const float2 y = __half22float2(__floats2half2_rn(fs.x * rstd, fs.y * rstd));  // HF: cast before the weight
-        const float2 fw = __half22float2(wh[j]);
-        sh[j] = __floats2half2_rn(y.x * fw.x, y.y * fw.y);
+        const float2 fw = __half22float2(wh[e]);
+        sh[e] = __floats2half2_rn(y.x * fw.x, y.y * fw.y);
       }
-      ((uint4*)xs)[i] = s;
     }
+    store_input<B>(v, xs, gsum, j0, J);
   }
   consumer_sync();
-  // group sums: warp w takes groups w, w + 8, ...; a lane sums 4 of the group's 128 values
-  const int warp = tid / 32, lane = tid % 32;
-  for (int g = warp; g < S.k / GROUP; g += CONSUMERS / 32) {
-    const uint2 v = ((const uint2*)(xs + g * GROUP))[lane];
-    const float2 p = __half22float2(u2h(v.x)), q = __half22float2(u2h(v.y));
-    float sum = p.x + p.y + q.x + q.y;
-    for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) gsum[g] = sum;
+}
+
+// wait_and_load_input for this stage's k (a multiple of 2,048, at most 8 x 2,048).
+__device__ void stage_input(const Args& args, int s, bool writer, __half* xs, float* gsum, float* scratch) {
+  const Stage& S = args.st[s];
+  const int* counter = args.counters + (s > 0 ? s - 1 : 0);
+  const int target = s > 0 ? min((int)gridDim.x, args.st[s - 1].rowtiles) : 0;
+  const float eps = args.eps;
+  switch (S.k / KCHUNK) {
+    case 1: wait_and_load_input<1>(S, s, counter, target, eps, writer, xs, gsum, scratch); break;
+    case 2: wait_and_load_input<2>(S, s, counter, target, eps, writer, xs, gsum, scratch); break;
+    case 3: wait_and_load_input<3>(S, s, counter, target, eps, writer, xs, gsum, scratch); break;
+    case 4: wait_and_load_input<4>(S, s, counter, target, eps, writer, xs, gsum, scratch); break;
+    case 5: wait_and_load_input<5>(S, s, counter, target, eps, writer, xs, gsum, scratch); break;
+    case 6: wait_and_load_input<6>(S, s, counter, target, eps, writer, xs, gsum, scratch); break;
+    case 7: wait_and_load_input<7>(S, s, counter, target, eps, writer, xs, gsum, scratch); break;
+    default: wait_and_load_input<8>(S, s, counter, target, eps, writer, xs, gsum, scratch); break;
   }
-  consumer_sync();
 }
 
 // A finished row tile: red holds the 8 warps' partial sums of its 16 rows ([warp][row]).
@@ -191,6 +284,7 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
     return;
   }
 
+  stamp(0);
   if (args.pdl) {  // the previous kernels' outputs (and the counters' reset) are visible after this
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     if (tid == 0) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -201,12 +295,9 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
     const Stage& S = args.st[s];
     int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
     if (lo == hi) continue;
-    if (s > 0 && tid == 0) {  // every row of the previous stage is stored
-      const int target = min(G, args.st[s - 1].rowtiles);
-      while (load_acquire(args.counters + s - 1) < target) __nanosleep(32);
-    }
-    consumer_sync();
-    load_stage_input(S, blockIdx.x == G - 1, args.eps, xs, gsum, scratch);
+    stamp(2 + 4 * s);
+    stage_input(args, s, blockIdx.x == G - 1, xs, gsum, scratch);
+    stamp(4 + 4 * s);
     for (int rt = lo; rt < hi; ++rt) {
       float acc_a = 0.f, acc_b = 0.f;  // rows lane / 4 and + 8, this warp's k
       for (int kc = 0; kc < S.kchunks; ++kc, ++i) {
@@ -229,12 +320,17 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
       __threadfence();
       atomicAdd(args.counters + s, 1);
     }
+    stamp(5 + 4 * s);
   }
+  stamp(1);
   // leave: the last block out resets the counters (every wait is over by then)
   if (tid == 0) {
     __threadfence();
     if (atomicAdd(args.counters + MAX_STAGES, 1) == G - 1) {
       for (int s = 0; s <= MAX_STAGES; ++s) args.counters[s] = 0;
+#ifdef W4LT_PROFILE
+      ++g_launch;
+#endif
       __threadfence();
     }
   }
@@ -300,5 +396,9 @@ int w4lt_launch(const FlatStage* stages, int nstages, int* counters, float eps, 
 }
 
 const char* w4lt_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
+
+#ifdef W4LT_PROFILE
+int w4lt_set_profile(long long* buf) { return (int)cudaMemcpyToSymbol(g_prof, &buf, sizeof(buf)); }
+#endif
 
 }  // extern "C"
