@@ -45,6 +45,7 @@ SOURCES = ("w4_layer_tail.cu", "w4_tile.cuh")
 IN_PLAIN, IN_ADD_NORM = 0, 1
 OUT_STORE, OUT_SWIGLU = 0, 1
 MAX_STAGES = 4
+MAX_K = 8 * 2048  # the widest stage input the kernel takes (its stage_input cases)
 
 
 def enabled() -> bool:
@@ -207,13 +208,40 @@ class W4LayerTail(nn.Module):
         return result
 
 
+def why_not_eligible(layer: nn.Module) -> str | None:
+    """None if this DecoderLayer can take a tail, else the reason (module docstring's list)."""
+    from minivllm.quant.w4a16 import W4A16Method
+    if getattr(layer, "is_moe", False):
+        return "MoE layer"
+    attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    if attn.tp is not None or mlp.tp is not None:
+        return "tensor parallelism"
+    if norm.fp8_out or norm.weight.dtype != torch.float16:
+        return f"norm weight {norm.weight.dtype}"
+    for lin in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        if not isinstance(getattr(lin, "method", None), W4A16Method) or getattr(lin, "qweight", None) is None:
+            return f"{type(lin).__name__} is not a W4A16 layer on the GPU"
+        if lin.perm is not None or lin.bias is not None:
+            return "act-order or bias"
+        if (lin.scales.dtype != torch.float16 or not tiles_fit(lin.out_features, lin.in_features, lin.group_size)
+                or lin.in_features > MAX_K):
+            return (f"shape {lin.out_features}x{lin.in_features}, group {lin.group_size}, {lin.scales.dtype} "
+                    f"(needs fp16, group 128, inputs a multiple of 2,048 up to {MAX_K})")
+    dev = attn.o_proj.qweight.device
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
+        return "needs a compute capability 9.0 GPU"
+    return None
+
+
+
 def _qkv_chainable(layer: nn.Module, eps: float) -> bool:
     """Whether a tail can run this layer's input norm and qkv_proj (as the previous tail's stage 3)."""
     from minivllm.quant.w4a16 import W4A16Method
     lin, norm = layer.self_attn.qkv_proj, layer.input_layernorm
     return (isinstance(getattr(lin, "method", None), W4A16Method) and getattr(lin, "qweight", None) is not None
             and lin.perm is None and lin.bias is None and lin.scales.dtype == torch.float16
-            and tiles_fit(lin.out_features, lin.in_features, lin.group_size) and not norm.fp8_out
+            and tiles_fit(lin.out_features, lin.in_features, lin.group_size) and lin.in_features <= MAX_K
+            and not norm.fp8_out
             and norm.weight.dtype == torch.float16 and norm.eps == eps)
 
 
