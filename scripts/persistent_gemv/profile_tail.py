@@ -128,7 +128,8 @@ def profile(launches, grid: int, counters, defines) -> dict:
         has = begin > 0
         stages[s] = {key: round(float(v[has].mean()) / 1e3, 2) for key, v in
                      (("wait_us", waited - begin), ("input_us", loaded - waited), ("tiles_us", end - loaded))}
-        stages[s]["span_us"] = round(float((end.amax(1) - begin.masked_fill(~has, float("inf")).amin(1)).mean()) / 1e3, 2)
+        first = begin.masked_fill(~has, float("inf")).amin(1)
+        stages[s]["span_us"] = round(float((end.amax(1) - first).mean()) / 1e3, 2)
         stages[s]["slowest_tiles_us"] = round(float((end - loaded).masked_fill(~has, 0).amax(1).mean()) / 1e3, 2)
     entry, exit_ = p[last][:, :, 0], p[last][:, :, 1]
     span = (exit_.amax(1) - entry.amin(1)) / 1e3

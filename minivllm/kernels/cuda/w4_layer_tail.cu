@@ -42,9 +42,9 @@ namespace {
 constexpr int CONSUMERS = MATH_THREADS;     // 8 math warps
 constexpr int THREADS = CONSUMERS + 32;     // + the producer warp
 #ifndef W4LT_SLOTS
-#define W4LT_SLOTS 4
+#define W4LT_SLOTS 3
 #endif
-constexpr int D = W4LT_SLOTS;               // ring slots (2 blocks an SM fit 4 at k = 14,336)
+constexpr int D = W4LT_SLOTS;               // ring slots: 3 measured faster than 4 (docs/perf.md, leases 70-71)
 constexpr int MAX_STAGES = 4;
 
 enum InKind { IN_PLAIN = 0, IN_ADD_NORM = 1 };
