@@ -60,18 +60,25 @@ def chain_enabled() -> bool:
     return os.environ.get("MINIVLLM_W4_TAIL_CHAIN", "1") != "0"
 
 
-def split_on() -> bool:
-    """The chained tail's qkv stage (384 row tiles of Llama-3.1-8B over 264 blocks) is dealt in
-    tiles, a row tile's two halves then possibly in two blocks (a fixed-order fix-up), unless
-    MINIVLLM_W4_TAIL_SPLIT=0 (A/B runs). Read at each launch."""
-    return os.environ.get("MINIVLLM_W4_TAIL_SPLIT", "1") != "0"
+# device index -> models of this process given tails (several engines in one process: the
+# multi-model server)
+_models_with_tails: dict[int, int] = {}
 
 
-def coop_on() -> bool:
-    """The tail launches as a cooperative grid (the hardware starts it only when every block can
-    be resident: its waits spin, so a grid half-resident beside another engine's would hang),
-    unless MINIVLLM_W4_TAIL_COOP=0 (A/B runs). Read at each launch."""
-    return os.environ.get("MINIVLLM_W4_TAIL_COOP", "1") != "0"
+def coop_on(device: torch.device) -> bool:
+    """Whether the tail launches as a cooperative grid: the hardware then starts it only when every
+    block can be resident. Its waits spin, so a grid half-resident beside another engine's
+    persistent grid could hang: on where several models of this process have tails on the device,
+    off otherwise (it costs time: docs/perf.md, 2026-11-29). MINIVLLM_W4_TAIL_COOP=1 / 0 forces it.
+    Read at each launch."""
+    forced = os.environ.get("MINIVLLM_W4_TAIL_COOP")
+    if forced is not None:
+        return forced == "1"
+    return _models_with_tails.get(_index(device), 0) > 1
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def pdl_on(device: torch.device) -> bool:
@@ -84,9 +91,8 @@ def pdl_on(device: torch.device) -> bool:
 class _Stage(ctypes.Structure):  # FlatStage in w4_layer_tail.cu
     _fields_ = [("tiles", ctypes.c_void_p), ("in0", ctypes.c_void_p), ("in1", ctypes.c_void_p),
                 ("norm_w", ctypes.c_void_p), ("res_out", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                ("part", ctypes.c_void_p), ("part_cnt", ctypes.c_void_p),
                 ("k", ctypes.c_int), ("rowtiles", ctypes.c_int), ("kchunks", ctypes.c_int),
-                ("in_kind", ctypes.c_int), ("out_kind", ctypes.c_int), ("split", ctypes.c_int)]
+                ("in_kind", ctypes.c_int), ("out_kind", ctypes.c_int)]
 
 
 def find_nvcc() -> str | None:
@@ -148,21 +154,12 @@ def _build(path: str, defines: tuple[str, ...] = ()) -> None:
 
 def stage(tiles: torch.Tensor, in0: torch.Tensor, out: torch.Tensor, k: int, rows: int, in_kind: int = IN_PLAIN,
           out_kind: int = OUT_STORE, in1: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
-          res_out: torch.Tensor | None = None, split: tuple[torch.Tensor, torch.Tensor] | None = None) -> _Stage:
+          res_out: torch.Tensor | None = None) -> _Stage:
     """One stage of a launch: a GEMV of `rows` outputs (tile rows: OUT_SWIGLU's pairs count 2 a
-    row) over k inputs. split: (part, part_cnt) scratch to deal the stage in tiles (the last stage
-    of a launch, OUT_STORE, k = 4,096: SplitScratch)."""
+    row) over k inputs."""
     ptr = (lambda t: 0 if t is None else t.data_ptr())
-    part, cnt = split if split is not None else (None, None)
-    return _Stage(tiles.data_ptr(), in0.data_ptr(), ptr(in1), ptr(norm_w), ptr(res_out), out.data_ptr(), ptr(part),
-                  ptr(cnt), k, rows // 16, k // TILE_K, in_kind, out_kind, int(split is not None))
-
-
-def split_scratch(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split stage's scratch for up to `rows` outputs: fp32 partial rows [rows / 16, 2, 16] and
-    int32 counts [rows / 16] (zero; the kernel leaves them zero)."""
-    return (torch.zeros(rows * 2, dtype=torch.float32, device=device),
-            torch.zeros(rows // 16, dtype=torch.int32, device=device))
+    return _Stage(tiles.data_ptr(), in0.data_ptr(), ptr(in1), ptr(norm_w), ptr(res_out), out.data_ptr(), k,
+                  rows // 16, k // TILE_K, in_kind, out_kind)
 
 
 def launch(stages: list[_Stage], counters: torch.Tensor, eps: float, grid: int, kmax: int, device: torch.device,
@@ -170,7 +167,7 @@ def launch(stages: list[_Stage], counters: torch.Tensor, eps: float, grid: int, 
     """One launch of the kernel over `stages` on the current stream (raises on a launch error)."""
     lib = lib or load_library()
     err = lib.w4lt_launch((_Stage * len(stages))(*stages), len(stages), counters.data_ptr(), float(eps), grid, kmax,
-                          int(pdl_on(device)), int(coop_on()), torch.cuda.current_stream(device).cuda_stream)
+                          int(pdl_on(device)), int(coop_on(device)), torch.cuda.current_stream(device).cuda_stream)
     if err != 0:
         raise RuntimeError(f"W4 layer tail launch failed: {lib.w4lt_error_string(err).decode()}")
 
@@ -185,8 +182,7 @@ class W4LayerTail(nn.Module):
 
     def __init__(self, o_proj: nn.Module, gate_up: nn.Module, down: nn.Module, norm_weight: torch.Tensor,
                  eps: float, counters: torch.Tensor, grid: int, qkv_proj: nn.Module | None = None,
-                 input_norm_weight: torch.Tensor | None = None,
-                 split: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 input_norm_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         self.q_size, self.hidden = o_proj.in_features, o_proj.out_features
         self.intermediate = down.in_features
@@ -202,7 +198,6 @@ class W4LayerTail(nn.Module):
                              to_tiles(qkv_proj.qweight, qkv_proj.scales, qkv_proj.zeros), persistent=False)
         self.input_norm_weight = input_norm_weight
         self.counters, self.grid = counters, grid
-        self.split = split  # the model's split_scratch for stage 3 (None: never split)
         self.kmax = max(self.q_size, self.hidden, self.intermediate)
 
     def extra_bytes(self) -> int:
@@ -227,9 +222,8 @@ class W4LayerTail(nn.Module):
         if next_tail is not None:
             qkv = torch.empty(1, next_tail.qkv_rows, dtype=torch.float16, device=dev)
             res2 = torch.empty(1, h, dtype=torch.float16, device=dev)
-            split = self.split if self.split is not None and h == 2 * TILE_K and split_on() else None
             stages.append(stage(next_tail.qkv_tiles, mlp_out, qkv, h, next_tail.qkv_rows, IN_ADD_NORM, OUT_STORE,
-                                res1, next_tail.input_norm_weight, res2, split))
+                                res1, next_tail.input_norm_weight, res2))
             result = (qkv, res2)
         launch(stages, self.counters, self.eps, self.grid, self.kmax, dev)
         return result
@@ -287,7 +281,7 @@ def attach_layer_tails(model: nn.Module) -> int:
     lib = load_library()
     mlp = layers[0].mlp
     kmax = max(layers[0].self_attn.o_proj.in_features, mlp.down_proj.in_features, mlp.down_proj.out_features)
-    grid = lib.w4lt_grid(dev.index if dev.index is not None else torch.cuda.current_device(), kmax)
+    grid = lib.w4lt_grid(_index(dev), kmax)
     if grid <= 0:
         raise RuntimeError(f"W4 layer tail: no block of the kernel fits this GPU (kmax {kmax}, grid {grid})")
     counters = torch.zeros(MAX_STAGES + 1, dtype=torch.int32, device=dev)  # one set: launches run in stream order
@@ -295,15 +289,15 @@ def attach_layer_tails(model: nn.Module) -> int:
     chain = (chain_enabled() and len(layers) == len(all_layers) and getattr(model, "norm", None) is not None
              and getattr(model, "embed_tokens", None) is not None
              and all(_qkv_chainable(layer, eps) and layer.post_attention_layernorm.eps == eps for layer in layers))
-    split = split_scratch(max(layer.self_attn.qkv_proj.out_features for layer in layers), dev) if chain else None
     extra = 0
     for layer in layers:
         norm = layer.post_attention_layernorm
         layer.tail = W4LayerTail(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, norm.weight,
                                  norm.eps, counters, grid, layer.self_attn.qkv_proj if chain else None,
-                                 layer.input_layernorm.weight if chain else None, split)
+                                 layer.input_layernorm.weight if chain else None)
         extra += layer.tail.extra_bytes()
     model.tail_chain = chain
+    _models_with_tails[_index(dev)] = _models_with_tails.get(_index(dev), 0) + 1
     logger.info("W4 layer tail on %d of %d layers (grid %d, %.2f GB of tiles%s)", len(layers), len(all_layers),
                 grid, extra / 1e9, ", chained through the next layer's qkv" if chain else "")
     return len(layers)

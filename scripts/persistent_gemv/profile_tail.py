@@ -47,8 +47,6 @@ def build_token(layers: int, lib, grid: int, counters: torch.Tensor):
     attn = torch.randn(1, Q, device="cuda").half()
     residual = torch.randn(1, H, device="cuda").half()
     qkv_tiles = [random_tiles(Q + 2 * KV, H, gen) for _ in range(layers)]
-    split = lt.split_scratch(Q + 2 * KV, torch.device("cuda"))
-    keep += list(split)
     launches = []
     for layer in range(layers):
         o_t, gu_t, dn_t = random_tiles(H, Q, gen), random_tiles(2 * I, H, gen), random_tiles(H, I, gen)
@@ -58,11 +56,11 @@ def build_token(layers: int, lib, grid: int, counters: torch.Tensor):
                   lt.stage(gu_t, o, act, H, 2 * I, lt.IN_ADD_NORM, lt.OUT_SWIGLU, residual, norm_w, res1),
                   lt.stage(dn_t, act, out, I, H),
                   lt.stage(qkv_tiles[(layer + 1) % layers], out, qkv, H, Q + 2 * KV, lt.IN_ADD_NORM, lt.OUT_STORE,
-                           res1, norm_w, res2, split if lt.split_on() else None)]
+                           res1, norm_w, res2)]
         keep += [o_t, gu_t, dn_t, o, act, out, res1, res2, qkv]
         launches.append(stages)
     keep += qkv_tiles + [norm_w, attn, residual]
-    tile_bytes = sum(t.numel() * 4 for t in keep if t.dtype == torch.int32 and t.numel() >= TILE_WORDS)
+    tile_bytes = sum(t.numel() * 4 for t in keep if t.dtype == torch.int32)
     return launches, keep, tile_bytes
 
 
@@ -159,7 +157,7 @@ def main() -> None:
     ms = time_graph(launches, lib, grid, counters, args.iters)
     bound = tile_bytes / rate / 1e9
     print(json.dumps({"figure": "tails", "defines": list(defines), "pdl": not args.no_pdl, "grid": grid,
-                      "split": lt.split_on(), "coop": lt.coop_on(),
+                      "coop": lt.coop_on(torch.device("cuda")),
                       "ms_per_token": round(ms, 4), "us_per_launch": round(1e3 * ms / args.layers, 2),
                       "tile_GB": round(tile_bytes / 1e9, 3), "copy_TBps": round(rate, 3),
                       "copy_bound_ms": round(bound, 4), "share_of_copy_bound": round(bound / ms, 3)}), flush=True)

@@ -57,10 +57,7 @@ struct Stage {
   const __half* norm_w; // IN_ADD_NORM: [k] RMSNorm weight
   __half* res_out;      // IN_ADD_NORM: [k] in0 + in1, written by the stage's last block
   __half* out;          // OUT_STORE: [16 rowtiles]; OUT_SWIGLU: [8 rowtiles] (rows 0-7 gate, 8-15 up)
-  float* part;          // split: [rowtiles][2][16] fp32 partial rows of row tiles split between two blocks
-  int* part_cnt;        // split: [rowtiles] tiles counted in, 0 on entry and on exit
   int k, rowtiles, kchunks, in_kind, out_kind;
-  int split;            // blocks take tile ranges, not row-tile ranges (the last stage, OUT_STORE, 2 k chunks)
 };
 struct Args {
   Stage st[MAX_STAGES];
@@ -90,14 +87,11 @@ __device__ inline void stamp(int) {}
 
 __device__ inline void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
 
-// Block b's tiles of a stage: [lo, hi), tile t = (row tile t / kchunks, k chunk t % kchunks). Whole
-// row tiles (the block's rows are complete in it), or with `split` any tiles: 384 row tiles of 2
-// chunks over 264 blocks is then at most 3 tiles a block instead of 4. The number of blocks with a
-// non-empty range is min(G, rowtiles) without split, and the last block always has one.
-__device__ inline void tile_range(const Stage& S, int b, int G, int& lo, int& hi) {
-  const int units = S.split ? S.rowtiles * S.kchunks : S.rowtiles, per = S.split ? 1 : S.kchunks;
-  lo = (int)((long long)b * units / G) * per;
-  hi = (int)((long long)(b + 1) * units / G) * per;
+// Block b's row tiles of a stage: [lo, hi). Exactly min(G, rowtiles) blocks get a non-empty range,
+// and the last block always does.
+__device__ inline void rowtile_range(const Stage& S, int b, int G, int& lo, int& hi) {
+  lo = (int)((long long)b * S.rowtiles / G);
+  hi = (int)((long long)(b + 1) * S.rowtiles / G);
 }
 
 // The sum of v over the 8 math warps (each gets the total); scratch: 8 floats.
@@ -236,32 +230,6 @@ __device__ void stage_input(const Args& args, int s, bool writer, __half* xs, fl
   }
 }
 
-// A row tile split between two blocks (split stages): this block's k chunk kc of it, its 8 warps'
-// partial sums in red. Each part goes to S.part; the block that counts the second part in adds
-// part 0 and part 1 (a fixed order: the same bits every run) and stores the row, then resets the
-// count. flag: a shared int.
-__device__ void finish_split_rowtile(const Stage& S, int rt, int kc, const float* red, int* flag) {
-  const int tid = threadIdx.x;
-  if (tid < ROWS) {
-    float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < CONSUMERS / 32; ++w) v += red[w * ROWS + tid];
-    S.part[((size_t)rt * 2 + kc) * ROWS + tid] = v;
-    __threadfence();
-  }
-  consumer_sync();
-  if (tid == 0) {
-    *flag = atomicAdd(S.part_cnt + rt, 1) == 1;
-    __threadfence();
-  }
-  consumer_sync();
-  if (*flag && tid < ROWS) {
-    const float v = __ldcg(S.part + ((size_t)rt * 2) * ROWS + tid) + __ldcg(S.part + ((size_t)rt * 2 + 1) * ROWS + tid);
-    S.out[rt * ROWS + tid] = __float2half_rn(v);
-    if (tid == 0) S.part_cnt[rt] = 0;
-  }
-}
-
 // A finished row tile: red holds the 8 warps' partial sums of its 16 rows ([warp][row]).
 __device__ inline void store_rowtile(const Stage& S, int rt, const float* red) {
   const int tid = threadIdx.x;
@@ -290,7 +258,7 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   __half* xs = (__half*)(ring + D * TILE_BYTES);
   float* gsum = (float*)(xs + kmax);
   float* red = gsum + kmax / GROUP;
-  float* scratch = red + (CONSUMERS / 32) * ROWS;  // 32 floats; the last one is finish_split_rowtile's flag
+  float* scratch = red + (CONSUMERS / 32) * ROWS;
   uint64_t* full = (uint64_t*)(scratch + 32);
   uint64_t* empty = full + D;
   const int G = gridDim.x, tid = threadIdx.x, warp = tid / 32;
@@ -305,8 +273,8 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
       int i = 0;
       for (int s = 0; s < args.nstages; ++s) {
         const Stage& S = args.st[s];
-        int lo, hi; tile_range(S, blockIdx.x, G, lo, hi);
-        for (int t = lo; t < hi; ++t, ++i) {
+        int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
+        for (int t = lo * S.kchunks; t < hi * S.kchunks; ++t, ++i) {
           const int slot = i % D;
           if (i >= D) mbar_wait_sleep(empty + slot, (i / D - 1) & 1);
           bulk_load(ring + slot * TILE_BYTES, S.tiles + (size_t)t * (TILE_BYTES / 16), TILE_BYTES, full + slot);
@@ -325,16 +293,14 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   uint32_t xr[32];
   for (int s = 0; s < args.nstages; ++s) {
     const Stage& S = args.st[s];
-    int lo, hi; tile_range(S, blockIdx.x, G, lo, hi);
+    int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
     if (lo == hi) continue;
     stamp(2 + 4 * s);
     stage_input(args, s, blockIdx.x == G - 1, xs, gsum, scratch);
     stamp(4 + 4 * s);
-    for (int t = lo; t < hi;) {  // one row tile (or, split, this block's part of one) at a time
-      const int rt = t / S.kchunks, kc0 = t % S.kchunks, kc1 = min(S.kchunks, kc0 + hi - t);
-      t += kc1 - kc0;
+    for (int rt = lo; rt < hi; ++rt) {
       float acc_a = 0.f, acc_b = 0.f;  // rows lane / 4 and + 8, this warp's k
-      for (int kc = kc0; kc < kc1; ++kc, ++i) {
+      for (int kc = 0; kc < S.kchunks; ++kc, ++i) {
         load_xr(xs + kc * KCHUNK, xr);
         const int slot = i % D;
         mbar_wait_sleep(full + slot, (i / D) & 1);
@@ -347,8 +313,7 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
       const int lane = tid % 32;
       if (lane % 4 == 0) { red[warp * ROWS + lane / 4] = acc_a; red[warp * ROWS + lane / 4 + 8] = acc_b; }
       consumer_sync();
-      if (kc1 - kc0 == S.kchunks) store_rowtile(S, rt, red);
-      else finish_split_rowtile(S, rt, kc0, red, (int*)(scratch + 31));
+      store_rowtile(S, rt, red);
       consumer_sync();  // red is free again
     }
     if (tid == 0) {  // the stores above (threads < 16) are ordered before the count by the barrier + fence
@@ -395,11 +360,11 @@ int w4lt_grid(int device, int kmax) {
   return per_sm * sms;
 }
 
-// The host-side mirror of a Stage, flat for ctypes: 8 pointers, then 6 ints.
+// The host-side mirror of a Stage, flat for ctypes: 6 pointers, then 5 ints.
 struct FlatStage {
   const void *tiles, *in0, *in1, *norm_w;
-  void *res_out, *out, *part, *part_cnt;
-  int k, rowtiles, kchunks, in_kind, out_kind, split;
+  void *res_out, *out;
+  int k, rowtiles, kchunks, in_kind, out_kind;
 };
 
 // Launches `nstages` stages on `stream` (captured into a CUDA graph when the stream is capturing),
@@ -410,13 +375,8 @@ int w4lt_launch(const FlatStage* stages, int nstages, int* counters, float eps, 
   Args a = {};
   for (int s = 0; s < nstages; ++s) {
     const FlatStage& f = stages[s];
-    // split: only the last stage (its rows complete in whichever block counts in last, so no later
-    // stage may wait on them), only OUT_STORE with two k chunks (two parts at most a row tile)
-    if (f.split && (s != nstages - 1 || f.out_kind != OUT_STORE || f.kchunks != 2 || !f.part || !f.part_cnt))
-      return (int)cudaErrorInvalidValue;
     a.st[s] = Stage{(const uint4*)f.tiles, (const __half*)f.in0, (const __half*)f.in1, (const __half*)f.norm_w,
-                    (__half*)f.res_out, (__half*)f.out, (float*)f.part, (int*)f.part_cnt, f.k, f.rowtiles,
-                    f.kchunks, f.in_kind, f.out_kind, f.split};
+                    (__half*)f.res_out, (__half*)f.out, f.k, f.rowtiles, f.kchunks, f.in_kind, f.out_kind};
   }
   a.counters = counters;
   a.eps = eps;
