@@ -60,21 +60,13 @@ def chain_enabled() -> bool:
     return os.environ.get("MINIVLLM_W4_TAIL_CHAIN", "1") != "0"
 
 
-# device index -> models of this process given tails (several engines in one process: the
-# multi-model server)
-_models_with_tails: dict[int, int] = {}
-
-
-def coop_on(device: torch.device) -> bool:
+def coop_on() -> bool:
     """Whether the tail launches as a cooperative grid: the hardware then starts it only when every
-    block can be resident. Its waits spin, so a grid half-resident beside another engine's
-    persistent grid could hang: on where several models of this process have tails on the device,
-    off otherwise (it costs time: docs/perf.md, 2026-11-29). MINIVLLM_W4_TAIL_COOP=1 / 0 forces it.
-    Read at each launch."""
-    forced = os.environ.get("MINIVLLM_W4_TAIL_COOP")
-    if forced is not None:
-        return forced == "1"
-    return _models_with_tails.get(_index(device), 0) > 1
+    block can be resident. Its waits spin, so a grid half-resident beside another persistent grid
+    (another engine of the process, the multi-model server) could hang. On unless
+    MINIVLLM_W4_TAIL_COOP=0; it costs 0.1 % of W11-awq's token (lease 73, docs/perf.md). Read at
+    each launch."""
+    return os.environ.get("MINIVLLM_W4_TAIL_COOP", "1") != "0"
 
 
 def _index(device: torch.device) -> int:
@@ -167,7 +159,7 @@ def launch(stages: list[_Stage], counters: torch.Tensor, eps: float, grid: int, 
     """One launch of the kernel over `stages` on the current stream (raises on a launch error)."""
     lib = lib or load_library()
     err = lib.w4lt_launch((_Stage * len(stages))(*stages), len(stages), counters.data_ptr(), float(eps), grid, kmax,
-                          int(pdl_on(device)), int(coop_on(device)), torch.cuda.current_stream(device).cuda_stream)
+                          int(pdl_on(device)), int(coop_on()), torch.cuda.current_stream(device).cuda_stream)
     if err != 0:
         raise RuntimeError(f"W4 layer tail launch failed: {lib.w4lt_error_string(err).decode()}")
 
@@ -297,7 +289,6 @@ def attach_layer_tails(model: nn.Module) -> int:
                                  layer.input_layernorm.weight if chain else None)
         extra += layer.tail.extra_bytes()
     model.tail_chain = chain
-    _models_with_tails[_index(dev)] = _models_with_tails.get(_index(dev), 0) + 1
     logger.info("W4 layer tail on %d of %d layers (grid %d, %.2f GB of tiles%s)", len(layers), len(all_layers),
                 grid, extra / 1e9, ", chained through the next layer's qkv" if chain else "")
     return len(layers)

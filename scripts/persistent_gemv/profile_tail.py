@@ -157,7 +157,7 @@ def main() -> None:
     ms = time_graph(launches, lib, grid, counters, args.iters)
     bound = tile_bytes / rate / 1e9
     print(json.dumps({"figure": "tails", "defines": list(defines), "pdl": not args.no_pdl, "grid": grid,
-                      "coop": lt.coop_on(torch.device("cuda")),
+                      "coop": lt.coop_on(),
                       "ms_per_token": round(ms, 4), "us_per_launch": round(1e3 * ms / args.layers, 2),
                       "tile_GB": round(tile_bytes / 1e9, 3), "copy_TBps": round(rate, 3),
                       "copy_bound_ms": round(bound, 4), "share_of_copy_bound": round(bound / ms, 3)}), flush=True)

@@ -115,16 +115,11 @@ def test_switch_is_off_by_default(monkeypatch) -> None:
     assert lt.enabled()
 
 
-def test_cooperative_launch_once_two_models_have_tails(monkeypatch) -> None:
-    """Two engines of one process with tails on one GPU: their persistent grids must not interleave."""
+def test_cooperative_launch_is_on_by_default(monkeypatch) -> None:
     monkeypatch.delenv("MINIVLLM_W4_TAIL_COOP", raising=False)
-    monkeypatch.setattr(lt, "_models_with_tails", {0: 1})
-    dev = torch.device("cuda", 0)
-    assert not lt.coop_on(dev)
-    lt._models_with_tails[0] = 2
-    assert lt.coop_on(dev)
+    assert lt.coop_on()
     monkeypatch.setenv("MINIVLLM_W4_TAIL_COOP", "0")
-    assert not lt.coop_on(dev)
+    assert not lt.coop_on()
 
 
 def test_build_without_nvcc_says_so(monkeypatch, tmp_path) -> None:
