@@ -23,6 +23,11 @@
 # ~8 minutes of held time on the link of lease 47 (7 carrying calls of ~60 s each, then the install),
 # ~1.5 minutes in leases 61-63 (~5 s a carry, install 28-39 s): plan the
 # vLLM rows of a session into one lease; name only the test files and GPU_TESTS_K that need a run).
+#   0. Issue 25 after leases 68-73 (2026-11-29 morning): MINIVLLM_W4_LAYER_TAIL=1 (kernels/w4_layer_tail.py,
+#      one persistent launch a layer for o_proj .. down_proj and the next layer's qkv) takes W11-awq to
+#      1.90 ms a token (59.6 % of the roofline; 2.46 without). Steps tail-profile and ab-tail time it
+#      (CUDA_HOME defaults to /usr/local/cuda-13.0 there). Next: attention in the tail, rotary + KV store
+#      in stage 3, batches of 2-8 through the same tiles; a same-lease vLLM W11-awq row.
 #   1. Issue 25, W11-awq at 45.4 % of the H200's int4 roofline (2.464 ms a token, lease 57; 2.598 in
 #      lease 56 before the greedy argmax kernel, SKIP_EMPTY and the one input copy; 1.45x vLLM's
 #      Marlin at 2.747 in lease 47; target 75 % = 1.49 ms). Lease 55's profile (d66dc23): GEMVs

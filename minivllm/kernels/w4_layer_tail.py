@@ -281,13 +281,15 @@ def attach_layer_tails(model: nn.Module) -> int:
     chain = (chain_enabled() and len(layers) == len(all_layers) and getattr(model, "norm", None) is not None
              and getattr(model, "embed_tokens", None) is not None
              and all(_qkv_chainable(layer, eps) and layer.post_attention_layernorm.eps == eps for layer in layers))
-    extra = 0
+    tails = []  # built first: a failure (e.g. out of memory) leaves the model as it was
     for layer in layers:
         norm = layer.post_attention_layernorm
-        layer.tail = W4LayerTail(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, norm.weight,
+        tails.append(W4LayerTail(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, norm.weight,
                                  norm.eps, counters, grid, layer.self_attn.qkv_proj if chain else None,
-                                 layer.input_layernorm.weight if chain else None)
-        extra += layer.tail.extra_bytes()
+                                 layer.input_layernorm.weight if chain else None))
+    for layer, tail in zip(layers, tails):
+        layer.tail = tail
+    extra = sum(tail.extra_bytes() for tail in tails)
     model.tail_chain = chain
     logger.info("W4 layer tail on %d of %d layers (grid %d, %.2f GB of tiles%s)", len(layers), len(all_layers),
                 grid, extra / 1e9, ", chained through the next layer's qkv" if chain else "")

@@ -180,7 +180,10 @@ class ModelRunner:
         if self.lora is not None:
             logger.info("W4 layer tail: off with LoRA")
             return
-        w4_layer_tail.attach_layer_tails(model)
+        try:
+            w4_layer_tail.attach_layer_tails(model)
+        except RuntimeError as e:  # no nvcc, a failed build, no block fits: the unfused path serves
+            logger.warning("W4 layer tail unavailable, decoding with the unfused kernels: %s", e)
 
     def _use_dense_gemv(self, model: CausalLM) -> None:
         """Steps of one or two rows (batch-1 decode): the decoder linears that the kept sweep

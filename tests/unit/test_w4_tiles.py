@@ -122,6 +122,22 @@ def test_cooperative_launch_is_on_by_default(monkeypatch) -> None:
     assert not lt.coop_on()
 
 
+def test_runner_serves_without_the_tail_when_it_cannot_be_built(monkeypatch, caplog) -> None:
+    """MINIVLLM_W4_LAYER_TAIL=1 where the kernel cannot be built: a warning, and the model is left
+    as it was (the unfused path serves)."""
+    from minivllm.runner.model_runner import ModelRunner
+
+    def no_nvcc(model):
+        raise RuntimeError("needs nvcc")
+    monkeypatch.setenv("MINIVLLM_W4_LAYER_TAIL", "1")
+    monkeypatch.setattr(lt, "attach_layer_tails", no_nvcc)
+    model = types.SimpleNamespace(layers=[], tail_chain=False)
+    with caplog.at_level("WARNING"):
+        ModelRunner._attach_w4_layer_tails(types.SimpleNamespace(lora=None), model)
+    assert "W4 layer tail unavailable" in caplog.text and "needs nvcc" in caplog.text
+    assert model.tail_chain is False
+
+
 def test_build_without_nvcc_says_so(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(lt, "find_nvcc", lambda: None)
     with pytest.raises(RuntimeError, match="needs nvcc"):
