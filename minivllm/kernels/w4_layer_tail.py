@@ -12,7 +12,7 @@ Switch: MINIVLLM_W4_LAYER_TAIL=1 (off by default). The runner attaches a tail to
 decoder layer after loading (`attach_layer_tails`); DecoderLayer takes it for steps of exactly one
 token. Eligible: a CUDA device of compute capability 9.0, float16 activations, W4A16 o_proj,
 gate_up_proj and down_proj with group size 128, no act-order permutation and no bias, every input
-width a multiple of 2,048, no tensor parallelism, no LoRA. Where every layer is eligible (and its
+width a multiple of 2,048 up to 16,384, no tensor parallelism, no LoRA. Where every layer is eligible (and its
 qkv_proj too), a tail also runs the next layer's input norm and qkv projection: a one-token step
 is then two launches a layer, attention and the tail (CausalLM.forward_tails). The weights are
 kept a second time in the tile format (quant/w4_tiles.py): the four projections again (3.5 GB
@@ -167,14 +167,14 @@ def launch(stages: list[_Stage], counters: torch.Tensor, eps: float, grid: int, 
 class W4LayerTail(nn.Module):
     """One decoder layer's o_proj .. down_proj for a single token (module docstring).
 
-    forward(attn [1, q_size], residual [1, H]) -> (mlp_out [1, H], attn_out + residual [1, H]):
+    forward(attn [1, q_size], residual [1, H]) -> (mlp_out [1, H], o_proj(attn) + residual [1, H]):
     the values of o_proj, post_attention_layernorm and the MLP run one after the other.
     forward(attn, residual, next_tail) also runs the next layer's input_layernorm and qkv_proj
     (stage 3, with next_tail's qkv tiles) -> (qkv [1, q + 2 kv] of the next layer, its residual)."""
 
     def __init__(self, o_proj: nn.Module, gate_up: nn.Module, down: nn.Module, norm_weight: torch.Tensor,
                  eps: float, counters: torch.Tensor, grid: int, qkv_proj: nn.Module | None = None,
-                 input_norm_weight: torch.Tensor | None = None) -> None:
+                 input_norm_weight: torch.Tensor | None = None, kmax: int | None = None) -> None:
         super().__init__()
         self.q_size, self.hidden = o_proj.in_features, o_proj.out_features
         self.intermediate = down.in_features
@@ -190,7 +190,8 @@ class W4LayerTail(nn.Module):
                              to_tiles(qkv_proj.qweight, qkv_proj.scales, qkv_proj.zeros), persistent=False)
         self.input_norm_weight = input_norm_weight
         self.counters, self.grid = counters, grid
-        self.kmax = max(self.q_size, self.hidden, self.intermediate)
+        # the shared memory's input row: the model's widest stage input (the grid was sized with it)
+        self.kmax = kmax if kmax is not None else max(self.q_size, self.hidden, self.intermediate)
 
     def extra_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
@@ -221,41 +222,47 @@ class W4LayerTail(nn.Module):
         return result
 
 
+def _tileable(lin: nn.Module) -> str | None:
+    """None if this linear can run in the tail, else why not."""
+    from minivllm.quant.w4a16 import W4A16Method
+    if not isinstance(getattr(lin, "method", None), W4A16Method) or getattr(lin, "qweight", None) is None:
+        return f"{type(lin).__name__} is not a W4A16 layer on the GPU"
+    if lin.perm is not None or lin.bias is not None:
+        return "act-order or bias"
+    if (lin.scales.dtype != torch.float16 or not tiles_fit(lin.out_features, lin.in_features, lin.group_size)
+            or lin.in_features > MAX_K):
+        return (f"shape {lin.out_features}x{lin.in_features}, group {lin.group_size}, {lin.scales.dtype} "
+                f"(needs fp16, group 128, inputs a multiple of 2,048 up to {MAX_K})")
+    return None
+
+
+def _norm_fits(norm: nn.Module) -> bool:
+    return not norm.fp8_out and norm.weight.dtype == torch.float16
+
+
 def why_not_eligible(layer: nn.Module) -> str | None:
     """None if this DecoderLayer can take a tail, else the reason (module docstring's list)."""
-    from minivllm.quant.w4a16 import W4A16Method
     if getattr(layer, "is_moe", False):
         return "MoE layer"
     attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     if attn.tp is not None or mlp.tp is not None:
         return "tensor parallelism"
-    if norm.fp8_out or norm.weight.dtype != torch.float16:
+    if not _norm_fits(norm):
         return f"norm weight {norm.weight.dtype}"
     for lin in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        if not isinstance(getattr(lin, "method", None), W4A16Method) or getattr(lin, "qweight", None) is None:
-            return f"{type(lin).__name__} is not a W4A16 layer on the GPU"
-        if lin.perm is not None or lin.bias is not None:
-            return "act-order or bias"
-        if (lin.scales.dtype != torch.float16 or not tiles_fit(lin.out_features, lin.in_features, lin.group_size)
-                or lin.in_features > MAX_K):
-            return (f"shape {lin.out_features}x{lin.in_features}, group {lin.group_size}, {lin.scales.dtype} "
-                    f"(needs fp16, group 128, inputs a multiple of 2,048 up to {MAX_K})")
+        reason = _tileable(lin)
+        if reason is not None:
+            return reason
     dev = attn.o_proj.qweight.device
     if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
         return "needs a compute capability 9.0 GPU"
     return None
 
 
-
 def _qkv_chainable(layer: nn.Module, eps: float) -> bool:
     """Whether a tail can run this layer's input norm and qkv_proj (as the previous tail's stage 3)."""
-    from minivllm.quant.w4a16 import W4A16Method
-    lin, norm = layer.self_attn.qkv_proj, layer.input_layernorm
-    return (isinstance(getattr(lin, "method", None), W4A16Method) and getattr(lin, "qweight", None) is not None
-            and lin.perm is None and lin.bias is None and lin.scales.dtype == torch.float16
-            and tiles_fit(lin.out_features, lin.in_features, lin.group_size) and lin.in_features <= MAX_K
-            and not norm.fp8_out
-            and norm.weight.dtype == torch.float16 and norm.eps == eps)
+    norm = layer.input_layernorm
+    return _tileable(layer.self_attn.qkv_proj) is None and _norm_fits(norm) and norm.eps == eps
 
 
 def attach_layer_tails(model: nn.Module) -> int:
@@ -271,8 +278,9 @@ def attach_layer_tails(model: nn.Module) -> int:
         return 0
     dev = layers[0].self_attn.o_proj.qweight.device
     lib = load_library()
-    mlp = layers[0].mlp
-    kmax = max(layers[0].self_attn.o_proj.in_features, mlp.down_proj.in_features, mlp.down_proj.out_features)
+    # the widest stage input sizes every launch's shared memory (and the grid: blocks that fit at once)
+    kmax = max(max(layer.self_attn.o_proj.in_features, layer.mlp.down_proj.in_features,
+                   layer.mlp.down_proj.out_features) for layer in layers)
     grid = lib.w4lt_grid(_index(dev), kmax)
     if grid <= 0:
         raise RuntimeError(f"W4 layer tail: no block of the kernel fits this GPU (kmax {kmax}, grid {grid})")
@@ -286,7 +294,7 @@ def attach_layer_tails(model: nn.Module) -> int:
         norm = layer.post_attention_layernorm
         tails.append(W4LayerTail(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, norm.weight,
                                  norm.eps, counters, grid, layer.self_attn.qkv_proj if chain else None,
-                                 layer.input_layernorm.weight if chain else None))
+                                 layer.input_layernorm.weight if chain else None, kmax))
     for layer, tail in zip(layers, tails):
         layer.tail = tail
     extra = sum(tail.extra_bytes() for tail in tails)

@@ -138,6 +138,40 @@ def test_runner_serves_without_the_tail_when_it_cannot_be_built(monkeypatch, cap
     assert model.tail_chain is False
 
 
+def _lin(n: int, k: int, seed: int):
+    _, qw, scales, zeros = _weight(n, k, seed)
+    return types.SimpleNamespace(qweight=qw, scales=scales, zeros=zeros, in_features=k, out_features=n)
+
+
+def test_layer_tail_module_holds_each_weight_as_tiles() -> None:
+    """W4LayerTail's buffers (built on the CPU here): o, gate_up with gate and up rows paired per
+    tile, down and, chained, qkv; nothing is launched."""
+    q, h, inter = 2048, 2048, 4096
+    o, gu, down, qkv = _lin(h, q, 1), _lin(2 * inter, h, 2), _lin(h, inter, 3), _lin(q + 1024, h, 4)
+    counters = torch.zeros(lt.MAX_STAGES + 1, dtype=torch.int32)
+    tail = lt.W4LayerTail(o, gu, down, torch.ones(h, dtype=torch.float16), 1e-5, counters, 264, qkv,
+                          torch.ones(h, dtype=torch.float16), kmax=14336)
+    assert (tail.q_size, tail.hidden, tail.intermediate, tail.qkv_rows, tail.kmax) == (q, h, inter, q + 1024, 14336)
+    assert torch.equal(tail.o_tiles, tiles.to_tiles(o.qweight, o.scales, o.zeros))
+    q_gu, _, _ = tiles.from_tiles(tail.gu_tiles, 2 * inter, h)
+    assert torch.equal(q_gu, w4.unpack_engine(gu.qweight)[:, tiles.gate_up_row_order(inter)])
+    assert torch.equal(tail.qkv_tiles, tiles.to_tiles(qkv.qweight, qkv.scales, qkv.zeros))
+    words = sum(t.numel() for t in (tail.o_tiles, tail.gu_tiles, tail.down_tiles, tail.qkv_tiles))
+    assert tail.extra_bytes() == 4 * words
+    unchained = lt.W4LayerTail(o, gu, down, torch.ones(h, dtype=torch.float16), 1e-5, counters, 264)
+    assert unchained.qkv_tiles is None and unchained.kmax == inter
+
+
+def test_stage_struct_mirrors_the_kernels() -> None:
+    """ctypes' _Stage is w4_layer_tail.cu's FlatStage: 6 pointers, then 5 ints (72 bytes, padded)."""
+    import ctypes
+    assert [name for name, _ in lt._Stage._fields_] == ["tiles", "in0", "in1", "norm_w", "res_out", "out", "k",
+                                                         "rowtiles", "kchunks", "in_kind", "out_kind"]
+    assert ctypes.sizeof(lt._Stage) == 72
+    src = open(f"{lt.SOURCE_DIR}/w4_layer_tail.cu").read()
+    assert "const void *tiles, *in0, *in1, *norm_w;\n  void *res_out, *out;\n  int k, rowtiles, kchunks, in_kind, out_kind;" in src
+
+
 def test_build_without_nvcc_says_so(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(lt, "find_nvcc", lambda: None)
     with pytest.raises(RuntimeError, match="needs nvcc"):
