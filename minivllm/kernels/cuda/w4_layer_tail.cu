@@ -74,10 +74,11 @@ struct Args {
 __device__ long long* g_prof;
 __device__ int g_launch;
 __device__ inline void stamp(int slot) {
+  __shared__ int launch;  // read once, at entry (slot 0): later stamps add no global load to the intervals
   if (threadIdx.x == 0 && g_prof) {
     long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    const int launch = *(volatile int*)&g_launch % 64;
+    if (slot == 0) launch = *(volatile int*)&g_launch % 64;
     g_prof[((size_t)launch * gridDim.x + blockIdx.x) * (2 + 4 * MAX_STAGES) + slot] = t;
   }
 }
