@@ -8,12 +8,11 @@
 //   qkv = RMSNorm(out + s) * w' @ Wqkv'^T   stage 3 (optional): the NEXT layer's input norm and
 //                                           qkv projection (-> residual_out of that norm too)
 //
-// It replaces five launches (o GEMV, add + norm, gate_up GEMV, SiLU-and-mul, down GEMV) by one, and
-// with stage 3 the next layer's norm and qkv GEMV as well,
-// and streams the weights (kernels/w4_tile.cuh's tile format, written by quant/w4_tiles.py) with
-// bulk copies into a shared-memory ring that runs ahead of the dependency waits between the
-// stages: weights do not depend on activations. Measured design: scripts/persistent_gemv/chain.cu
-// (its v2) and docs/perf.md (2026-11-29).
+// It replaces five launches (o GEMV, add + norm, gate_up GEMV, SiLU-and-mul, down GEMV) by one (with
+// stage 3 also the next layer's norm and qkv GEMV), and streams the weights (the tile format of
+// w4_tile.cuh, written by quant/w4_tiles.py) with bulk copies into a shared-memory ring that runs
+// ahead of the dependency waits between the stages: weights do not depend on activations. Measured
+// design: scripts/persistent_gemv/chain.cu (its v2) and docs/perf.md (2026-11-29).
 //
 // Block layout: warp 8 (the producer) issues one bulk copy a tile into a ring of D slots (full and
 // empty mbarriers); warps 0-7 do the math. Every block takes a contiguous range of each stage's
@@ -25,8 +24,10 @@
 // counted itself done (counters[s - 1], release/acquire at GPU scope). The last block to leave
 // resets the counters to 0, so the next launch (stream order) finds them zeroed.
 //
-// Every block must be resident at once (the waits spin): the host launches occupancy x SMs blocks.
-// Shapes: every k a multiple of 2,048, group size 128, fp16 activations and scales.
+// Every block must be resident at once (the waits spin): the host launches occupancy x SMs blocks,
+// as a cooperative grid unless told not to (then another persistent grid cannot leave it half
+// resident). Shapes: every k a multiple of 2,048 up to 16,384, group size 128, fp16 activations
+// and scales.
 //
 // PDL (programmatic dependent launch, kernels/pdl.py's contract): launched with it, the kernel may
 // start while the previous one (attention) runs. The producer streams weights at once (no kernel
@@ -55,7 +56,7 @@ struct Stage {
   const __half* in0;    // [k] input (IN_ADD_NORM: the addend, o)
   const __half* in1;    // IN_ADD_NORM: [k] residual
   const __half* norm_w; // IN_ADD_NORM: [k] RMSNorm weight
-  __half* res_out;      // IN_ADD_NORM: [k] in0 + in1, written by the stage's last block
+  __half* res_out;      // IN_ADD_NORM: [k] in0 + in1, written by the grid's last block
   __half* out;          // OUT_STORE: [16 rowtiles]; OUT_SWIGLU: [8 rowtiles] (rows 0-7 gate, 8-15 up)
   int k, rowtiles, kchunks, in_kind, out_kind;
 };
