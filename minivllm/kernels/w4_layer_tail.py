@@ -15,7 +15,7 @@ gate_up_proj and down_proj with group size 128, no act-order permutation and no 
 width a multiple of 2,048 up to 16,384, no tensor parallelism, no LoRA. Where every layer is eligible (and its
 qkv_proj too), a tail also runs the next layer's input norm and qkv projection: a one-token step
 is then two launches a layer, attention and the tail (CausalLM.forward_tails). The weights are
-kept a second time in the tile format (quant/w4_tiles.py): the four projections again (3.5 GB
+kept a second time in the tile format (quant/w4_tiles.py): the four projections again (3.7 GB
 for Llama-3.1-8B).
 
 The kernel is compiled on first use with nvcc (CUDA_HOME, /usr/local/cuda or PATH) into
