@@ -281,7 +281,8 @@ def attach_layer_tails(model: nn.Module) -> int:
     # the widest stage input sizes every launch's shared memory (and the grid: blocks that fit at once)
     kmax = max(max(layer.self_attn.o_proj.in_features, layer.mlp.down_proj.in_features,
                    layer.mlp.down_proj.out_features) for layer in layers)
-    grid = lib.w4lt_grid(_index(dev), kmax)
+    with _lib_lock:  # (w4lt_grid raises a per-device limit: one caller at a time)
+        grid = lib.w4lt_grid(_index(dev), kmax)
     if grid <= 0:
         raise RuntimeError(f"W4 layer tail: no block of the kernel fits this GPU (kmax {kmax}, grid {grid})")
     counters = torch.zeros(MAX_STAGES + 1, dtype=torch.int32, device=dev)  # one set: launches run in stream order

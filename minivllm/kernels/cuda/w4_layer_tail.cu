@@ -348,13 +348,18 @@ int w4lt_smem_bytes(int kmax) {
   return D * TILE_BYTES + kmax * 2 + (kmax / GROUP) * 4 + (CONSUMERS / 32) * ROWS * 4 + 32 * 4 + 2 * D * 8;
 }
 
-// Sets the kernel's shared-memory limit and returns the blocks that fit the device at once
-// (occupancy x SMs; 0 when not even one fits), or -1 with a CUDA error.
+// Raises the kernel's shared-memory limit on `device` to what kmax needs (never lowers it: another
+// model of the process may launch with a wider input) and returns the blocks that fit the device at
+// once (occupancy x SMs; 0 when not even one fits), or -1 with a CUDA error.
 int w4lt_grid(int device, int kmax) {
+  static int smem_limit[64] = {};  // per device: the limit set so far
   const int smem = w4lt_smem_bytes(kmax);
-  if (cudaSetDevice(device) != cudaSuccess) return -1;
-  if (cudaFuncSetAttribute(w4_layer_tail_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
-    return -1;
+  if (device < 0 || device >= 64 || cudaSetDevice(device) != cudaSuccess) return -1;
+  if (smem > smem_limit[device]) {
+    if (cudaFuncSetAttribute(w4_layer_tail_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+      return -1;
+    smem_limit[device] = smem;
+  }
   int per_sm = 0, sms = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, w4_layer_tail_kernel, THREADS, smem) != cudaSuccess)
     return -1;
