@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.quant.w4 import unpack_engine
+from minivllm.quant.w4 import dequantize, pack_engine, pack_int4, unpack_engine, unpack_int4
 
 TILE_ROWS = 16
 TILE_K = 2048
@@ -46,11 +46,6 @@ def _fp16_bits(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float16).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
 
 
-def _to_int32(words: torch.Tensor) -> torch.Tensor:
-    """int64 values below 2^32 -> the int32 of the same bits."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
 def to_tiles(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
              row_order: torch.Tensor | None = None) -> torch.Tensor:
     """Engine layout (qweight [K/8, N] int32, scales / zeros [K/128, N]) -> int32 [N/16 * K/2048 *
@@ -60,8 +55,8 @@ def to_tiles(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         (qweight.shape, scales.shape)
     rowtiles, kchunks = n // TILE_ROWS, k // TILE_K
     out = torch.empty(rowtiles, kchunks, TILE_WORDS, dtype=torch.int32, device=qweight.device)
-    sz = _fp16_bits(scales) | (_fp16_bits(zeros.float() + 1024.0) << 16)  # [K/G, N], below 2^32
-    shifts = 4 * torch.arange(8, dtype=torch.int64, device=qweight.device)
+    # [K/G, N] int32: 1024 + z (0..15) in fp16 is 0x6400 + z, so the high half never sets bit 31
+    sz = _fp16_bits(scales) | (_fp16_bits(zeros.float() + 1024.0) << 16)
     for r0 in range(0, rowtiles, _ROWTILES_AT_ONCE):
         r1 = min(rowtiles, r0 + _ROWTILES_AT_ONCE)
         rows = torch.arange(r0 * TILE_ROWS, r1 * TILE_ROWS, device=qweight.device)
@@ -69,10 +64,10 @@ def to_tiles(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             rows = row_order[rows]
         q = unpack_engine(qweight[:, rows]).t()  # [R, K] values 0..15
         q = q.reshape(r1 - r0, 2, 8, kchunks, 8, 16, 2, 4, 2).permute(*_WORD_ORDER)
-        q = q.reshape(r1 - r0, kchunks, TILE_WORDS - 256, 8).to(torch.int64)
-        out[r0:r1, :, :TILE_WORDS - 256] = _to_int32((q << shifts).sum(-1))
+        # the last dim (e, h, s) is nibble p = 4e + 2h + s: pack_int4's order along it
+        out[r0:r1, :, :TILE_WORDS - 256] = pack_int4(q.reshape(r1 - r0, kchunks, 8 * (TILE_WORDS - 256)), -1)
         s = sz[:, rows].t().reshape(r1 - r0, TILE_ROWS, kchunks, TILE_K // TILE_GROUP).permute(0, 2, 1, 3)
-        out[r0:r1, :, TILE_WORDS - 256:] = _to_int32(s.reshape(r1 - r0, kchunks, 256))
+        out[r0:r1, :, TILE_WORDS - 256:] = s.reshape(r1 - r0, kchunks, 256)
     return out.reshape(-1)
 
 
@@ -80,13 +75,13 @@ def from_tiles(tiles: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch
     """Inverse of to_tiles: -> (q [K, N] int32 0..15, scales [K/128, N] float16, zeros [K/128, N]
     float32), rows in the tiles' order."""
     rowtiles, kchunks = n // TILE_ROWS, k // TILE_K
-    t = tiles.view(rowtiles, kchunks, TILE_WORDS).to(torch.int64) & 0xFFFFFFFF
-    words = t[..., :TILE_WORDS - 256].reshape(rowtiles, kchunks, 8, 16, 8, 4)  # rt, kc, warp, step, r, q
-    nib = (words.unsqueeze(-1) >> (4 * torch.arange(8, device=t.device))) & 0xF  # [..., p = 4e + 2h + s]
+    t = tiles.view(rowtiles, kchunks, TILE_WORDS)
+    nib = unpack_int4(t[..., :TILE_WORDS - 256], -1)  # nibble p = 4e + 2h + s of each word, in order
     nib = nib.reshape(rowtiles, kchunks, 8, 16, 8, 4, 2, 2, 2)  # rt, kc, warp, step, r, q, e, h, s
     inverse = [_WORD_ORDER.index(d) for d in range(9)]
     q = nib.permute(*inverse).reshape(n, k).t().to(torch.int32)
-    sz = t[..., TILE_WORDS - 256:].reshape(rowtiles, kchunks, TILE_ROWS, 16).permute(0, 2, 1, 3).reshape(n, -1)
+    sz = t[..., TILE_WORDS - 256:].to(torch.int64).reshape(rowtiles, kchunks, TILE_ROWS, 16).permute(0, 2, 1, 3)
+    sz = sz.reshape(n, -1)
     scales = (sz & 0xFFFF).to(torch.int16).view(torch.float16).t()
     zeros = ((sz >> 16).to(torch.int16).view(torch.float16).float() - 1024.0).t()
     return q.contiguous(), scales.contiguous(), zeros.contiguous()
@@ -96,6 +91,4 @@ def tile_matvec_reference(tiles: torch.Tensor, x: torch.Tensor, n: int, k: int) 
     """x [k] -> [n] float32: (q - z) * s of the tiles times x, in float32 (the kernel's product
     up to float32 rounding; its rows in the tiles' order)."""
     q, scales, zeros = from_tiles(tiles, n, k)
-    g = torch.arange(k, device=q.device) // TILE_GROUP
-    w = (q.float() - zeros[g]) * scales.float()[g]  # [K, N]
-    return x.float() @ w
+    return x.float() @ dequantize(pack_engine(q), scales, zeros, TILE_GROUP).t()
