@@ -2,8 +2,10 @@
 
 A token's 32 tail launches of Llama-3.1-8B shapes (4 stages each: o, gate_up, down and the next
 layer's qkv; random tiles, distinct per layer so the weights stream from HBM), captured in one CUDA
-graph with nothing between them (no attention): ms a launch against the tile bytes' copy-rate
-time. Then the same graph from the profiling build (-DW4LT_PROFILE): each block's globaltimer
+graph with nothing between them (no attention): the median ms a token (bench/gpu_timing.py's
+time_graph) against the tile bytes' time at the median copy rate (bench/common.py's
+measure_copy_bandwidth; until 2026-11-29 both were the best of their runs). Then one replay of the
+token from the profiling build (-DW4LT_PROFILE, without PDL): each block's globaltimer
 stamps per stage (waiting for the previous stage, loading the input, the tiles) and the launches'
 overlap. One JSON line per figure on stdout.
 
@@ -22,6 +24,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from minivllm.bench.common import measure_copy_bandwidth  # noqa: E402
+from minivllm.bench.gpu_timing import time_graph  # noqa: E402
 from minivllm.kernels import w4_layer_tail as lt  # noqa: E402
 from minivllm.quant.w4_tiles import TILE_WORDS  # noqa: E402
 
@@ -64,74 +68,52 @@ def build_token(layers: int, lib, grid: int, counters: torch.Tensor):
     return launches, keep, tile_bytes
 
 
-def time_graph(launches, lib, grid, counters, iters: int) -> float:
-    kmax = max(H, I, Q)
-    run = (lambda: [lt.launch(st, counters, 1e-5, grid, kmax, torch.device("cuda"), lib) for st in launches])
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
-
-
-def copy_rate(nbytes: int = 1 << 30) -> float:
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(10):
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return 2 * nbytes / best / 1e9  # TB/s, read + write
+def token(launches, lib, grid, counters):
+    """The token's launches as a function of the layer (gpu_timing.time_graph's fn)."""
+    kmax, dev = max(H, I, Q), torch.device("cuda")
+    return lambda layer: lt.launch(launches[layer], counters, 1e-5, grid, kmax, dev, lib)
 
 
 def profile(launches, grid: int, counters, defines) -> dict:
     lib = lt.load_library(("W4LT_PROFILE", *defines))
     assert lib.w4lt_grid(torch.cuda.current_device(), max(H, I, Q)) == grid  # (also sets its shared-memory limit)
+    n = len(launches)
+    assert n <= 64, "the profiling build keeps 64 launches' stamps"
     buf = torch.zeros(64 * grid * STAMPS, dtype=torch.int64, device="cuda")
     import ctypes
     lib.w4lt_set_profile.argtypes = [ctypes.c_void_p]
-    assert lib.w4lt_set_profile(buf.data_ptr()) == 0
     # without PDL: a launch's blocks may otherwise start before the previous launch counts itself out
     # (g_launch), and their stamps would land in its slots
     pdl = os.environ.get("MINIVLLM_W4_TAIL_PDL")
     os.environ["MINIVLLM_W4_TAIL_PDL"] = "0"
     try:
-        time_graph(launches, lib, grid, counters, 1)  # runs the token 3 times: eagerly, the first replay, one timed
+        run = token(launches, lib, grid, counters)
+        for layer in range(n):  # warm, then one replay of the token's graph with the stamps on
+            run(layer)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for layer in range(n):
+                run(layer)
+        assert lib.w4lt_set_profile(buf.data_ptr()) == 0  # (restarts the launch count: launch i, slot i)
+        graph.replay()
+        torch.cuda.synchronize()
     finally:
         if pdl is None:
             os.environ.pop("MINIVLLM_W4_TAIL_PDL")
         else:
             os.environ["MINIVLLM_W4_TAIL_PDL"] = pdl
-    p = buf.view(64, grid, STAMPS).cpu().double()
-    n = len(launches)
-    last = [(2 * n + i) % 64 for i in range(n)]  # the last run's launches (3n so far)
+    p = buf.view(64, grid, STAMPS)[:n].cpu().double()
     stages = {}
     for s in range(lt.MAX_STAGES):
-        begin, waited, loaded, end = (p[last][:, :, 2 + 4 * s + j] for j in range(4))
+        begin, waited, loaded, end = (p[:, :, 2 + 4 * s + j] for j in range(4))
         has = begin > 0
         stages[s] = {key: round(float(v[has].mean()) / 1e3, 2) for key, v in
                      (("wait_us", waited - begin), ("input_us", loaded - waited), ("tiles_us", end - loaded))}
         first = begin.masked_fill(~has, float("inf")).amin(1)
         stages[s]["span_us"] = round(float((end.amax(1) - first).mean()) / 1e3, 2)
         stages[s]["slowest_tiles_us"] = round(float((end - loaded).masked_fill(~has, 0).amax(1).mean()) / 1e3, 2)
-    entry, exit_ = p[last][:, :, 0], p[last][:, :, 1]
+    entry, exit_ = p[:, :, 0], p[:, :, 1]
     span = (exit_.amax(1) - entry.amin(1)) / 1e3
     gaps = (entry[1:].amin(1) - exit_[:-1].amax(1)) / 1e3  # next launch's first entry - this one's last exit
     return {"stages": stages, "launch_us": round(float(span.mean()), 2),
@@ -142,7 +124,7 @@ def profile(launches, grid: int, counters, defines) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=20, help="graph replays timed (the median is kept)")
     ap.add_argument("--defines", nargs="*", default=[])
     ap.add_argument("--no-pdl", action="store_true")
     args = ap.parse_args()
@@ -153,12 +135,13 @@ def main() -> None:
     grid = lib.w4lt_grid(torch.cuda.current_device(), max(H, I, Q))
     counters = torch.zeros(lt.MAX_STAGES + 1, dtype=torch.int32, device="cuda")
     launches, keep, tile_bytes = build_token(args.layers, lib, grid, counters)
-    rate = copy_rate()
-    ms = time_graph(launches, lib, grid, counters, args.iters)
+    rate = measure_copy_bandwidth()["bandwidth_TBps"]
+    us = time_graph(token(launches, lib, grid, counters), copies=args.layers, runs=args.iters, calls=args.layers)
+    ms = us * args.layers / 1e3
     bound = tile_bytes / rate / 1e9
     print(json.dumps({"figure": "tails", "defines": list(defines), "pdl": not args.no_pdl, "grid": grid,
                       "coop": lt.coop_on(),
-                      "ms_per_token": round(ms, 4), "us_per_launch": round(1e3 * ms / args.layers, 2),
+                      "ms_per_token": round(ms, 4), "us_per_launch": round(us, 2),
                       "tile_GB": round(tile_bytes / 1e9, 3), "copy_TBps": round(rate, 3),
                       "copy_bound_ms": round(bound, 4), "share_of_copy_bound": round(bound / ms, 3)}), flush=True)
     print(json.dumps({"figure": "tail-profile", "defines": list(defines), "pdl": False,

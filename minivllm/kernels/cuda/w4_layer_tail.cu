@@ -412,7 +412,12 @@ int w4lt_launch(const FlatStage* stages, int nstages, int* counters, float eps, 
 const char* w4lt_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
 
 #ifdef W4LT_PROFILE
-int w4lt_set_profile(long long* buf) { return (int)cudaMemcpyToSymbol(g_prof, &buf, sizeof(buf)); }
+// Points the stamps at buf and restarts the launch count: the next launch writes slot 0.
+int w4lt_set_profile(long long* buf) {
+  const int zero = 0;
+  cudaError_t e = cudaMemcpyToSymbol(g_prof, &buf, sizeof(buf));
+  return (int)(e != cudaSuccess ? e : cudaMemcpyToSymbol(g_launch, &zero, sizeof(zero)));
+}
 #endif
 
 }  // extern "C"
