@@ -41,6 +41,9 @@
 #   awq-gemv-keep       awq-gemv-tiles, then --write-from on the machine: later steps use the new table (issue 25)
 #   persistent-chain    scripts/persistent_gemv/chain.cu built with nvcc and run: a token's 128 W4A16 GEMVs in one
 #                       persistent launch, each design against its reference (issue 25, docs/perf.md 2026-11-29)
+#   tail-profile        scripts/persistent_gemv/profile_tail.py: the engine's W4 layer tail alone and per stage
+#                       (issue 25; its A/B in the engine: ab-engine with MINIVLLM_W4_LAYER_TAIL=1 exported and
+#                       AB_SPECS=".@MINIVLLM_W4_LAYER_TAIL=0 .")
 #   dense-stream        scripts/bench_dense_gemv.py --stream: the streaming dense GEMV's tiles (issue 21)
 #   inv-gemm            scripts/bench_invariant_gemm.py: the invariant GEMM's launches vs cuBLAS, with bit checks (issue 22)
 #   inv-gemm-splits     the same for o/down at 1, 2 and 4 K slices (issue 22)
@@ -245,11 +248,7 @@ run_step() {  # run_step STEP LANE_DIR PORT
     gemv-read-probe)  # issue 25: the W4A16 GEMV's reads alone on its own tiles vs a flat read vs the GEMV
       python3 scripts/probe_gemv_read.py --out "$dir/gemv-read-probe.json" ;;
     tail-profile)  # issue 25: the W4 layer tail alone (32 launches in a graph) and per stage (-DW4LT_PROFILE)
-      CUDA_HOME=${CUDA_HOME:-/usr/local/cuda-13.0} python3 scripts/persistent_gemv/profile_tail.py \
-        | tee "$dir/tail-profile.jsonl" ;;
-    ab-tail)  # issue 25: W11-awq with the W4 layer tail off and on, alternately (scripts/ab_engine.sh)
-      CUDA_HOME=${CUDA_HOME:-/usr/local/cuda-13.0} MINIVLLM_W4_LAYER_TAIL=1 OUT=$dir bash scripts/ab_engine.sh run \
-        "${AB_ROUNDS:-2}" "${AB_SPECS:-.@MINIVLLM_W4_LAYER_TAIL=0 .}" | tee "$dir/ab-tail.txt" ;;
+      python3 scripts/persistent_gemv/profile_tail.py | tee "$dir/tail-profile.jsonl" ;;
     persistent-chain)  # issue 25: scripts/persistent_gemv/chain.cu built with nvcc and run (a token's 128
       # GEMVs in one persistent launch, v1-v4, each checked against its per-stage reference)
       nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/chain scripts/persistent_gemv/chain.cu \

@@ -25,8 +25,9 @@
 # vLLM rows of a session into one lease; name only the test files and GPU_TESTS_K that need a run).
 #   0. Issue 25 after leases 68-73 (2026-11-29 morning): MINIVLLM_W4_LAYER_TAIL=1 (kernels/w4_layer_tail.py,
 #      one persistent launch a layer for o_proj .. down_proj and the next layer's qkv) takes W11-awq to
-#      1.90 ms a token (59.6 % of the roofline; 2.46 without). Steps tail-profile and ab-tail time it
-#      (CUDA_HOME defaults to /usr/local/cuda-13.0 there). Next: attention in the tail, rotary + KV store
+#      1.90 ms a token (59.6 % of the roofline; 2.46 without). Step tail-profile times it alone; in the
+#      engine: ab-engine with MINIVLLM_W4_LAYER_TAIL=1 exported and AB_SPECS=".@MINIVLLM_W4_LAYER_TAIL=0 ."
+#      (the kernel is built with the nvcc on PATH there). Next: attention in the tail, rotary + KV store
 #      in stage 3, batches of 2-8 through the same tiles; a same-lease vLLM W11-awq row.
 #   1. Issue 25, W11-awq at 45.4 % of the H200's int4 roofline (2.464 ms a token, lease 57; 2.598 in
 #      lease 56 before the greedy argmax kernel, SKIP_EMPTY and the one input copy; 1.45x vLLM's
