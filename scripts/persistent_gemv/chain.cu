@@ -105,17 +105,6 @@ __device__ inline float sum_squares(const float4* a) {
   return acc;
 }
 
-// The sum of v over the block's first n threads (n a multiple of 32): a shuffle tree a warp, the
-// warps' partials through `scratch`, `sync` the barrier among those threads. Each gets the total.
-template <typename Sync>
-__device__ inline float block_sum(float v, float* scratch, int n, Sync sync) {
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  sync();
-  float total = 0.f;
-  for (int w = 0; w < n / 32; ++w) total += scratch[w];
-  return total;
-}
 __device__ inline void block_sync() { __syncthreads(); }
 
 __device__ inline float silu(float v) { return v / (1.f + __expf(-v)); }

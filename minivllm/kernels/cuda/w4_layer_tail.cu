@@ -96,14 +96,9 @@ __device__ inline void rowtile_range(const Stage& S, int b, int G, int& lo, int&
   hi = (int)((long long)(b + 1) * S.rowtiles / G);
 }
 
-// The sum of v over the 8 math warps (each gets the total); scratch: 8 floats.
+// The sum of v over the 8 math warps (each gets the total); scratch: 8 floats, free again on return.
 __device__ inline float consumers_sum(float v, float* scratch) {
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  consumer_sync();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < CONSUMERS / 32; ++w) total += scratch[w];
+  const float total = block_sum(v, scratch, CONSUMERS, consumer_sync);
   consumer_sync();  // scratch may be reused
   return total;
 }

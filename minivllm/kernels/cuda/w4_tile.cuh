@@ -79,6 +79,19 @@ __device__ inline void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The sum of v over the block's first n threads (n a multiple of 32): a shuffle tree a warp, the
+// warps' partials through `scratch` (n / 32 floats), `sync` the barrier among those threads. Each
+// gets the total.
+template <typename Sync>
+__device__ inline float block_sum(float v, float* scratch, int n, Sync sync) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  sync();
+  float total = 0.f;
+  for (int w = 0; w < n / 32; ++w) total += scratch[w];
+  return total;
+}
+
 // ---- the tile's math -----------------------------------------------------------------------
 // A lane's two rows' (scale, 1024 + zero) for the warp's two groups of a tile, and the zeros in the
 // forms the unfolded dequantisation subtracts: 1024 + z for row r (plain nibbles), -(64 + z) for
