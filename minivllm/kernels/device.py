@@ -1,4 +1,5 @@
-"""The GPU fact the kernels size their grids by: the number of SMs (split-K, split counts, tile widths)."""
+"""The GPU facts the kernels size their grids by: the number of SMs (split-K, split counts, tile
+widths), and which GPU a device names."""
 
 from __future__ import annotations
 
@@ -20,3 +21,8 @@ def num_sms(device: torch.device | str) -> int:
 @functools.lru_cache(maxsize=None)
 def _cuda_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device (index None: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()

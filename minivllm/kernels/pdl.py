@@ -37,6 +37,8 @@ import os
 
 import torch
 
+from minivllm.kernels.device import cuda_index
+
 try:
     import triton
     import triton.language as tl
@@ -53,7 +55,7 @@ def pdl_enabled(device: torch.device) -> bool:
     MINIVLLM_PDL not "0"."""
     if triton is None or device.type != "cuda" or os.environ.get("MINIVLLM_PDL", "1") == "0":
         return False
-    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    return _capability_major(cuda_index(device)) >= 9
 
 
 @functools.lru_cache(maxsize=None)

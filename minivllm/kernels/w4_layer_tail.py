@@ -36,6 +36,7 @@ import threading
 import torch
 from torch import nn
 
+from minivllm.kernels.device import cuda_index
 from minivllm.quant.w4_tiles import TILE_K, gate_up_row_order, tiles_fit, to_tiles
 
 logger = logging.getLogger(__name__)
@@ -67,10 +68,6 @@ def coop_on() -> bool:
     MINIVLLM_W4_TAIL_COOP=0; it costs 0.1 % of W11-awq's token (lease 73, docs/perf.md). Read at
     each launch."""
     return os.environ.get("MINIVLLM_W4_TAIL_COOP", "1") != "0"
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def pdl_on(device: torch.device) -> bool:
@@ -282,7 +279,7 @@ def attach_layer_tails(model: nn.Module) -> int:
     kmax = max(max(layer.self_attn.o_proj.in_features, layer.mlp.down_proj.in_features,
                    layer.mlp.down_proj.out_features) for layer in layers)
     with _lib_lock:  # (w4lt_grid raises a per-device limit: one caller at a time)
-        grid = lib.w4lt_grid(_index(dev), kmax)
+        grid = lib.w4lt_grid(cuda_index(dev), kmax)
     if grid <= 0:
         raise RuntimeError(f"W4 layer tail: no block of the kernel fits this GPU (kmax {kmax}, grid {grid})")
     counters = torch.zeros(MAX_STAGES + 1, dtype=torch.int32, device=dev)  # one set: launches run in stream order
