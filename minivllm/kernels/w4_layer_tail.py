@@ -46,7 +46,7 @@ SOURCES = ("w4_layer_tail.cu", "w4_tile.cuh")
 IN_PLAIN, IN_ADD_NORM = 0, 1
 OUT_STORE, OUT_SWIGLU = 0, 1
 MAX_STAGES = 4
-MAX_K = 8 * 2048  # the widest stage input the kernel takes (its stage_input cases)
+MAX_K = 8 * TILE_K  # the widest stage input the kernel takes (its stage_input cases)
 
 
 def enabled() -> bool:
