@@ -42,6 +42,8 @@
 #   persistent-chain    scripts/persistent_gemv/chain.cu built with nvcc and run: a token's 128 W4A16 GEMVs in one
 #                       persistent launch, each design against its reference (issue 25, docs/perf.md 2026-11-29)
 #   tail-profile        scripts/persistent_gemv/profile_tail.py: the engine's W4 layer tail alone and per stage
+#                       (TAIL_VARIANTS: several builds, e.g. "- W4LT_NO_WAIT W4LT_NO_MATH"; profile-awq-tail:
+#                       W11-awq's kernel times in the engine with the tail on)
 #                       (issue 25; its A/B in the engine: ab-engine with MINIVLLM_W4_LAYER_TAIL=1 exported and
 #                       AB_SPECS=".@MINIVLLM_W4_LAYER_TAIL=0 .")
 #   dense-stream        scripts/bench_dense_gemv.py --stream: the streaming dense GEMV's tiles (issue 21)
@@ -247,8 +249,23 @@ run_step() {  # run_step STEP LANE_DIR PORT
       cp minivllm/kernels/configs/w4a16_tiled/*.json "$dir/" ;;
     gemv-read-probe)  # issue 25: the W4A16 GEMV's reads alone on its own tiles vs a flat read vs the GEMV
       python3 scripts/probe_gemv_read.py --out "$dir/gemv-read-probe.json" ;;
-    tail-profile)  # issue 25: the W4 layer tail alone (32 launches in a graph) and per stage (-DW4LT_PROFILE)
-      python3 scripts/persistent_gemv/profile_tail.py | tee "$dir/tail-profile.jsonl" ;;
+    tail-profile)  # issue 25: the W4 layer tail alone (32 launches in a graph) and per stage (-DW4LT_PROFILE);
+      # TAIL_VARIANTS: builds to time in turn, each a comma-separated list of -D defines ("-": none), e.g.
+      # "- W4LT_NO_WAIT W4LT_NO_MATH,W4LT_SLOTS=4" (the builds run in parallel first)
+      local variants=${TAIL_VARIANTS:--} v
+      for v in $variants; do
+        python3 -c "import sys; from minivllm.kernels import w4_layer_tail as lt; d=sys.argv[1]; \
+lt.load_library(tuple(x for x in d.split(',') if x != '-')); lt.load_library(('W4LT_PROFILE',) + \
+tuple(x for x in d.split(',') if x != '-'))" "$v" &
+      done
+      wait
+      for v in $variants; do
+        python3 scripts/persistent_gemv/profile_tail.py --defines $(echo "$v" | tr ',' ' ' | sed 's/^-$//') \
+          | tee -a "$dir/tail-profile.jsonl"
+      done ;;
+    profile-awq-tail)  # issue 25: W11-awq's critical-path kernel times in CUDA graphs with the W4 layer tail on
+      MINIVLLM_W4_LAYER_TAIL=1 python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 \
+        --prompt-len 128 --max-tokens 64 --out "$dir/profile-awq1-tail-graphs.json" ;;
     persistent-chain)  # issue 25: scripts/persistent_gemv/chain.cu built with nvcc and run (a token's 128
       # GEMVs in one persistent launch, v1-v4, each checked against its per-stage reference)
       nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/chain scripts/persistent_gemv/chain.cu \

@@ -140,9 +140,11 @@ __device__ void wait_and_load_input(const Stage& S, int s, const int* counter, i
 #pragma unroll
     for (int j = 0; j < (PRELOAD ? J : 1); ++j) w[j] = __ldg((const uint4*)S.norm_w + tid + CONSUMERS * j);
   }
+#ifndef W4LT_NO_WAIT  // (profiling only: the math on whatever inputs are there, the waits' cost)
   if (wait_target > 0 && tid == 0) {  // every row of the previous stage is stored
     while (load_acquire(counter) < wait_target) __nanosleep(32);
   }
+#endif
   consumer_sync();
   stamp(3 + 4 * s);
   if (S.in_kind == IN_PLAIN) {
@@ -301,8 +303,10 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
         load_xr(xs + kc * KCHUNK, xr);
         const int slot = i % D;
         mbar_wait_sleep(full + slot, (i / D) & 1);
-        float a, b;
+        float a = 0.f, b = 0.f;
+#ifndef W4LT_NO_MATH  // (profiling only: the tiles consumed unread, the math's cost)
         tile_dot<true>(ring + slot * TILE_BYTES, xr, gsum + kc * GROUPS, a, b);
+#endif
         acc_a += a; acc_b += b;
         __syncwarp();
         if (tid % 32 == 0) mbar_arrive(empty + slot);
