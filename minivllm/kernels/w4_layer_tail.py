@@ -37,14 +37,14 @@ import torch
 from torch import nn
 
 from minivllm.kernels.device import cuda_index
-from minivllm.quant.w4_tiles import TILE_K, gate_up_row_order, tiles_fit, to_tiles
+from minivllm.quant.w4_tiles import TILE_K, TILE_ROWS, gate_up_row_order, rope_row_order, tiles_fit, to_tiles
 
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
 SOURCES = ("w4_layer_tail.cu", "w4_tile.cuh")
 IN_PLAIN, IN_ADD_NORM = 0, 1
-OUT_STORE, OUT_SWIGLU = 0, 1
+OUT_STORE, OUT_SWIGLU, OUT_QKV = 0, 1, 2
 MAX_STAGES = 4
 MAX_K = 8 * TILE_K  # the widest stage input the kernel takes (its stage_input cases)
 
@@ -84,6 +84,14 @@ class _Stage(ctypes.Structure):  # FlatStage in w4_layer_tail.cu
                 ("in_kind", ctypes.c_int), ("out_kind", ctypes.c_int)]
 
 
+class _Rope(ctypes.Structure):  # FlatRope in w4_layer_tail.cu
+    _fields_ = [("positions", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p), ("slots", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("stride_block", ctypes.c_longlong),
+                ("stride_slot", ctypes.c_longlong), ("stride_head", ctypes.c_longlong), ("cs_stride", ctypes.c_int),
+                ("block_size", ctypes.c_int), ("q_heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+                ("head_dim", ctypes.c_int), ("rotate", ctypes.c_int)]
+
+
 def find_nvcc() -> str | None:
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
@@ -117,8 +125,9 @@ def load_library(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
         lib.w4lt_grid.restype = ctypes.c_int
         lib.w4lt_grid.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.w4lt_launch.restype = ctypes.c_int
-        lib.w4lt_launch.argtypes = [ctypes.POINTER(_Stage), ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
-                                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.w4lt_launch.argtypes = [ctypes.POINTER(_Stage), ctypes.c_int, ctypes.POINTER(_Rope), ctypes.c_void_p,
+                                    ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_void_p]
         lib.w4lt_error_string.restype = ctypes.c_char_p
         lib.w4lt_error_string.argtypes = [ctypes.c_int]
         _libs[defines] = lib
@@ -152,13 +161,62 @@ def stage(tiles: torch.Tensor, in0: torch.Tensor, out: torch.Tensor, k: int, row
 
 
 def launch(stages: list[_Stage], counters: torch.Tensor, eps: float, grid: int, kmax: int, device: torch.device,
-           lib: ctypes.CDLL | None = None) -> None:
-    """One launch of the kernel over `stages` on the current stream (raises on a launch error)."""
+           lib: ctypes.CDLL | None = None, rope: _Rope | None = None) -> None:
+    """One launch of the kernel over `stages` on the current stream (raises on a launch error);
+    `rope`: an OUT_QKV stage's (qkv_rope)."""
     lib = lib or load_library()
-    err = lib.w4lt_launch((_Stage * len(stages))(*stages), len(stages), counters.data_ptr(), float(eps), grid, kmax,
-                          int(pdl_on(device)), int(coop_on()), torch.cuda.current_stream(device).cuda_stream)
+    err = lib.w4lt_launch((_Stage * len(stages))(*stages), len(stages), None if rope is None else ctypes.byref(rope),
+                          counters.data_ptr(), float(eps), grid, kmax, int(pdl_on(device)), int(coop_on()),
+                          torch.cuda.current_stream(device).cuda_stream)
     if err != 0:
         raise RuntimeError(f"W4 layer tail launch failed: {lib.w4lt_error_string(err).decode()}")
+
+
+class RopeTarget:
+    """The next layer's attention inputs that a chained tail's qkv stage fills: rotary on q and k
+    with the `cos_sin` table at the token's position, and the rotated K with V stored in the
+    caches at the token's slot (what Attention.attend_qkv's rotary_store_kv does)."""
+
+    def __init__(self, positions: torch.Tensor, slot_mapping: torch.Tensor, cos_sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+        self.positions, self.slot_mapping, self.cos_sin = positions, slot_mapping, cos_sin
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+
+
+def rope_target(attention: nn.Module, positions: torch.Tensor, slot_mapping: torch.Tensor) -> RopeTarget | None:
+    """A RopeTarget for this Attention's one-token step, or None where the tail's epilogue does not
+    do what attend_qkv would: the CUDA rotary_store_kv path (MINIVLLM_ROTARY_STORE_KV) with float16
+    caches of q's dtype, no q/k norm, no FP8 scale calibration, int64 positions and slots, a float32
+    cos | sin table over the whole head dim, and MINIVLLM_W4_TAIL_ROPE not 0."""
+    from minivllm.kernels.store_kv import rotary_store_enabled
+    if os.environ.get("MINIVLLM_W4_TAIL_ROPE", "1") == "0" or not rotary_store_enabled():
+        return None
+    k_cache, v_cache = getattr(attention, "k_cache", None), getattr(attention, "v_cache", None)
+    cos_sin = attention.rotary.cos_sin
+    if (getattr(attention.backend, "rotary_store_kv", None) is None or attention.q_norm is not None
+            or attention.calibrate_kv or k_cache is None or v_cache is None or k_cache.dim() != 4
+            or k_cache.dtype != torch.float16 or v_cache.dtype != torch.float16
+            or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
+            or tuple(k_cache.shape[2:]) != (attention.num_kv_heads, attention.head_dim)
+            or cos_sin.dtype != torch.float32 or cos_sin.shape[-1] != attention.head_dim or cos_sin.stride(-1) != 1
+            or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64
+            or attention.head_dim % TILE_ROWS != 0):
+        return None
+    return RopeTarget(positions, slot_mapping, cos_sin, k_cache, v_cache, attention.num_heads,
+                      attention.num_kv_heads)
+
+
+def qkv_rope(target: RopeTarget | None, heads: tuple[int, int, int]) -> _Rope:
+    """The kernel's Rope for an OUT_QKV stage: with a target, rotate and store; without one,
+    only the rows back in their natural order (heads: q heads, kv heads, head dim)."""
+    q_heads, kv_heads, head_dim = heads
+    if target is None:
+        return _Rope(0, 0, 0, 0, 0, 0, 0, 0, 0, 1, q_heads, kv_heads, head_dim, 0)
+    kc = target.k_cache
+    return _Rope(target.positions.data_ptr(), target.cos_sin.data_ptr(), target.slot_mapping.data_ptr(),
+                 kc.data_ptr(), target.v_cache.data_ptr(), kc.stride(0), kc.stride(1), kc.stride(2),
+                 target.cos_sin.stride(0), kc.shape[1], q_heads, kv_heads, head_dim, 1)
 
 
 class W4LayerTail(nn.Module):
@@ -167,11 +225,16 @@ class W4LayerTail(nn.Module):
     forward(attn [1, q_size], residual [1, H]) -> (mlp_out [1, H], o_proj(attn) + residual [1, H]):
     the values of o_proj, post_attention_layernorm and the MLP run one after the other.
     forward(attn, residual, next_tail) also runs the next layer's input_layernorm and qkv_proj
-    (stage 3, with next_tail's qkv tiles) -> (qkv [1, q + 2 kv] of the next layer, its residual)."""
+    (stage 3, with next_tail's qkv tiles) -> (qkv [1, q + 2 kv] of the next layer, its residual);
+    forward(attn, residual, next_tail, rope) also rotates that qkv's q and stores its rotated K and
+    V in the next layer's caches (RopeTarget: the next attention then skips its rotary_store_kv).
+    `heads` (q heads, kv heads, head dim) of this layer's attention: its qkv tiles are in
+    rope_row_order."""
 
     def __init__(self, o_proj: nn.Module, gate_up: nn.Module, down: nn.Module, norm_weight: torch.Tensor,
                  eps: float, counters: torch.Tensor, grid: int, qkv_proj: nn.Module | None = None,
-                 input_norm_weight: torch.Tensor | None = None, kmax: int | None = None) -> None:
+                 input_norm_weight: torch.Tensor | None = None, kmax: int | None = None,
+                 heads: tuple[int, int, int] | None = None) -> None:
         super().__init__()
         self.q_size, self.hidden = o_proj.in_features, o_proj.out_features
         self.intermediate = down.in_features
@@ -183,18 +246,28 @@ class W4LayerTail(nn.Module):
         self.norm_weight, self.eps = norm_weight, eps  # post_attention_layernorm's
         # this layer's qkv_proj and input_layernorm, run by the PREVIOUS layer's tail (stage 3)
         self.qkv_rows = qkv_proj.out_features if qkv_proj is not None else 0
+        self.heads = heads
+        if qkv_proj is not None:
+            assert heads is not None and (heads[0] + 2 * heads[1]) * heads[2] == self.qkv_rows, (heads, self.qkv_rows)
+            order = rope_row_order(heads[0] + 2 * heads[1], heads[2], qkv_proj.qweight.device)
         self.register_buffer("qkv_tiles", None if qkv_proj is None else
-                             to_tiles(qkv_proj.qweight, qkv_proj.scales, qkv_proj.zeros), persistent=False)
+                             to_tiles(qkv_proj.qweight, qkv_proj.scales, qkv_proj.zeros, order), persistent=False)
         self.input_norm_weight = input_norm_weight
         self.counters, self.grid = counters, grid
         # the shared memory's input row: the model's widest stage input (the grid was sized with it)
         self.kmax = kmax if kmax is not None else max(self.q_size, self.hidden, self.intermediate)
 
+    def rope_target(self, attention: nn.Module, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> RopeTarget | None:
+        """What forward's `rope` may be for the next layer's `attention` this step (module-level
+        rope_target), or None."""
+        return rope_target(attention, positions, slot_mapping)
+
     def extra_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
 
-    def forward(self, attn: torch.Tensor, residual: torch.Tensor,
-                next_tail: W4LayerTail | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, attn: torch.Tensor, residual: torch.Tensor, next_tail: W4LayerTail | None = None,
+                rope: RopeTarget | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         assert attn.shape == (1, self.q_size) and residual.shape == (1, self.hidden), (attn.shape, residual.shape)
         attn, residual = attn.contiguous(), residual.contiguous()
         dev = attn.device
@@ -208,14 +281,15 @@ class W4LayerTail(nn.Module):
             stage(self.gu_tiles, o, act, h, 2 * i, IN_ADD_NORM, OUT_SWIGLU, residual, self.norm_weight, res1),
             stage(self.down_tiles, act, mlp_out, i, h),
         ]
-        result = (mlp_out, res1)
+        result, rope_arg = (mlp_out, res1), None
+        assert rope is None or next_tail is not None
         if next_tail is not None:
             qkv = torch.empty(1, next_tail.qkv_rows, dtype=torch.float16, device=dev)
             res2 = torch.empty(1, h, dtype=torch.float16, device=dev)
-            stages.append(stage(next_tail.qkv_tiles, mlp_out, qkv, h, next_tail.qkv_rows, IN_ADD_NORM, OUT_STORE,
+            stages.append(stage(next_tail.qkv_tiles, mlp_out, qkv, h, next_tail.qkv_rows, IN_ADD_NORM, OUT_QKV,
                                 res1, next_tail.input_norm_weight, res2))
-            result = (qkv, res2)
-        launch(stages, self.counters, self.eps, self.grid, self.kmax, dev)
+            result, rope_arg = (qkv, res2), qkv_rope(rope, next_tail.heads)
+        launch(stages, self.counters, self.eps, self.grid, self.kmax, dev, rope=rope_arg)
         return result
 
 
@@ -259,7 +333,10 @@ def why_not_eligible(layer: nn.Module) -> str | None:
 def _qkv_chainable(layer: nn.Module, eps: float) -> bool:
     """Whether a tail can run this layer's input norm and qkv_proj (as the previous tail's stage 3)."""
     norm = layer.input_layernorm
-    return _tileable(layer.self_attn.qkv_proj) is None and _norm_fits(norm) and norm.eps == eps
+    attn = layer.self_attn
+    return (_tileable(attn.qkv_proj) is None and _norm_fits(norm) and norm.eps == eps
+            and attn.head_dim % TILE_ROWS == 0
+            and attn.qkv_proj.out_features == (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim)
 
 
 def attach_layer_tails(model: nn.Module) -> int:
@@ -290,9 +367,11 @@ def attach_layer_tails(model: nn.Module) -> int:
     tails = []  # built first: a failure (e.g. out of memory) leaves the model as it was
     for layer in layers:
         norm = layer.post_attention_layernorm
-        tails.append(W4LayerTail(layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, norm.weight,
-                                 norm.eps, counters, grid, layer.self_attn.qkv_proj if chain else None,
-                                 layer.input_layernorm.weight if chain else None, kmax))
+        attn = layer.self_attn
+        tails.append(W4LayerTail(attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, norm.weight,
+                                 norm.eps, counters, grid, attn.qkv_proj if chain else None,
+                                 layer.input_layernorm.weight if chain else None, kmax,
+                                 (attn.num_heads, attn.num_kv_heads, attn.head_dim)))
     for layer, tail in zip(layers, tails):
         layer.tail = tail
     extra = sum(tail.extra_bytes() for tail in tails)

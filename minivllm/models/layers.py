@@ -154,6 +154,14 @@ class Attention(nn.Module):
         o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         return o.reshape(t, self.q_size)
 
+    def attend_stored(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """attend_qkv for a qkv whose q is already rotated and whose K/V are already in the cache
+        (a chained W4 layer tail did both, kernels/w4_layer_tail.RopeTarget): attention -> [T, q_size]."""
+        t = qkv.shape[0]
+        q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+        o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
+        return o.reshape(t, self.q_size)
+
     def _rotate_and_store(self, positions, q, k, v, meta) -> torch.Tensor | None:
         """The backend's one-kernel rotary (after the q/k norm) and K/V store where it has one
         (Triton on CUDA): -> the rotated q; None where it does not apply, or while this step

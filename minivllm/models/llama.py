@@ -149,14 +149,20 @@ class CausalLM(nn.Module):
     def forward_tails(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One token through the chained W4 tails: the first layer's norm and qkv_proj, then per
         layer attention and one tail launch (o_proj .. down_proj and the next layer's norm and
-        qkv_proj; the last layer's stops at down_proj), then the final norm -> [1, hidden]."""
+        qkv_proj, with that layer's rotary and K/V store where the tail takes them; the last
+        layer's stops at down_proj), then the final norm -> [1, hidden]."""
         residual = self.embed_tokens(input_ids)
         first = self.layers[0]
         qkv = first.self_attn.qkv_proj(first.input_layernorm(residual))
+        stored = False  # whether qkv's q is rotated and its K/V are in the cache (by the previous tail)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn.attend_qkv(positions, qkv, meta)
-            next_tail = self.layers[i + 1].tail if i + 1 < len(self.layers) else None
-            qkv, residual = layer.tail(attn, residual, next_tail)  # the last: (mlp_out, residual)
+            attention = layer.self_attn
+            attn = attention.attend_stored(qkv, meta) if stored else attention.attend_qkv(positions, qkv, meta)
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            # the next layer's rotary and K/V store in the tail's qkv stage, where it can
+            rope = layer.tail.rope_target(nxt.self_attn, positions, meta.slot_mapping) if nxt is not None else None
+            qkv, residual = layer.tail(attn, residual, nxt.tail if nxt is not None else None, rope)
+            stored = rope is not None  # the last layer's tail returns (mlp_out, residual)
         hidden, _ = self.norm(qkv, residual)
         return hidden
 

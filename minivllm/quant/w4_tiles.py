@@ -11,7 +11,8 @@ TILE_WORDS int32 words:
     then  [16 rows][16 groups] half2 {scale, 1024 + zero} as int32 (scale in the low half)
 
 `row_order` puts the weight's rows (output features) in another order first: the layer tail pairs
-gate row i with up row i in one tile (gate_up_row_order). `from_tiles` reads a tile tensor back
+gate row i with up row i in one tile (gate_up_row_order), and a head's rows d and d + D/2 for the
+rotary (rope_row_order). `from_tiles` reads a tile tensor back
 (the tests' inverse); `tile_matvec_reference` is the product the kernel computes, in float32.
 """
 
@@ -40,6 +41,15 @@ def gate_up_row_order(intermediate: int, device: torch.device | None = None) -> 
     rows 8j..8j+7: the kernel's SwiGLU output i then comes from one tile."""
     idx = torch.arange(intermediate, device=device).view(-1, 8)
     return torch.cat([idx, idx + intermediate], dim=1).reshape(-1)
+
+
+def rope_row_order(heads: int, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """Rows of a qkv weight of `heads` heads (q, k and v together) so that tile t holds rows
+    8j..8j+7 of head t // (D/16) (j = t % (D/16)) then the same rows + D/2: the pairs the rotary
+    mixes (neox halves) sit in one tile, so the kernel's epilogue rotates them (OUT_QKV)."""
+    assert head_dim % TILE_ROWS == 0, head_dim
+    idx = torch.arange(heads * head_dim, device=device).view(heads, 2, head_dim // TILE_ROWS, 8)
+    return idx.permute(0, 2, 1, 3).reshape(-1)  # (head, j, half, i) <- row head D + half D/2 + 8j + i
 
 
 def _fp16_bits(t: torch.Tensor) -> torch.Tensor:

@@ -43,8 +43,9 @@ def _tail(o, gu, down, norm, qkv=None, input_norm=None):
     kmax = max(o.in_features, down.in_features, down.out_features)
     grid = lt.load_library().w4lt_grid(torch.cuda.current_device(), kmax)
     counters = torch.zeros(lt.MAX_STAGES + 1, dtype=torch.int32, device="cuda")
+    heads = None if qkv is None else (32, 8, 128)  # Llama-3.1-8B's attention (qkv rows 6,144)
     return lt.W4LayerTail(o, gu, down, norm.weight, norm.eps, counters, grid, qkv,
-                          None if input_norm is None else input_norm.weight)
+                          None if input_norm is None else input_norm.weight, heads=heads)
 
 
 def _unfused(o, gu, down, norm, attn, residual):
@@ -107,6 +108,37 @@ def test_chained_tail_runs_the_next_layers_norm_and_qkv() -> None:
     ref_qkv = w4a16_linear(h, qkv_lin.qweight, qkv_lin.scales, qkv_lin.zeros, 128)
     assert torch.equal(res2, ref_res2)  # the same fp16 sum of the same (bit-identical) inputs
     assert qkv.shape == (1, 6144) and _rel(qkv, ref_qkv) < 1e-2
+
+
+@pytest.mark.parametrize("slot", [37, -1])
+def test_chained_tail_rotates_q_and_stores_the_next_layers_kv(slot: int) -> None:
+    """OUT_QKV with a RopeTarget: q rotated in qkv, the rotated K and V in the caches at the token's
+    slot (none for slot -1), bit for bit what rotary_store_kv does to the unrotated qkv."""
+    from minivllm.kernels import w4_layer_tail as lt
+    from minivllm.kernels.store_kv import rotary_store_kv
+    from minivllm.models.layers import RotaryEmbedding
+    o, gu, down, norm, attn, residual = _case(4096, 4096, 14336, seed=6)
+    gen = torch.Generator().manual_seed(11)
+    qkv_lin = _linear(4096 + 2 * 1024, 4096, gen)
+    in_norm = types.SimpleNamespace(weight=(1 + 0.1 * torch.randn(4096, generator=gen)).half().cuda(), eps=1e-5)
+    tail, nxt = _tail(o, gu, down, norm), _tail(o, gu, down, norm, qkv_lin, in_norm)
+    plain, res = tail(attn, residual, nxt)
+    cos_sin = RotaryEmbedding(128, 4096, 500000.0, None).cos_sin.cuda()
+    positions = torch.tensor([1234], dtype=torch.int64, device="cuda")
+    slots = torch.tensor([slot], dtype=torch.int64, device="cuda")
+    caches = [torch.randn(4, 16, 8, 128, device="cuda").half() for _ in range(4)]  # k, v; reference k, v
+    caches[2].copy_(caches[0])
+    caches[3].copy_(caches[1])
+    target = lt.RopeTarget(positions, slots, cos_sin, caches[0], caches[1], 32, 8)
+    roped, res_r = tail(attn, residual, nxt, target)
+    ref = plain.clone()
+    q, k, v = ref.split([4096, 1024, 1024], dim=-1)
+    rotary_store_kv(positions, q.view(1, 32, 128), k.view(1, 8, 128), v.view(1, 8, 128), cos_sin, caches[2],
+                    caches[3], slots)
+    assert torch.equal(res_r, res)
+    assert not torch.equal(ref[:, :4096], plain[:, :4096])  # (the position rotates q)
+    assert torch.equal(roped, ref)  # q rotated, k and v as the GEMV left them
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
 @pytest.mark.parametrize("pdl,coop", [("0", "0"), ("1", "0"), ("1", "1")])
@@ -177,19 +209,23 @@ def test_engine_takes_the_tail_for_decode_steps(tmp_path, monkeypatch) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(100, 164))}]
     tokens = {}
+    from minivllm.kernels import w4_layer_tail as lt
     for mode, env in (("off", {"MINIVLLM_W4_LAYER_TAIL": "0"}),
                       ("layer", {"MINIVLLM_W4_LAYER_TAIL": "1", "MINIVLLM_W4_TAIL_CHAIN": "0"}),
-                      ("chain", {"MINIVLLM_W4_LAYER_TAIL": "1", "MINIVLLM_W4_TAIL_CHAIN": "1"})):
+                      ("chain", {"MINIVLLM_W4_LAYER_TAIL": "1", "MINIVLLM_W4_TAIL_CHAIN": "1"}),
+                      ("chain-norope", {"MINIVLLM_W4_TAIL_ROPE": "0"})):
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="float16", max_model_len=1024,
                   kv_cache_memory_bytes=1 << 30, seed=0)
         runner_model = llm.llm_engine.executor.runner.model
         assert all((layer.tail is not None) == (mode != "off") for layer in runner_model.layers)
-        assert runner_model.tail_chain == (mode == "chain")
+        assert runner_model.tail_chain == mode.startswith("chain")
         tokens[mode] = llm.generate(prompts, params)[0].outputs[0].token_ids
+        i64 = torch.zeros(1, dtype=torch.int64, device="cuda")  # the tail rotates where the env lets it
+        assert (lt.rope_target(runner_model.layers[1].self_attn, i64, i64) is not None) == (mode == "chain")
         llm.llm_engine.shutdown()
         del llm, runner_model
         torch.cuda.empty_cache()
     assert len(tokens["chain"]) == 12
-    assert tokens["layer"] == tokens["off"] and tokens["chain"] == tokens["off"]
+    assert tokens["layer"] == tokens["off"] and tokens["chain"] == tokens["off"] == tokens["chain-norope"]

@@ -150,12 +150,14 @@ def test_layer_tail_module_holds_each_weight_as_tiles() -> None:
     o, gu, down, qkv = _lin(h, q, 1), _lin(2 * inter, h, 2), _lin(h, inter, 3), _lin(q + 1024, h, 4)
     counters = torch.zeros(lt.MAX_STAGES + 1, dtype=torch.int32)
     tail = lt.W4LayerTail(o, gu, down, torch.ones(h, dtype=torch.float16), 1e-5, counters, 264, qkv,
-                          torch.ones(h, dtype=torch.float16), kmax=14336)
+                          torch.ones(h, dtype=torch.float16), kmax=14336, heads=(16, 4, 128))
     assert (tail.q_size, tail.hidden, tail.intermediate, tail.qkv_rows, tail.kmax) == (q, h, inter, q + 1024, 14336)
     assert torch.equal(tail.o_tiles, tiles.to_tiles(o.qweight, o.scales, o.zeros))
     q_gu, _, _ = tiles.from_tiles(tail.gu_tiles, 2 * inter, h)
     assert torch.equal(q_gu, w4.unpack_engine(gu.qweight)[:, tiles.gate_up_row_order(inter)])
-    assert torch.equal(tail.qkv_tiles, tiles.to_tiles(qkv.qweight, qkv.scales, qkv.zeros))
+    # qkv's tiles pair each head's rows d and d + 64 (the rotary's halves) for the OUT_QKV epilogue
+    assert torch.equal(tail.qkv_tiles, tiles.to_tiles(qkv.qweight, qkv.scales, qkv.zeros,
+                                                      tiles.rope_row_order(24, 128)))
     words = sum(t.numel() for t in (tail.o_tiles, tail.gu_tiles, tail.down_tiles, tail.qkv_tiles))
     assert tail.extra_bytes() == 4 * words
     unchained = lt.W4LayerTail(o, gu, down, torch.ones(h, dtype=torch.float16), 1e-5, counters, 264)
@@ -170,6 +172,32 @@ def test_stage_struct_mirrors_the_kernels() -> None:
     assert ctypes.sizeof(lt._Stage) == 72
     src = open(f"{lt.SOURCE_DIR}/w4_layer_tail.cu").read()
     assert "const void *tiles, *in0, *in1, *norm_w;\n  void *res_out, *out;\n  int k, rowtiles, kchunks, in_kind, out_kind;" in src
+
+
+def test_rope_struct_mirrors_the_kernels() -> None:
+    """ctypes' _Rope is w4_layer_tail.cu's FlatRope: 5 pointers, 3 int64 strides, 6 ints (88 bytes)."""
+    import ctypes
+    assert [name for name, _ in lt._Rope._fields_] == ["positions", "cos_sin", "slots", "k_cache", "v_cache",
+                                                        "stride_block", "stride_slot", "stride_head", "cs_stride",
+                                                        "block_size", "q_heads", "kv_heads", "head_dim", "rotate"]
+    assert ctypes.sizeof(lt._Rope) == 88
+    src = open(f"{lt.SOURCE_DIR}/w4_layer_tail.cu").read()
+    assert ("const void *positions, *cos_sin, *slots;\n  void *k_cache, *v_cache;\n  long long stride_block, "
+            "stride_slot, stride_head;\n  int cs_stride, block_size, q_heads, kv_heads, head_dim, rotate;") in src
+
+
+@pytest.mark.parametrize("heads,head_dim", [(1, 16), (3, 64), (48, 128)])
+def test_rope_row_order_pairs_the_rotary_halves_in_each_tile(heads: int, head_dim: int) -> None:
+    """Tile t's rows i and i + 8 are rows d and d + D/2 of one head, d = 8 (t % (D/16)) + i, in
+    head order: the kernel's OUT_QKV epilogue rotates them without leaving the tile."""
+    order = tiles.rope_row_order(heads, head_dim)
+    assert sorted(order.tolist()) == list(range(heads * head_dim))
+    per_head = head_dim // 16
+    for t, rows in enumerate(order.view(-1, 16).tolist()):
+        head, j = divmod(t, per_head)
+        for i in range(8):
+            d = 8 * j + i
+            assert rows[i] == head * head_dim + d and rows[i + 8] == head * head_dim + d + head_dim // 2
 
 
 def test_build_without_nvcc_says_so(monkeypatch, tmp_path) -> None:

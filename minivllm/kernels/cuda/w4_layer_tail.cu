@@ -6,7 +6,9 @@
 //   a   = silu(h @ Wg^T) * (h @ Wu^T)       stage 1: gate and up rows paired in each tile
 //   out = a @ Wd^T                          stage 2: input a [I] fp16
 //   qkv = RMSNorm(out + s) * w' @ Wqkv'^T   stage 3 (optional): the NEXT layer's input norm and
-//                                           qkv projection (-> residual_out of that norm too)
+//                                           qkv projection (-> residual_out of that norm too), and
+//                                           with Rope::rotate that layer's rotary on q and k and its
+//                                           K/V store into the cache (OUT_QKV)
 //
 // It replaces five launches (o GEMV, add + norm, gate_up GEMV, SiLU-and-mul, down GEMV) by one (with
 // stage 3 also the next layer's norm and qkv GEMV), and streams the weights (the tile format of
@@ -49,7 +51,7 @@ constexpr int D = W4LT_SLOTS;               // ring slots: 3 measured faster tha
 constexpr int MAX_STAGES = 4;
 
 enum InKind { IN_PLAIN = 0, IN_ADD_NORM = 1 };
-enum OutKind { OUT_STORE = 0, OUT_SWIGLU = 1 };
+enum OutKind { OUT_STORE = 0, OUT_SWIGLU = 1, OUT_QKV = 2 };
 
 struct Stage {
   const uint4* tiles;   // rowtiles x kchunks tiles, tile (rt, kc) at rt * kchunks + kc
@@ -57,11 +59,28 @@ struct Stage {
   const __half* in1;    // IN_ADD_NORM: [k] residual
   const __half* norm_w; // IN_ADD_NORM: [k] RMSNorm weight
   __half* res_out;      // IN_ADD_NORM: [k] in0 + in1, written by the grid's last block
-  __half* out;          // OUT_STORE: [16 rowtiles]; OUT_SWIGLU: [8 rowtiles] (rows 0-7 gate, 8-15 up)
+  __half* out;          // OUT_STORE: [16 rowtiles]; OUT_SWIGLU: [8 rowtiles] (rows 0-7 gate, 8-15 up);
+                        // OUT_QKV: [16 rowtiles] in the natural row order (below)
   int k, rowtiles, kchunks, in_kind, out_kind;
+};
+// OUT_QKV: the qkv rows of heads of head_dim D, tiled in quant/w4_tiles.rope_row_order: tile rt holds
+// rows 8j .. 8j + 7 of head rt / (D / 16) (j = rt % (D / 16)) and, as rows 8-15, the same rows + D / 2,
+// the pairs the rotary (neox halves) mixes. With `rotate`: q (heads < q_heads) is stored rotated, k
+// and v (the next kv_heads, and the kv_heads after them) unrotated as the rotary kernels leave qkv,
+// and the rotated k and v go into the cache slot of the token: what the engine's rotary_store_kv
+// does, with the same float32 operations (kernels/store_kv.py), so the same bits.
+struct Rope {
+  const long long* positions;  // [1] the token's position
+  const float* cos_sin;        // [max_pos, cs_stride] float32: cos (D / 2) | sin (D / 2)
+  const long long* slots;      // [1] the token's cache slot; < 0 stores nothing
+  __half* k_cache;             // [blocks, block_size, kv_heads, D], v_cache with the same strides
+  __half* v_cache;
+  long long stride_block, stride_slot, stride_head;  // elements
+  int cs_stride, block_size, q_heads, kv_heads, head_dim, rotate;
 };
 struct Args {
   Stage st[MAX_STAGES];
+  Rope rope;  // OUT_QKV's
   int* counters;  // [MAX_STAGES + 1], 0 on entry and on exit
   float eps;
   int nstages, pdl;
@@ -229,10 +248,47 @@ __device__ void stage_input(const Args& args, int s, bool writer, __half* xs, fl
   }
 }
 
+// OUT_QKV's row pair (d, d + D / 2) of head `head` (x1, x2 rounded to fp16 as qkv stores them).
+__device__ inline void store_qkv_pair(const Stage& S, const Rope& R, int head, int d, __half x1, __half x2) {
+  const int half = R.head_dim / 2;
+  const size_t r1 = (size_t)head * R.head_dim + d;
+  const bool q = head < R.q_heads, k = !q && head < R.q_heads + R.kv_heads;
+  if (!R.rotate) {
+    S.out[r1] = x1;
+    S.out[r1 + half] = x2;
+    return;
+  }
+  __half o1 = x1, o2 = x2;  // v: as it is
+  if (head < R.q_heads + R.kv_heads) {  // rotated, as rotated_heads: fma(c, x1, -(s x2)), fma(s, x1, c x2)
+    const float* cs = R.cos_sin + *R.positions * R.cs_stride;
+    const float c = cs[d], sn = cs[half + d], f1 = __half2float(x1), f2 = __half2float(x2);
+    o1 = __float2half_rn(__fmaf_rn(c, f1, -__fmul_rn(sn, f2)));
+    o2 = __float2half_rn(__fmaf_rn(sn, f1, __fmul_rn(c, f2)));
+  }
+  S.out[r1] = q ? o1 : x1;  // k and v stay unrotated in qkv
+  S.out[r1 + half] = q ? o2 : x2;
+  const long long slot = *R.slots;
+  if (q || slot < 0) return;
+  const int kv_head = k ? head - R.q_heads : head - R.q_heads - R.kv_heads;
+  __half* cache = k ? R.k_cache : R.v_cache;
+  const size_t at = (size_t)(slot / R.block_size) * R.stride_block + (size_t)(slot % R.block_size) * R.stride_slot +
+                    (size_t)kv_head * R.stride_head + d;
+  cache[at] = o1;
+  cache[at + half] = o2;
+}
+
 // A finished row tile: red holds the 8 warps' partial sums of its 16 rows ([warp][row]).
-__device__ inline void store_rowtile(const Stage& S, int rt, const float* red) {
+__device__ inline void store_rowtile(const Stage& S, const Rope& R, int rt, const float* red) {
   const int tid = threadIdx.x;
-  if (S.out_kind == OUT_STORE) {
+  if (S.out_kind == OUT_QKV) {
+    if (tid < ROWS / 2) {  // rows tid (first half of the head) and tid + 8 (second half)
+      float a = 0.f, b = 0.f;
+#pragma unroll
+      for (int w = 0; w < CONSUMERS / 32; ++w) { a += red[w * ROWS + tid]; b += red[w * ROWS + tid + 8]; }
+      const int per_head = R.head_dim / ROWS;
+      store_qkv_pair(S, R, rt / per_head, (rt % per_head) * (ROWS / 2) + tid, __float2half_rn(a), __float2half_rn(b));
+    }
+  } else if (S.out_kind == OUT_STORE) {
     if (tid < ROWS) {
       float v = 0.f;
 #pragma unroll
@@ -314,7 +370,7 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
       const int lane = tid % 32;
       if (lane % 4 == 0) { red[warp * ROWS + lane / 4] = acc_a; red[warp * ROWS + lane / 4 + 8] = acc_b; }
       consumer_sync();
-      store_rowtile(S, rt, red);
+      store_rowtile(S, args.rope, rt, red);
       consumer_sync();  // red is free again
     }
     if (tid == 0) {  // the stores above (threads < 16) are ordered before the count by the barrier + fence
@@ -372,17 +428,33 @@ struct FlatStage {
   void *res_out, *out;
   int k, rowtiles, kchunks, in_kind, out_kind;
 };
+// The host-side mirror of Rope: 5 pointers, 3 int64 strides, 6 ints.
+struct FlatRope {
+  const void *positions, *cos_sin, *slots;
+  void *k_cache, *v_cache;
+  long long stride_block, stride_slot, stride_head;
+  int cs_stride, block_size, q_heads, kv_heads, head_dim, rotate;
+};
 
 // Launches `nstages` stages on `stream` (captured into a CUDA graph when the stream is capturing),
-// with PDL if `pdl`, as a cooperative launch if `coop`; returns the launch's cudaError_t.
-int w4lt_launch(const FlatStage* stages, int nstages, int* counters, float eps, int grid, int kmax, int pdl,
-                int coop, void* stream) {
+// with PDL if `pdl`, as a cooperative launch if `coop`; `rope`: OUT_QKV's (NULL when no stage has
+// it). Returns the launch's cudaError_t.
+int w4lt_launch(const FlatStage* stages, int nstages, const FlatRope* rope, int* counters, float eps, int grid,
+                int kmax, int pdl, int coop, void* stream) {
   if (nstages < 1 || nstages > MAX_STAGES) return (int)cudaErrorInvalidValue;
   Args a = {};
+  if (rope) {
+    if (rope->head_dim % ROWS != 0) return (int)cudaErrorInvalidValue;  // whole row pairs in a tile
+    a.rope = Rope{(const long long*)rope->positions, (const float*)rope->cos_sin, (const long long*)rope->slots,
+                  (__half*)rope->k_cache, (__half*)rope->v_cache, rope->stride_block, rope->stride_slot,
+                  rope->stride_head, rope->cs_stride, rope->block_size, rope->q_heads, rope->kv_heads,
+                  rope->head_dim, rope->rotate};
+  }
   for (int s = 0; s < nstages; ++s) {
     const FlatStage& f = stages[s];
     a.st[s] = Stage{(const uint4*)f.tiles, (const __half*)f.in0, (const __half*)f.in1, (const __half*)f.norm_w,
                     (__half*)f.res_out, (__half*)f.out, f.k, f.rowtiles, f.kchunks, f.in_kind, f.out_kind};
+    if (f.out_kind == OUT_QKV && !rope) return (int)cudaErrorInvalidValue;
   }
   a.counters = counters;
   a.eps = eps;
