@@ -115,10 +115,17 @@ _lib_lock = threading.Lock()
 _libs: dict[tuple[str, ...], ctypes.CDLL] = {}
 
 
-def load_library(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+def engine_defines() -> tuple[str, ...]:
+    """MINIVLLM_W4_TAIL_DEFINES: comma-separated -D defines of the engine's build (experiments'
+    A/B runs: the kernel's W4LT_* variants); none by default."""
+    return tuple(d for d in os.environ.get("MINIVLLM_W4_TAIL_DEFINES", "").split(",") if d)
+
+
+def load_library(defines: tuple[str, ...] | None = None) -> ctypes.CDLL:
     """The compiled kernel (built once per source version and set of -D defines, e.g. the
-    profiling build's W4LT_PROFILE; raises RuntimeError naming what is missing: nvcc, or the
-    compiler's message)."""
+    profiling build's W4LT_PROFILE; default: engine_defines(); raises RuntimeError naming what
+    is missing: nvcc, or the compiler's message)."""
+    defines = engine_defines() if defines is None else defines
     with _lib_lock:
         if defines in _libs:
             return _libs[defines]
