@@ -384,10 +384,6 @@ def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, b
     group = num_heads // num_kv_heads
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     cfg = decode_config(group, head_dim, query.element_size() if fp8 else k_cache.element_size())
-    min_chunk = MIN_CHUNK
-    if os.environ.get("MINIVLLM_DECODE_CHUNK"):  # (experiment: keys a chunk at least, and per iteration at most)
-        min_chunk = int(os.environ["MINIVLLM_DECODE_CHUNK"])
-        cfg = {**cfg, "BLOCK_N": min(cfg["BLOCK_N"], min_chunk)}
     k_scale, v_scale = kv_scale_args(fp8, k_scale, v_scale, k_cache)
     one = num_splits == 1
     # with one split the scratch is unused: pass `out` in its place (never written)
@@ -405,7 +401,7 @@ def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, b
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1],
-        MIN_CHUNK_N=triton.cdiv(min_chunk, cfg["BLOCK_N"]) * cfg["BLOCK_N"],
+        MIN_CHUNK_N=triton.cdiv(MIN_CHUNK, cfg["BLOCK_N"]) * cfg["BLOCK_N"],
         NUM_SPLITS_IS_ONE=one, KV_FP8=fp8,
         IEEE=k_cache.dtype == torch.float32, WIDEN_F16=fp8_widen_f16(query), MERGE=merge,
         S_PAD=max(2, triton.next_power_of_2(num_splits)), SKIP_EMPTY=(merge or one) and skip_empty_enabled(),
