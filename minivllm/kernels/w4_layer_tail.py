@@ -70,14 +70,6 @@ def coop_on() -> bool:
     return os.environ.get("MINIVLLM_W4_TAIL_COOP", "1") != "0"
 
 
-def grid_cap() -> int:
-    """MINIVLLM_W4_TAIL_GRID: at most this many blocks a launch (0, the default: as many as fit at
-    once). Fewer leave room on some SMs for the kernels between the tails (attention), so that
-    they and the next tail can be resident while the previous one runs. Read when the tails are
-    attached."""
-    return max(0, int(os.environ.get("MINIVLLM_W4_TAIL_GRID", "0")))
-
-
 def pdl_on(device: torch.device) -> bool:
     """The tail launches with PDL where the engine's kernels do (kernels/pdl.py), unless
     MINIVLLM_W4_TAIL_PDL=0 (A/B runs). Read at each launch."""
@@ -374,7 +366,6 @@ def attach_layer_tails(model: nn.Module) -> int:
         grid = lib.w4lt_grid(cuda_index(dev), kmax)
     if grid <= 0:
         raise RuntimeError(f"W4 layer tail: no block of the kernel fits this GPU (kmax {kmax}, grid {grid})")
-    grid = min(grid, grid_cap() or grid)
     counters = torch.zeros(MAX_STAGES + 1, dtype=torch.int32, device=dev)  # one set: launches run in stream order
     eps = layers[0].post_attention_layernorm.eps
     chain = (chain_enabled() and len(layers) == len(all_layers) and getattr(model, "norm", None) is not None

@@ -316,25 +316,15 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   float* scratch = red + (CONSUMERS / 32) * ROWS;
   uint64_t* full = (uint64_t*)(scratch + 32);
   uint64_t* empty = full + D;
-  uint64_t* go = empty + D;  // W4LT_INPUT_FIRST: the first stage's input is in shared memory
   const int G = gridDim.x, tid = threadIdx.x, warp = tid / 32;
   if (tid == 0) {
     for (int i = 0; i < D; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, CONSUMERS / 32); }
-    mbar_init(go, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
   if (warp == CONSUMERS / 32) {  // the producer: every tile of this block, in the order the math takes them
     if (tid % 32 == 0) {
-#ifdef W4LT_PREFETCH_FIRST  // (experiment) each later stage's first tile into L2 (and its page into the TLB)
-      for (int s = 1; s < args.nstages; ++s) {
-        int lo, hi; rowtile_range(args.st[s], blockIdx.x, G, lo, hi);
-        if (lo < hi)
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(args.st[s].tiles +
-                       (size_t)lo * args.st[s].kchunks * (TILE_BYTES / 16)), "r"(TILE_BYTES) : "memory");
-      }
-#endif
       int i = 0;
       for (int s = 0; s < args.nstages; ++s) {
         const Stage& S = args.st[s];
@@ -342,9 +332,6 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
         for (int t = lo * S.kchunks; t < hi * S.kchunks; ++t, ++i) {
           const int slot = i % D;
           if (i >= D) mbar_wait_sleep(empty + slot, (i / D - 1) & 1);
-#ifdef W4LT_INPUT_FIRST  // (experiment) one tile, then the rest once the first input is loaded
-          if (i == 1) mbar_wait_sleep(go, 0);
-#endif
           bulk_load(ring + slot * TILE_BYTES, S.tiles + (size_t)t * (TILE_BYTES / 16), TILE_BYTES, full + slot);
         }
       }
@@ -365,9 +352,6 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
     if (lo == hi) continue;
     stamp(2 + 4 * s);
     stage_input(args, s, blockIdx.x == G - 1, xs, gsum, scratch);
-#ifdef W4LT_INPUT_FIRST
-    if (tid == 0 && i == 0) mbar_arrive(go);  // (i == 0: this block's first stage)
-#endif
     stamp(4 + 4 * s);
     for (int rt = lo; rt < hi; ++rt) {
       float acc_a = 0.f, acc_b = 0.f;  // rows lane / 4 and + 8, this warp's k
@@ -416,7 +400,7 @@ extern "C" {
 
 // The launch's dynamic shared memory for the widest stage input kmax.
 int w4lt_smem_bytes(int kmax) {
-  return D * TILE_BYTES + kmax * 2 + (kmax / GROUP) * 4 + (CONSUMERS / 32) * ROWS * 4 + 32 * 4 + (2 * D + 1) * 8;
+  return D * TILE_BYTES + kmax * 2 + (kmax / GROUP) * 4 + (CONSUMERS / 32) * ROWS * 4 + 32 * 4 + 2 * D * 8;
 }
 
 // Raises the kernel's shared-memory limit on `device` to what kmax needs (never lowers it: another
