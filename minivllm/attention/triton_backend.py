@@ -152,16 +152,6 @@ class TritonAttentionBackend:
         ws = self._workspace_cls.allocate(max_num_seqs, num_heads, head_dim, most, device)
         self._reserved = (ws, max_seq_len, num_sms)
 
-    def decode_split_count(self, meta: AttentionMetadata, num_heads: int, k_cache: torch.Tensor,
-                           device: torch.device) -> int:
-        """How many chunks attend's decode kernel cuts each context into on this decode-only step
-        (the W4 layer tail's attention stage cuts it the same way)."""
-        _, splits = self._decode_plan(meta.num_seqs, num_heads, k_cache.shape[2])
-        if splits is None:  # eager, no reserved workspace: as decode_attention chooses
-            max_seq_len = meta.max_seq_len or meta.block_tables.shape[1] * k_cache.shape[1]
-            splits = self._choose_splits(meta.num_seqs, k_cache.shape[2], max_seq_len, num_sms_of(device))
-        return splits
-
     def _decode_plan(self, num_seqs: int, num_heads: int, num_kv_heads: int) -> tuple[DecodeWorkspace | None, int | None]:
         """(workspace, num_splits) for this step; (None, None) lets the kernel choose (eager only)."""
         if self._reserved is None:

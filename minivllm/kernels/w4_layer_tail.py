@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import math
 import os
 import shutil
 import subprocess
@@ -43,12 +42,10 @@ from minivllm.quant.w4_tiles import TILE_K, TILE_ROWS, gate_up_row_order, rope_r
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
-SOURCES = ("w4_layer_tail.cu", "w4_tile.cuh", "w4_tail_attn.cuh")
-IN_PLAIN, IN_ADD_NORM, IN_ATTN = 0, 1, 2
+SOURCES = ("w4_layer_tail.cu", "w4_tile.cuh")
+IN_PLAIN, IN_ADD_NORM = 0, 1
 OUT_STORE, OUT_SWIGLU, OUT_QKV = 0, 1, 2
-MAX_STAGES = 5
-ATT_GROUP, ATT_HEAD_DIM, ATT_TILE = 4, 128, 128  # the attention stage's shapes (w4_tail_attn.cuh)
-ATT_MAX_SPLITS = 64  # decode_attention.MAX_SPLITS: the scratch holds that many chunks a kv head
+MAX_STAGES = 4
 MAX_K = 8 * TILE_K  # the widest stage input the kernel takes (its stage_input cases)
 
 
@@ -85,15 +82,6 @@ class _Stage(ctypes.Structure):  # FlatStage in w4_layer_tail.cu
                 ("norm_w", ctypes.c_void_p), ("res_out", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("k", ctypes.c_int), ("rowtiles", ctypes.c_int), ("kchunks", ctypes.c_int),
                 ("in_kind", ctypes.c_int), ("out_kind", ctypes.c_int)]
-
-
-class _Attn(ctypes.Structure):  # FlatAttn in w4_layer_tail.cu
-    _fields_ = [("q", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("block_table", ctypes.c_void_p), ("seq_len", ctypes.c_void_p), ("part", ctypes.c_void_p),
-                ("head_counts", ctypes.c_void_p), ("out", ctypes.c_void_p), ("stride_block", ctypes.c_longlong),
-                ("stride_slot", ctypes.c_longlong), ("stride_head", ctypes.c_longlong), ("qk_scale", ctypes.c_float),
-                ("block_size", ctypes.c_int), ("kv_heads", ctypes.c_int), ("splits", ctypes.c_int),
-                ("min_chunk", ctypes.c_int)]
 
 
 class _Rope(ctypes.Structure):  # FlatRope in w4_layer_tail.cu
@@ -144,9 +132,9 @@ def load_library(defines: tuple[str, ...] | None = None) -> ctypes.CDLL:
         lib.w4lt_grid.restype = ctypes.c_int
         lib.w4lt_grid.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.w4lt_launch.restype = ctypes.c_int
-        lib.w4lt_launch.argtypes = [ctypes.POINTER(_Stage), ctypes.c_int, ctypes.POINTER(_Rope),
-                                    ctypes.POINTER(_Attn), ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
-                                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.w4lt_launch.argtypes = [ctypes.POINTER(_Stage), ctypes.c_int, ctypes.POINTER(_Rope), ctypes.c_void_p,
+                                    ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_void_p]
         lib.w4lt_error_string.restype = ctypes.c_char_p
         lib.w4lt_error_string.argtypes = [ctypes.c_int]
         _libs[defines] = lib
@@ -180,13 +168,12 @@ def stage(tiles: torch.Tensor, in0: torch.Tensor, out: torch.Tensor, k: int, row
 
 
 def launch(stages: list[_Stage], counters: torch.Tensor, eps: float, grid: int, kmax: int, device: torch.device,
-           lib: ctypes.CDLL | None = None, rope: _Rope | None = None, attn: _Attn | None = None) -> None:
+           lib: ctypes.CDLL | None = None, rope: _Rope | None = None) -> None:
     """One launch of the kernel over `stages` on the current stream (raises on a launch error);
-    `rope`: an OUT_QKV stage's (qkv_rope), `attn`: an IN_ATTN stage's (AttnTarget.args)."""
+    `rope`: an OUT_QKV stage's (qkv_rope)."""
     lib = lib or load_library()
-    ref = (lambda arg: None if arg is None else ctypes.byref(arg))
-    err = lib.w4lt_launch((_Stage * len(stages))(*stages), len(stages), ref(rope), ref(attn), counters.data_ptr(),
-                          float(eps), grid, kmax, int(pdl_on(device)), int(coop_on()),
+    err = lib.w4lt_launch((_Stage * len(stages))(*stages), len(stages), None if rope is None else ctypes.byref(rope),
+                          counters.data_ptr(), float(eps), grid, kmax, int(pdl_on(device)), int(coop_on()),
                           torch.cuda.current_stream(device).cuda_stream)
     if err != 0:
         raise RuntimeError(f"W4 layer tail launch failed: {lib.w4lt_error_string(err).decode()}")
@@ -212,87 +199,19 @@ def rope_target(attention: nn.Module, positions: torch.Tensor, slot_mapping: tor
     from minivllm.kernels.store_kv import rotary_store_enabled
     if os.environ.get("MINIVLLM_W4_TAIL_ROPE", "1") == "0" or not rotary_store_enabled():
         return None
+    k_cache, v_cache = getattr(attention, "k_cache", None), getattr(attention, "v_cache", None)
     cos_sin = attention.rotary.cos_sin
-    if (not _caches_fit(attention) or attention.q_norm is not None
+    if (getattr(attention.backend, "rotary_store_kv", None) is None or attention.q_norm is not None
+            or attention.calibrate_kv or k_cache is None or v_cache is None or k_cache.dim() != 4
+            or k_cache.dtype != torch.float16 or v_cache.dtype != torch.float16
+            or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
+            or tuple(k_cache.shape[2:]) != (attention.num_kv_heads, attention.head_dim)
             or cos_sin.dtype != torch.float32 or cos_sin.shape[-1] != attention.head_dim or cos_sin.stride(-1) != 1
             or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64
             or attention.head_dim % TILE_ROWS != 0):
         return None
-    return RopeTarget(positions, slot_mapping, cos_sin, attention.k_cache, attention.v_cache, attention.num_heads,
+    return RopeTarget(positions, slot_mapping, cos_sin, k_cache, v_cache, attention.num_heads,
                       attention.num_kv_heads)
-
-
-def _caches_fit(attention: nn.Module) -> bool:
-    """Whether this Attention's step runs the Triton rotary_store_kv path into float16 caches of the
-    kernel's layout (no FP8 scale calibration): what the tail's epilogue and attention stage take."""
-    k_cache, v_cache = getattr(attention, "k_cache", None), getattr(attention, "v_cache", None)
-    return (getattr(attention.backend, "rotary_store_kv", None) is not None and not attention.calibrate_kv
-            and k_cache is not None and v_cache is not None and k_cache.dim() == 4
-            and k_cache.dtype == torch.float16 and v_cache.dtype == torch.float16
-            and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-            and tuple(k_cache.shape[2:]) == (attention.num_kv_heads, attention.head_dim))
-
-
-class AttnScratch:
-    """The attention stage's chunk partials and per-kv-head counters (one set a model: the tails
-    launch one after the other) and each launch's output row."""
-
-    def __init__(self, kv_heads: int, q_size: int, device: torch.device) -> None:
-        self.part = torch.empty(kv_heads * ATT_MAX_SPLITS * ATT_GROUP * (ATT_HEAD_DIM + 1), dtype=torch.float32,
-                                device=device)
-        self.head_counts = torch.zeros(kv_heads, dtype=torch.int32, device=device)  # 0 on entry and exit
-        self.out = torch.empty(q_size, dtype=torch.float16, device=device)
-
-
-class AttnTarget:
-    """One layer's decode attention for the tail's attention stage (IN_ATTN, w4_tail_attn.cuh): the
-    token's rotated q in `qkv`, its K/V already in the caches, the sequence's block table and
-    length, the chunking of decode_attention's kernel (`splits`, `min_chunk`)."""
-
-    def __init__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, splits: int, min_chunk: int, scratch: AttnScratch) -> None:
-        self.qkv, self.k_cache, self.v_cache = qkv, k_cache, v_cache
-        self.block_table, self.seq_lens, self.scratch = block_table, seq_lens, scratch
-        self.scale, self.splits, self.min_chunk = scale, splits, min_chunk
-
-    def args(self) -> _Attn:
-        kc, sc = self.k_cache, self.scratch
-        return _Attn(self.qkv.data_ptr(), kc.data_ptr(), self.v_cache.data_ptr(), self.block_table.data_ptr(),
-                     self.seq_lens.data_ptr(), sc.part.data_ptr(), sc.head_counts.data_ptr(), sc.out.data_ptr(),
-                     kc.stride(0), kc.stride(1), kc.stride(2), self.scale * math.log2(math.e), kc.shape[1],
-                     kc.shape[2], self.splits, self.min_chunk)
-
-
-def attention_stage_enabled() -> bool:
-    """MINIVLLM_W4_TAIL_ATTN: whether a chained tail runs its layer's decode attention as its first
-    stage (on unless 0). Read at each step."""
-    return os.environ.get("MINIVLLM_W4_TAIL_ATTN", "1") != "0"
-
-
-def attn_target(attention: nn.Module, qkv: torch.Tensor, meta, scratch: AttnScratch | None) -> AttnTarget | None:
-    """An AttnTarget for this Attention's one-token step whose q is rotated and K/V stored already,
-    or None where the attention stage does not compute what attend_stored would: what rope_target
-    asks, plus Llama-3-like heads (4 query heads a kv head, head dim 128), one decode sequence,
-    int32 block tables and lengths, the Triton backend outside batch-invariant mode, and
-    attention_stage_enabled()."""
-    from minivllm.kernels.decode_attention import MIN_CHUNK, decode_config
-    backend = attention.backend
-    if (scratch is None or not attention_stage_enabled() or getattr(backend, "invariant", True)
-            or getattr(backend, "decode_split_count", None) is None or qkv.shape[0] != 1 or qkv.dtype != torch.float16
-            or not qkv.is_contiguous() or attention.head_dim != ATT_HEAD_DIM
-            or attention.num_heads != ATT_GROUP * attention.num_kv_heads
-            or not getattr(meta, "is_decode_only", False) or meta.num_seqs != 1
-            or meta.block_tables.dtype != torch.int32 or meta.seq_lens.dtype != torch.int32
-            or meta.block_tables.stride(-1) != 1 or scratch.head_counts.numel() < attention.num_kv_heads
-            or not _caches_fit(attention)):
-        return None
-    block_n = decode_config(ATT_GROUP, ATT_HEAD_DIM, 2)["BLOCK_N"]
-    splits = backend.decode_split_count(meta, attention.num_heads, attention.k_cache, qkv.device)
-    if block_n != ATT_TILE or splits > ATT_MAX_SPLITS:
-        return None
-    min_chunk = -(-MIN_CHUNK // block_n) * block_n
-    return AttnTarget(qkv, attention.k_cache, attention.v_cache, meta.block_tables[0], meta.seq_lens,
-                      attention.scale, splits, min_chunk, scratch)
 
 
 def qkv_rope(target: RopeTarget | None, heads: tuple[int, int, int]) -> _Rope:
@@ -322,7 +241,7 @@ class W4LayerTail(nn.Module):
     def __init__(self, o_proj: nn.Module, gate_up: nn.Module, down: nn.Module, norm_weight: torch.Tensor,
                  eps: float, counters: torch.Tensor, grid: int, qkv_proj: nn.Module | None = None,
                  input_norm_weight: torch.Tensor | None = None, kmax: int | None = None,
-                 heads: tuple[int, int, int] | None = None, attn_scratch: AttnScratch | None = None) -> None:
+                 heads: tuple[int, int, int] | None = None) -> None:
         super().__init__()
         self.q_size, self.hidden = o_proj.in_features, o_proj.out_features
         self.intermediate = down.in_features
@@ -342,7 +261,6 @@ class W4LayerTail(nn.Module):
                              to_tiles(qkv_proj.qweight, qkv_proj.scales, qkv_proj.zeros, order), persistent=False)
         self.input_norm_weight = input_norm_weight
         self.counters, self.grid = counters, grid
-        self.attn_scratch = attn_scratch  # (shared by the model's tails; None: no attention stage)
         # the shared memory's input row: the model's widest stage input (the grid was sized with it)
         self.kmax = kmax if kmax is not None else max(self.q_size, self.hidden, self.intermediate)
 
@@ -352,34 +270,21 @@ class W4LayerTail(nn.Module):
         rope_target), or None."""
         return rope_target(attention, positions, slot_mapping)
 
-    def attn_target(self, attention: nn.Module, qkv: torch.Tensor, meta) -> AttnTarget | None:
-        """What forward's `attn` may be for this layer's `attention` this step (module-level
-        attn_target), or None."""
-        return attn_target(attention, qkv, meta, self.attn_scratch)
-
     def extra_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, next_tail: W4LayerTail | None = None,
-                rope: RopeTarget | None = None, attn: AttnTarget | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the attention's output [1, q_size]; with `attn`, the layer's qkv (attn.qkv: q rotated,
-        K/V in the caches), whose attention the launch runs first (IN_ATTN)."""
-        assert residual.shape == (1, self.hidden), residual.shape
-        assert (x.shape == (1, self.q_size)) if attn is None else (x is attn.qkv), x.shape
-        residual = residual.contiguous()
-        dev = x.device
+    def forward(self, attn: torch.Tensor, residual: torch.Tensor, next_tail: W4LayerTail | None = None,
+                rope: RopeTarget | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        assert attn.shape == (1, self.q_size) and residual.shape == (1, self.hidden), (attn.shape, residual.shape)
+        attn, residual = attn.contiguous(), residual.contiguous()
+        dev = attn.device
         h, i, q = self.hidden, self.intermediate, self.q_size
         o = torch.empty(h, dtype=torch.float16, device=dev)
         act = torch.empty(i, dtype=torch.float16, device=dev)
         mlp_out = torch.empty(1, h, dtype=torch.float16, device=dev)
         res1 = torch.empty(1, h, dtype=torch.float16, device=dev)
-        stages = []
-        if attn is not None:  # the attention stage writes the o stage's input row (the scratch's)
-            stages.append(_Stage(0, x.data_ptr(), 0, 0, 0, attn.scratch.out.data_ptr(), 0, 0, 0, IN_ATTN, OUT_STORE))
-            x = attn.scratch.out
-        x = x.contiguous()
-        stages += [
-            stage(self.o_tiles, x, o, q, h),
+        stages = [
+            stage(self.o_tiles, attn, o, q, h),
             stage(self.gu_tiles, o, act, h, 2 * i, IN_ADD_NORM, OUT_SWIGLU, residual, self.norm_weight, res1),
             stage(self.down_tiles, act, mlp_out, i, h),
         ]
@@ -391,8 +296,7 @@ class W4LayerTail(nn.Module):
             stages.append(stage(next_tail.qkv_tiles, mlp_out, qkv, h, next_tail.qkv_rows, IN_ADD_NORM, OUT_QKV,
                                 res1, next_tail.input_norm_weight, res2))
             result, rope_arg = (qkv, res2), qkv_rope(rope, next_tail.heads)
-        launch(stages, self.counters, self.eps, self.grid, self.kmax, dev, rope=rope_arg,
-               attn=None if attn is None else attn.args())
+        launch(stages, self.counters, self.eps, self.grid, self.kmax, dev, rope=rope_arg)
         return result
 
 
@@ -467,9 +371,6 @@ def attach_layer_tails(model: nn.Module) -> int:
     chain = (chain_enabled() and len(layers) == len(all_layers) and getattr(model, "norm", None) is not None
              and getattr(model, "embed_tokens", None) is not None
              and all(_qkv_chainable(layer, eps) and layer.post_attention_layernorm.eps == eps for layer in layers))
-    # the attention stage's scratch (one set: the launches run one after the other), chained only
-    scratch = AttnScratch(max(layer.self_attn.num_kv_heads for layer in layers),
-                          max(layer.self_attn.q_size for layer in layers), dev) if chain else None
     tails = []  # built first: a failure (e.g. out of memory) leaves the model as it was
     for layer in layers:
         norm = layer.post_attention_layernorm
@@ -477,7 +378,7 @@ def attach_layer_tails(model: nn.Module) -> int:
         tails.append(W4LayerTail(attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, norm.weight,
                                  norm.eps, counters, grid, attn.qkv_proj if chain else None,
                                  layer.input_layernorm.weight if chain else None, kmax,
-                                 (attn.num_heads, attn.num_kv_heads, attn.head_dim), scratch))
+                                 (attn.num_heads, attn.num_kv_heads, attn.head_dim)))
     for layer, tail in zip(layers, tails):
         layer.tail = tail
     extra = sum(tail.extra_bytes() for tail in tails)

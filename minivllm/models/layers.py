@@ -154,19 +154,6 @@ class Attention(nn.Module):
         o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         return o.reshape(t, self.q_size)
 
-    def rotate_and_store(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """attend_qkv's first half where one kernel does it (the backend's rotary_store_kv): q
-        rotated in place in qkv, the rotated K and V in the cache -> True; False (nothing done)
-        elsewhere."""
-        if self.q_norm is not None:
-            return False
-        t = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        rotated = self._rotate_and_store(positions, q.view(t, self.num_heads, self.head_dim),
-                                         k.view(t, self.num_kv_heads, self.head_dim),
-                                         v.view(t, self.num_kv_heads, self.head_dim), meta)
-        return rotated is not None
-
     def attend_stored(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """attend_qkv for a qkv whose q is already rotated and whose K/V are already in the cache
         (a chained W4 layer tail did both, kernels/w4_layer_tail.RopeTarget): attention -> [T, q_size]."""

@@ -147,28 +147,21 @@ class CausalLM(nn.Module):
         return hidden if output_rows is None else hidden[output_rows]
 
     def forward_tails(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """One token through the chained W4 tails: the first layer's norm, qkv_proj and rotary, then
-        per layer one tail launch: the layer's attention (or its own kernel where the tail cannot),
-        o_proj .. down_proj, and the next layer's norm, qkv_proj, rotary and K/V store (each where
-        the tail takes it; the last layer's stops at down_proj); then the final norm -> [1, hidden]."""
+        """One token through the chained W4 tails: the first layer's norm and qkv_proj, then per
+        layer attention and one tail launch (o_proj .. down_proj and the next layer's norm and
+        qkv_proj, with that layer's rotary and K/V store where the tail takes them; the last
+        layer's stops at down_proj), then the final norm -> [1, hidden]."""
         residual = self.embed_tokens(input_ids)
         first = self.layers[0]
         qkv = first.self_attn.qkv_proj(first.input_layernorm(residual))
         stored = False  # whether qkv's q is rotated and its K/V are in the cache (by the previous tail)
         for i, layer in enumerate(self.layers):
             attention = layer.self_attn
-            if not stored:  # the first layer (or a tail that could not): the rotary kernel where it applies
-                stored = attention.rotate_and_store(positions, qkv, meta)
-            # the layer's attention as the tail's first stage where it can, else its own kernel
-            target = layer.tail.attn_target(attention, qkv, meta) if stored else None
-            if target is not None:
-                x = qkv
-            else:
-                x = attention.attend_stored(qkv, meta) if stored else attention.attend_qkv(positions, qkv, meta)
+            attn = attention.attend_stored(qkv, meta) if stored else attention.attend_qkv(positions, qkv, meta)
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             # the next layer's rotary and K/V store in the tail's qkv stage, where it can
             rope = layer.tail.rope_target(nxt.self_attn, positions, meta.slot_mapping) if nxt is not None else None
-            qkv, residual = layer.tail(x, residual, nxt.tail if nxt is not None else None, rope, target)
+            qkv, residual = layer.tail(attn, residual, nxt.tail if nxt is not None else None, rope)
             stored = rope is not None  # the last layer's tail returns (mlp_out, residual)
         hidden, _ = self.norm(qkv, residual)
         return hidden

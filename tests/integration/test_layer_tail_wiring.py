@@ -18,28 +18,21 @@ from minivllm.runner.model_runner import ModelRunner
 
 
 class TorchTail(nn.Module):
-    """W4LayerTail's contract in plain modules: forward(x, residual[, next_tail[, rope[, attn]]]),
-    rope_target and attn_target (here on the CPU too, unless `rope` / `attn` is off)."""
+    """W4LayerTail's contract in plain modules: forward(attn, residual[, next_tail[, rope]]) and
+    rope_target (here on the CPU too, unless `rope` is off)."""
 
-    def __init__(self, layer: nn.Module, calls: list, rope: bool, attn: bool) -> None:
+    def __init__(self, layer: nn.Module, calls: list, rope: bool) -> None:
         super().__init__()
         object.__setattr__(self, "layer", layer)  # held, not registered: the layer owns its modules
-        self.calls, self.rope, self.attn = calls, rope, attn
+        self.calls, self.rope = calls, rope
 
     def rope_target(self, attention, positions, slot_mapping):
         return types.SimpleNamespace(positions=positions, slot_mapping=slot_mapping) if self.rope else None
 
-    def attn_target(self, attention, qkv, meta):
-        assert attention is self.layer.self_attn
-        return types.SimpleNamespace(qkv=qkv, meta=meta) if self.attn else None
-
-    def forward(self, attn, residual, next_tail=None, rope=None, target=None):
+    def forward(self, attn, residual, next_tail=None, rope=None):
         layer = self.layer
-        if target is not None:  # the kernel's attention stage: q rotated and K/V stored already
-            assert attn is target.qkv
-            attn = layer.self_attn.attend_stored(target.qkv, target.meta)
         assert attn.shape == (1, layer.self_attn.q_size)
-        self.calls.append((next_tail is not None, rope is not None, target is not None))
+        self.calls.append((next_tail is not None, rope is not None))
         hidden, res1 = layer.post_attention_layernorm(layer.self_attn.o_proj(attn), residual)
         out = layer.mlp(hidden)
         if next_tail is None:
@@ -60,15 +53,13 @@ class TorchTail(nn.Module):
 
 def _generate(monkeypatch, mode: str, calls: list) -> tuple[list[int], list[float]]:
     """Greedy tokens of the tiny dummy Llama on the CPU and their logprobs; mode: off, layer (each DecoderLayer its own
-    tail), chain (CausalLM.forward_tails, the next layer's rotary and K/V store and each layer's
-    attention in the tail), chain-noattn (the same, attention in its own kernel) or chain-norope
-    (forward_tails, each attention's own rotary, store and kernel)."""
+    tail), chain (CausalLM.forward_tails, the next layer's rotary and K/V store in the tail) or
+    chain-norope (forward_tails, each attention's own rotary and store)."""
     def attach(self, model):  # in place of the CPU fast path: the plain forward, with tails
         if mode == "off":
             return
         for layer in model.layers:
-            object.__setattr__(layer, "tail", TorchTail(layer, calls, rope=mode in ("chain", "chain-noattn"),
-                                                        attn=mode == "chain"))
+            object.__setattr__(layer, "tail", TorchTail(layer, calls, rope=mode == "chain"))
         model.tail_chain = mode.startswith("chain")
     monkeypatch.setattr(ModelRunner, "setup_cpu_model", attach)
     llm = LLM(model=model_dirs.write_model_dir("tiny-llama"), load_format="dummy", skip_tokenizer_init=True,
@@ -81,7 +72,7 @@ def _generate(monkeypatch, mode: str, calls: list) -> tuple[list[int], list[floa
     return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
 
 
-@pytest.mark.parametrize("mode", ["layer", "chain", "chain-noattn", "chain-norope"])
+@pytest.mark.parametrize("mode", ["layer", "chain", "chain-norope"])
 def test_one_token_steps_through_the_tails_give_the_same_tokens(monkeypatch, mode: str) -> None:
     calls: list = []
     ref, ref_logprobs = _generate(monkeypatch, "off", [])
@@ -93,8 +84,5 @@ def test_one_token_steps_through_the_tails_give_the_same_tokens(monkeypatch, mod
     # layer but the last also ran the next layer's qkv (and, with rope, its rotary and K/V store)
     assert len(calls) == 9 * layers
     chained = 9 * (layers - 1) if mode.startswith("chain") else 0
-    assert sum(nxt for nxt, _, _ in calls) == chained
-    assert sum(rope for _, rope, _ in calls) == (chained if mode in ("chain", "chain-noattn") else 0)
-    # the attention stage needs q rotated by the previous tail (the first layer's: by the rotary
-    # kernel, which the CPU backend has not)
-    assert sum(attn for _, _, attn in calls) == (chained if mode == "chain" else 0)
+    assert sum(nxt for nxt, _ in calls) == chained
+    assert sum(rope for _, rope in calls) == (chained if mode == "chain" else 0)

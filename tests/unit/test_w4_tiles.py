@@ -174,21 +174,6 @@ def test_stage_struct_mirrors_the_kernels() -> None:
     assert "const void *tiles, *in0, *in1, *norm_w;\n  void *res_out, *out;\n  int k, rowtiles, kchunks, in_kind, out_kind;" in src
 
 
-def test_attn_struct_mirrors_the_kernels() -> None:
-    """ctypes' _Attn is w4_layer_tail.cu's FlatAttn: 8 pointers, 3 int64 strides, a float, 4 ints
-    (108 bytes, padded to 112)."""
-    import ctypes
-    assert [name for name, _ in lt._Attn._fields_] == ["q", "k_cache", "v_cache", "block_table", "seq_len", "part",
-                                                        "head_counts", "out", "stride_block", "stride_slot",
-                                                        "stride_head", "qk_scale", "block_size", "kv_heads",
-                                                        "splits", "min_chunk"]
-    assert ctypes.sizeof(lt._Attn) == 112
-    src = open(f"{lt.SOURCE_DIR}/w4_layer_tail.cu").read()
-    assert ("const void *q, *k_cache, *v_cache, *block_table, *seq_len;\n  void *part, *head_counts, *out;\n"
-            "  long long stride_block, stride_slot, stride_head;\n  float qk_scale;\n"
-            "  int block_size, kv_heads, splits, min_chunk;") in src
-
-
 def test_rope_struct_mirrors_the_kernels() -> None:
     """ctypes' _Rope is w4_layer_tail.cu's FlatRope: 5 pointers, 3 int64 strides, 6 ints (88 bytes)."""
     import ctypes
@@ -223,16 +208,13 @@ def test_build_without_nvcc_says_so(monkeypatch, tmp_path) -> None:
 
 @pytest.mark.skipif(lt.find_nvcc() is None, reason="no nvcc here")
 def test_kernel_compiles_without_spills(tmp_path) -> None:
-    """Compile-only (no GPU needed): the kernel builds for sm_90a within the register budget of two
-    blocks an SM (ptxas holds it to 96) with at most 16 bytes spilled: since the attention stage
-    (2026-11-29) ptxas stores four words once, around that stage (none in the tile loop; read off
-    its SASS), where the first version spilled 364 bytes."""
+    """Compile-only (no GPU needed): the kernel builds for sm_90a, spill-free, within the register
+    budget of two blocks an SM (288 threads each: 113 registers)."""
     out = subprocess.run([lt.find_nvcc(), "-O3", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
                           "-o", str(tmp_path / "k.cubin"), f"{lt.SOURCE_DIR}/w4_layer_tail.cu"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     info = out.stderr
-    spilled = int(info.split(" bytes spill stores")[0].rsplit(" ", 1)[1])
-    assert spilled <= 16, info
+    assert "0 bytes spill stores" in info
     regs = int(info.split("Used ")[1].split(" registers")[0])
     assert regs <= 113

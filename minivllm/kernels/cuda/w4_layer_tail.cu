@@ -48,11 +48,9 @@ constexpr int THREADS = CONSUMERS + 32;     // + the producer warp
 #define W4LT_SLOTS 3
 #endif
 constexpr int D = W4LT_SLOTS;               // ring slots: 3 measured faster than 4 (docs/perf.md, leases 70-71)
-constexpr int MAX_STAGES = 5;
+constexpr int MAX_STAGES = 4;
 
-__device__ inline void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
-
-enum InKind { IN_PLAIN = 0, IN_ADD_NORM = 1, IN_ATTN = 2 };  // IN_ATTN: w4_tail_attn.cuh's stage (no tiles)
+enum InKind { IN_PLAIN = 0, IN_ADD_NORM = 1 };
 enum OutKind { OUT_STORE = 0, OUT_SWIGLU = 1, OUT_QKV = 2 };
 
 struct Stage {
@@ -80,17 +78,9 @@ struct Rope {
   long long stride_block, stride_slot, stride_head;  // elements
   int cs_stride, block_size, q_heads, kv_heads, head_dim, rotate;
 };
-#include "w4_tail_attn.cuh"  // (the attention stage: struct Attn and its device code)
-
-// The shared row of stage inputs, in halves: the widest input, or the attention stage's floats.
-__host__ __device__ constexpr int xs_halves(int kmax) {
-  return kmax > (ATT_SMEM_FLOATS * 2 + 7) / 8 * 8 ? kmax : (ATT_SMEM_FLOATS * 2 + 7) / 8 * 8;
-}
-
 struct Args {
   Stage st[MAX_STAGES];
   Rope rope;  // OUT_QKV's
-  Attn attn;  // IN_ATTN's
   int* counters;  // [MAX_STAGES + 1], 0 on entry and on exit
   float eps;
   int nstages, pdl;
@@ -116,6 +106,7 @@ __device__ inline void stamp(int slot) {
 __device__ inline void stamp(int) {}
 #endif
 
+__device__ inline void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
 
 // Block b's row tiles of a stage: [lo, hi). Exactly min(G, rowtiles) blocks get a non-empty range,
 // and the last block always does.
@@ -239,35 +230,11 @@ __device__ void wait_and_load_input(const Stage& S, int s, const int* counter, i
   consumer_sync();
 }
 
-// How many counts stage s's counter reaches when every row it stores is stored: one a block with
-// row tiles, or (IN_ATTN) one a kv head.
-__device__ inline int done_count(const Args& args, int s) {
-  return args.st[s].in_kind == IN_ATTN ? args.attn.kv_heads : min((int)gridDim.x, args.st[s].rowtiles);
-}
-
-// The attention stage (w4_tail_attn.cuh): block b takes work items b, b + G, ...; each kv head is
-// counted once its outputs are stored.
-__device__ __forceinline__ void attention_stage(const Args& args, int s, float* smem) {
-  const Attn& A = args.attn;
-  const int seq_len = __ldcg(A.seq_len), chunk = att_chunk(A, seq_len);
-  // (an empty context, never a decode step's, still counts every head: zeros, and no wait hangs)
-  const int n_chunks = max(1, (seq_len + chunk - 1) / chunk), items = A.kv_heads * n_chunks;
-  for (int it = blockIdx.x; it < items; it += gridDim.x) {
-    const int head = it % A.kv_heads, c = it / A.kv_heads;
-    const bool stored = att_item(A, head, c, n_chunks, c * chunk, min(c * chunk + chunk, seq_len), smem);
-    consumer_sync();  // (every thread's outputs before the count)
-    if (stored && threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(args.counters + s, 1);
-    }
-  }
-}
-
 // wait_and_load_input for this stage's k (a multiple of 2,048, at most 8 x 2,048).
 __device__ void stage_input(const Args& args, int s, bool writer, __half* xs, float* gsum, float* scratch) {
   const Stage& S = args.st[s];
   const int* counter = args.counters + (s > 0 ? s - 1 : 0);
-  const int target = s > 0 ? done_count(args, s - 1) : 0;
+  const int target = s > 0 ? min((int)gridDim.x, args.st[s - 1].rowtiles) : 0;
   const float eps = args.eps;
   switch (S.k / KCHUNK) {
     case 1: wait_and_load_input<1>(S, s, counter, target, eps, writer, xs, gsum, scratch); break;
@@ -343,8 +310,8 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   uint8_t* ring = smem;
   int kmax = 0;
   for (int s = 0; s < args.nstages; ++s) kmax = max(kmax, args.st[s].k);
-  __half* xs = (__half*)(ring + D * TILE_BYTES);  // the stage input, or the attention stage's floats
-  float* gsum = (float*)(xs + xs_halves(kmax));
+  __half* xs = (__half*)(ring + D * TILE_BYTES);
+  float* gsum = (float*)(xs + kmax);
   float* red = gsum + kmax / GROUP;
   float* scratch = red + (CONSUMERS / 32) * ROWS;
   uint64_t* full = (uint64_t*)(scratch + 32);
@@ -381,10 +348,6 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   uint32_t xr[32];
   for (int s = 0; s < args.nstages; ++s) {
     const Stage& S = args.st[s];
-    if (S.in_kind == IN_ATTN) {
-      attention_stage(args, s, (float*)xs);
-      continue;
-    }
     int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
     if (lo == hi) continue;
     stamp(2 + 4 * s);
@@ -437,7 +400,7 @@ extern "C" {
 
 // The launch's dynamic shared memory for the widest stage input kmax.
 int w4lt_smem_bytes(int kmax) {
-  return D * TILE_BYTES + xs_halves(kmax) * 2 + (kmax / GROUP) * 4 + (CONSUMERS / 32) * ROWS * 4 + 32 * 4 + 2 * D * 8;
+  return D * TILE_BYTES + kmax * 2 + (kmax / GROUP) * 4 + (CONSUMERS / 32) * ROWS * 4 + 32 * 4 + 2 * D * 8;
 }
 
 // Raises the kernel's shared-memory limit on `device` to what kmax needs (never lowers it: another
@@ -465,14 +428,6 @@ struct FlatStage {
   void *res_out, *out;
   int k, rowtiles, kchunks, in_kind, out_kind;
 };
-// The host-side mirror of Attn: 8 pointers, 3 int64 strides, a float, 4 ints.
-struct FlatAttn {
-  const void *q, *k_cache, *v_cache, *block_table, *seq_len;
-  void *part, *head_counts, *out;
-  long long stride_block, stride_slot, stride_head;
-  float qk_scale;
-  int block_size, kv_heads, splits, min_chunk;
-};
 // The host-side mirror of Rope: 5 pointers, 3 int64 strides, 6 ints.
 struct FlatRope {
   const void *positions, *cos_sin, *slots;
@@ -482,20 +437,12 @@ struct FlatRope {
 };
 
 // Launches `nstages` stages on `stream` (captured into a CUDA graph when the stream is capturing),
-// with PDL if `pdl`, as a cooperative launch if `coop`; `rope`: OUT_QKV's, `attn`: IN_ATTN's (NULL
-// when no stage has it). Returns the launch's cudaError_t.
-int w4lt_launch(const FlatStage* stages, int nstages, const FlatRope* rope, const FlatAttn* attn, int* counters,
-                float eps, int grid, int kmax, int pdl, int coop, void* stream) {
+// with PDL if `pdl`, as a cooperative launch if `coop`; `rope`: OUT_QKV's (NULL when no stage has
+// it). Returns the launch's cudaError_t.
+int w4lt_launch(const FlatStage* stages, int nstages, const FlatRope* rope, int* counters, float eps, int grid,
+                int kmax, int pdl, int coop, void* stream) {
   if (nstages < 1 || nstages > MAX_STAGES) return (int)cudaErrorInvalidValue;
   Args a = {};
-  if (attn) {
-    if (attn->kv_heads < 1 || attn->splits < 1 || attn->min_chunk < 1 || attn->block_size < 1)
-      return (int)cudaErrorInvalidValue;
-    a.attn = Attn{(const __half*)attn->q, (const __half*)attn->k_cache, (const __half*)attn->v_cache,
-                  attn->stride_block, attn->stride_slot, attn->stride_head, (const int*)attn->block_table,
-                  (const int*)attn->seq_len, (float*)attn->part, (int*)attn->head_counts, (__half*)attn->out,
-                  attn->qk_scale, attn->block_size, attn->kv_heads, attn->splits, attn->min_chunk};
-  }
   if (rope) {
     if (rope->head_dim % ROWS != 0) return (int)cudaErrorInvalidValue;  // whole row pairs in a tile
     a.rope = Rope{(const long long*)rope->positions, (const float*)rope->cos_sin, (const long long*)rope->slots,
@@ -507,7 +454,7 @@ int w4lt_launch(const FlatStage* stages, int nstages, const FlatRope* rope, cons
     const FlatStage& f = stages[s];
     a.st[s] = Stage{(const uint4*)f.tiles, (const __half*)f.in0, (const __half*)f.in1, (const __half*)f.norm_w,
                     (__half*)f.res_out, (__half*)f.out, f.k, f.rowtiles, f.kchunks, f.in_kind, f.out_kind};
-    if ((f.out_kind == OUT_QKV && !rope) || (f.in_kind == IN_ATTN && !attn)) return (int)cudaErrorInvalidValue;
+    if (f.out_kind == OUT_QKV && !rope) return (int)cudaErrorInvalidValue;
   }
   a.counters = counters;
   a.eps = eps;
