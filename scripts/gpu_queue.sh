@@ -27,8 +27,14 @@
 #      one persistent launch a layer for o_proj .. down_proj and the next layer's qkv) takes W11-awq to
 #      1.90 ms a token (59.6 % of the roofline; 2.46 without). Step tail-profile times it alone; in the
 #      engine: ab-engine with MINIVLLM_W4_LAYER_TAIL=1 exported and AB_SPECS=".@MINIVLLM_W4_LAYER_TAIL=0 ."
-#      (the kernel is built with the nvcc on PATH there). Next: attention in the tail, rotary + KV store
-#      in stage 3, batches of 2-8 through the same tiles; a same-lease vLLM W11-awq row.
+#      (the kernel is built with the nvcc on PATH there). Leases 74-79 (2026-11-29 late morning):
+#      the rotary + K/V store in stage 3 (MINIVLLM_W4_TAIL_ROPE, neutral, kept); fewer tail blocks,
+#      the ring waiting for stage 0's input, an L2 prefetch, decode chunk sizes, and attention as the
+#      tail's first stage (cb80472, +14 %) were all slower and are gone. The common cause: dependent
+#      loads cost ~2-3 us a round trip while the ring streams. Kernel variants A/B in the engine with
+#      MINIVLLM_W4_TAIL_DEFINES; tail-profile takes TAIL_VARIANTS (W4LT_NO_WAIT, W4LT_NO_MATH); step
+#      profile-awq-tail gives the engine's critical path with the tail on. Still owed: a same-lease
+#      vLLM W11-awq row.
 #   1. Issue 25, W11-awq at 45.4 % of the H200's int4 roofline (2.464 ms a token, lease 57; 2.598 in
 #      lease 56 before the greedy argmax kernel, SKIP_EMPTY and the one input copy; 1.45x vLLM's
 #      Marlin at 2.747 in lease 47; target 75 % = 1.49 ms). Lease 55's profile (d66dc23): GEMVs

@@ -14,7 +14,10 @@ token. Eligible: a CUDA device of compute capability 9.0, float16 activations, W
 gate_up_proj and down_proj with group size 128, no act-order permutation and no bias, every input
 width a multiple of 2,048 up to 16,384, no tensor parallelism, no LoRA. Where every layer is eligible (and its
 qkv_proj too), a tail also runs the next layer's input norm and qkv projection: a one-token step
-is then two launches a layer, attention and the tail (CausalLM.forward_tails). The weights are
+is then two launches a layer, attention and the tail (CausalLM.forward_tails). Where that layer's
+attention takes the Triton rotary path into fp16 caches (`rope_target`), the qkv stage's epilogue
+also rotates q and k and stores K and V in the cache, so its attention skips the rotary kernel
+(MINIVLLM_W4_TAIL_ROPE=0: not; measured neutral in time, one launch a layer less, docs/perf.md). The weights are
 kept a second time in the tile format (quant/w4_tiles.py): the four projections again (3.7 GB
 for Llama-3.1-8B).
 
