@@ -188,10 +188,9 @@ class RopeTarget:
     caches at the token's slot (what Attention.attend_qkv's rotary_store_kv does)."""
 
     def __init__(self, positions: torch.Tensor, slot_mapping: torch.Tensor, cos_sin: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.positions, self.slot_mapping, self.cos_sin = positions, slot_mapping, cos_sin
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
 
 
 def rope_target(attention: nn.Module, positions: torch.Tensor, slot_mapping: torch.Tensor) -> RopeTarget | None:
@@ -213,8 +212,7 @@ def rope_target(attention: nn.Module, positions: torch.Tensor, slot_mapping: tor
             or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64
             or attention.head_dim % TILE_ROWS != 0):
         return None
-    return RopeTarget(positions, slot_mapping, cos_sin, k_cache, v_cache, attention.num_heads,
-                      attention.num_kv_heads)
+    return RopeTarget(positions, slot_mapping, cos_sin, k_cache, v_cache)
 
 
 def qkv_rope(target: RopeTarget | None, heads: tuple[int, int, int]) -> _Rope:

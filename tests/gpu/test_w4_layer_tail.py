@@ -129,7 +129,7 @@ def test_chained_tail_rotates_q_and_stores_the_next_layers_kv(slot: int) -> None
     caches = [torch.randn(4, 16, 8, 128, device="cuda").half() for _ in range(4)]  # k, v; reference k, v
     caches[2].copy_(caches[0])
     caches[3].copy_(caches[1])
-    target = lt.RopeTarget(positions, slots, cos_sin, caches[0], caches[1], 32, 8)
+    target = lt.RopeTarget(positions, slots, cos_sin, caches[0], caches[1])
     roped, res_r = tail(attn, residual, nxt, target)
     ref = plain.clone()
     q, k, v = ref.split([4096, 1024, 1024], dim=-1)
