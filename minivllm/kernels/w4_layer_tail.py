@@ -8,8 +8,9 @@ leaves the memory idle for a few microseconds; the tail's five are 81 % of a lay
 ring that runs ahead of the waits between its stages (docs/perf.md, 2026-11-29: the prototype
 scripts/persistent_gemv/chain.cu).
 
-Switch: MINIVLLM_W4_LAYER_TAIL=1 (off by default). The runner attaches a tail to every eligible
-decoder layer after loading (`attach_layer_tails`); DecoderLayer takes it for steps of exactly one
+Switch: MINIVLLM_W4_LAYER_TAIL: by default ("auto") on where nvcc is found and the tiles take at
+most 10 % of the GPU's memory (`why_not_auto`); 1 on wherever eligible, 0 off. The runner attaches
+a tail to every eligible decoder layer after loading (`attach_layer_tails`); DecoderLayer takes it for steps of exactly one
 token. Eligible: a CUDA device of compute capability 9.0, float16 activations, W4A16 o_proj,
 gate_up_proj and down_proj with group size 128, no act-order permutation and no bias, every input
 width a multiple of 2,048 up to 16,384, no tensor parallelism, no LoRA. Where every layer is eligible (and its
@@ -40,7 +41,8 @@ import torch
 from torch import nn
 
 from minivllm.kernels.device import cuda_index
-from minivllm.quant.w4_tiles import TILE_K, TILE_ROWS, gate_up_row_order, rope_row_order, tiles_fit, to_tiles
+from minivllm.quant.w4_tiles import (TILE_K, TILE_ROWS, TILE_WORDS, gate_up_row_order, rope_row_order, tiles_fit,
+                                     to_tiles)
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,45 @@ MAX_STAGES = 4
 MAX_K = 8 * TILE_K  # the widest stage input the kernel takes (its stage_input cases)
 
 
-def enabled() -> bool:
-    return os.environ.get("MINIVLLM_W4_LAYER_TAIL", "0") == "1"
+AUTO_MAX_MEMORY_SHARE = 0.10  # auto mode: the tiles take at most this share of the GPU's memory
+
+
+def mode() -> str:
+    """MINIVLLM_W4_LAYER_TAIL: "1" on wherever eligible (a failed build is a warning), "0" off,
+    anything else (the default, "auto") on where why_not_auto finds no reason against it."""
+    value = os.environ.get("MINIVLLM_W4_LAYER_TAIL", "auto")
+    return value if value in ("0", "1") else "auto"
+
+
+def planned_tile_bytes(model: nn.Module) -> int:
+    """The bytes attach_layer_tails would add: every eligible layer's o, gate_up and down tiles and
+    its qkv tiles where tileable (an upper bound: those only chained)."""
+    total = 0
+    for layer in getattr(model, "layers", []):
+        if why_not_eligible(layer) is not None:
+            continue
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        linears += [attn.qkv_proj] if _tileable(attn.qkv_proj) is None else []
+        total += sum((lin.out_features // TILE_ROWS) * (lin.in_features // TILE_K) * TILE_WORDS * 4 for lin in linears)
+    return total
+
+
+def why_not_auto(model: nn.Module) -> str | None:
+    """None if the default (auto) mode attaches tails to `model`, else why not: no eligible layer,
+    no nvcc to build the kernel, or tiles over AUTO_MAX_MEMORY_SHARE of the GPU's memory (they
+    are a second copy of the weights: +3.7 GB for Llama-3.1-8B, -3 % KV cache on an H200)."""
+    extra = planned_tile_bytes(model)
+    if extra == 0:
+        return "no eligible layer"
+    if find_nvcc() is None:
+        return "no nvcc to build its kernel (CUDA_HOME, /usr/local/cuda or PATH)"
+    dev = next(layer for layer in model.layers if why_not_eligible(layer) is None).self_attn.o_proj.qweight.device
+    total = torch.cuda.get_device_properties(dev).total_memory
+    if extra > AUTO_MAX_MEMORY_SHARE * total:
+        return (f"its tiles would take {extra / 1e9:.1f} GB, over {AUTO_MAX_MEMORY_SHARE:.0%} of the GPU's "
+                f"{total / 1e9:.0f} GB (MINIVLLM_W4_LAYER_TAIL=1 forces it)")
+    return None
 
 
 def chain_enabled() -> bool:

@@ -171,15 +171,23 @@ class ModelRunner:
                     "Triton gather kernels" if self.lora.state.use_triton else "torch reference")
 
     def _attach_w4_layer_tails(self, model: CausalLM) -> None:
-        """MINIVLLM_W4_LAYER_TAIL=1: one-token steps of eligible 4-bit layers run o_proj .. down_proj
-        as one persistent launch (kernels/w4_layer_tail.py). Not with LoRA (its adapters wrap the
-        linears the tail replaces)."""
+        """One-token steps of eligible 4-bit layers run o_proj .. down_proj (and the next layer's
+        qkv) as one persistent launch (kernels/w4_layer_tail.py): by default where it builds and
+        its tiles fit (`why_not_auto`), MINIVLLM_W4_LAYER_TAIL=1 wherever eligible, 0 never. Not
+        with LoRA (its adapters wrap the linears the tail replaces)."""
         from minivllm.kernels import w4_layer_tail
-        if not w4_layer_tail.enabled():
+        mode = w4_layer_tail.mode()
+        if mode == "0":
             return
         if self.lora is not None:
             logger.info("W4 layer tail: off with LoRA")
             return
+        if mode == "auto":
+            reason = w4_layer_tail.why_not_auto(model)
+            if reason is not None:
+                if reason != "no eligible layer":
+                    logger.info("W4 layer tail: off (%s)", reason)
+                return
         try:
             w4_layer_tail.attach_layer_tails(model)
         except RuntimeError as e:  # no nvcc, a failed build, no block fits: the unfused path serves

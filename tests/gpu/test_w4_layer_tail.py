@@ -202,31 +202,33 @@ def _small_awq_llama(tmp_path, layers: int = 2) -> str:
 
 def test_engine_takes_the_tail_for_decode_steps(tmp_path, monkeypatch) -> None:
     """The same greedy tokens with and without the tails (dummy AWQ Llama-3.1-8B shapes, 3 layers,
-    CUDA graphs), chained through each next layer's qkv or not: the tails run every decode step,
-    the prompt's step takes the unfused path."""
+    CUDA graphs), chained through each next layer's qkv or not, with the rotary in the tail or not,
+    and by default (auto: on, nvcc is here and the tiles are small): the tails run every decode
+    step, the prompt's step takes the unfused path."""
     from minivllm import LLM, SamplingParams
     model = _small_awq_llama(tmp_path, layers=3)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(100, 164))}]
     tokens = {}
     from minivllm.kernels import w4_layer_tail as lt
-    for mode, env in (("off", {"MINIVLLM_W4_LAYER_TAIL": "0"}),
-                      ("layer", {"MINIVLLM_W4_LAYER_TAIL": "1", "MINIVLLM_W4_TAIL_CHAIN": "0"}),
-                      ("chain", {"MINIVLLM_W4_LAYER_TAIL": "1", "MINIVLLM_W4_TAIL_CHAIN": "1"}),
-                      ("chain-norope", {"MINIVLLM_W4_TAIL_ROPE": "0"})):
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
+    switches = {"T": "MINIVLLM_W4_LAYER_TAIL", "C": "MINIVLLM_W4_TAIL_CHAIN", "R": "MINIVLLM_W4_TAIL_ROPE"}
+    for mode, on in (("off", ""), ("layer", "T"), ("chain", "TCR"), ("chain-norope", "TC"), ("auto", "CR")):
+        for flag, name in switches.items():
+            monkeypatch.setenv(name, "1" if flag in on else "0")
+        if mode == "auto":
+            monkeypatch.delenv("MINIVLLM_W4_LAYER_TAIL")
         llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="float16", max_model_len=1024,
                   kv_cache_memory_bytes=1 << 30, seed=0)
         runner_model = llm.llm_engine.executor.runner.model
         assert all((layer.tail is not None) == (mode != "off") for layer in runner_model.layers)
-        assert runner_model.tail_chain == mode.startswith("chain")
+        assert runner_model.tail_chain == ("C" in on)
         tokens[mode] = llm.generate(prompts, params)[0].outputs[0].token_ids
-        if mode.startswith("chain"):  # the tail rotates where the env lets it
+        if "C" in on:  # the tail rotates where the env lets it
             i64 = torch.zeros(1, dtype=torch.int64, device="cuda")
-            assert (lt.rope_target(runner_model.layers[1].self_attn, i64, i64) is not None) == (mode == "chain")
+            assert (lt.rope_target(runner_model.layers[1].self_attn, i64, i64) is not None) == ("R" in on)
         llm.llm_engine.shutdown()
         del llm, runner_model
         torch.cuda.empty_cache()
     assert len(tokens["chain"]) == 12
     assert tokens["layer"] == tokens["off"] and tokens["chain"] == tokens["off"] == tokens["chain-norope"]
+    assert tokens["auto"] == tokens["off"]

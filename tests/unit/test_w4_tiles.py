@@ -108,11 +108,36 @@ def test_why_not_eligible_names_the_reason() -> None:
     assert "bfloat16" in lt.why_not_eligible(bf16)
 
 
-def test_switch_is_off_by_default(monkeypatch) -> None:
+def test_switch_is_auto_by_default(monkeypatch) -> None:
     monkeypatch.delenv("MINIVLLM_W4_LAYER_TAIL", raising=False)
-    assert not lt.enabled()
-    monkeypatch.setenv("MINIVLLM_W4_LAYER_TAIL", "1")
-    assert lt.enabled()
+    assert lt.mode() == "auto"
+    for value, expected in (("1", "1"), ("0", "0"), ("auto", "auto"), ("yes", "auto")):
+        monkeypatch.setenv("MINIVLLM_W4_LAYER_TAIL", value)
+        assert lt.mode() == expected
+
+
+def test_auto_mode_needs_an_eligible_layer_nvcc_and_room(monkeypatch) -> None:
+    """why_not_auto: no eligible layer, no nvcc, tiles over 10 % of the GPU's memory -> a reason;
+    else None. planned_tile_bytes counts every tileable projection's tiles (17,408 bytes each)."""
+    layer = _layer()
+    layer.self_attn.qkv_proj = types.SimpleNamespace(in_features=4096, out_features=6144)
+    monkeypatch.setattr(lt, "why_not_eligible", lambda lay: None if lay is layer else "no")
+    model = types.SimpleNamespace(layers=[layer, object()])
+    monkeypatch.setattr(lt, "_tileable", lambda lin: None)
+    per_layer = sum((lin.out_features // 16) * (lin.in_features // 2048) * 17408
+                    for lin in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                                layer.self_attn.qkv_proj))
+    assert lt.planned_tile_bytes(model) == per_layer > 0
+    monkeypatch.setattr(lt, "find_nvcc", lambda: None)
+    assert "nvcc" in lt.why_not_auto(model)
+    monkeypatch.setattr(lt, "find_nvcc", lambda: "/usr/bin/nvcc")
+    memory = {"total_memory": 0}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(**memory))
+    memory["total_memory"] = per_layer * 9  # the tiles 11 % of it
+    assert "over 10%" in lt.why_not_auto(model)
+    memory["total_memory"] = per_layer * 11
+    assert lt.why_not_auto(model) is None
+    assert lt.why_not_auto(types.SimpleNamespace(layers=[object()])) == "no eligible layer"
 
 
 def test_cooperative_launch_is_on_by_default(monkeypatch) -> None:
