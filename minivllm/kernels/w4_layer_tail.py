@@ -9,7 +9,7 @@ ring that runs ahead of the waits between its stages (docs/perf.md, 2026-11-29: 
 scripts/persistent_gemv/chain.cu).
 
 Switch: MINIVLLM_W4_LAYER_TAIL: by default ("auto") on where nvcc is found and the tiles take at
-most 10 % of the GPU's memory (`why_not_auto`); 1 on wherever eligible, 0 off. The runner attaches
+most 10 % of the engine's GPU memory (`why_not_auto`); 1 on wherever eligible, 0 off. The runner attaches
 a tail to every eligible decoder layer after loading (`attach_layer_tails`); DecoderLayer takes it for steps of exactly one
 token. Eligible: a CUDA device of compute capability 9.0, float16 activations, W4A16 o_proj,
 gate_up_proj and down_proj with group size 128, no act-order permutation and no bias, every input
@@ -54,7 +54,7 @@ MAX_STAGES = 4
 MAX_K = 8 * TILE_K  # the widest stage input the kernel takes (its stage_input cases)
 
 
-AUTO_MAX_MEMORY_SHARE = 0.10  # auto mode: the tiles take at most this share of the GPU's memory
+AUTO_MAX_MEMORY_SHARE = 0.10  # auto mode: the tiles take at most this share of the engine's GPU memory
 
 
 def mode() -> str:
@@ -78,19 +78,20 @@ def planned_tile_bytes(model: nn.Module) -> int:
     return total
 
 
-def why_not_auto(model: nn.Module) -> str | None:
+def why_not_auto(model: nn.Module, memory_share: float = 1.0) -> str | None:
     """None if the default (auto) mode attaches tails to `model`, else why not: no eligible layer,
-    no nvcc to build the kernel, or tiles over AUTO_MAX_MEMORY_SHARE of the GPU's memory (they
-    are a second copy of the weights: +3.7 GB for Llama-3.1-8B, -3 % KV cache on an H200)."""
+    no nvcc to build the kernel, or tiles over AUTO_MAX_MEMORY_SHARE of the engine's memory (its
+    `memory_share` of the GPU, gpu_memory_utilization). The tiles are a second copy of the
+    weights: +3.7 GB for Llama-3.1-8B, -3 % KV cache on an H200."""
     extra = planned_tile_bytes(model)
     if extra == 0:
         return "no eligible layer"
     if find_nvcc() is None:
         return "no nvcc to build its kernel (CUDA_HOME, /usr/local/cuda or PATH)"
     dev = next(layer for layer in model.layers if why_not_eligible(layer) is None).self_attn.o_proj.qweight.device
-    total = torch.cuda.get_device_properties(dev).total_memory
+    total = torch.cuda.get_device_properties(dev).total_memory * memory_share
     if extra > AUTO_MAX_MEMORY_SHARE * total:
-        return (f"its tiles would take {extra / 1e9:.1f} GB, over {AUTO_MAX_MEMORY_SHARE:.0%} of the GPU's "
+        return (f"its tiles would take {extra / 1e9:.1f} GB, over {AUTO_MAX_MEMORY_SHARE:.0%} of the engine's "
                 f"{total / 1e9:.0f} GB (MINIVLLM_W4_LAYER_TAIL=1 forces it)")
     return None
 

@@ -183,7 +183,7 @@ class ModelRunner:
             logger.info("W4 layer tail: off with LoRA")
             return
         if mode == "auto":
-            reason = w4_layer_tail.why_not_auto(model)
+            reason = w4_layer_tail.why_not_auto(model, self.config.cache.gpu_memory_utilization)
             if reason is not None:
                 if reason != "no eligible layer":
                     logger.info("W4 layer tail: off (%s)", reason)

@@ -117,7 +117,7 @@ def test_switch_is_auto_by_default(monkeypatch) -> None:
 
 
 def test_auto_mode_needs_an_eligible_layer_nvcc_and_room(monkeypatch) -> None:
-    """why_not_auto: no eligible layer, no nvcc, tiles over 10 % of the GPU's memory -> a reason;
+    """why_not_auto: no eligible layer, no nvcc, tiles over 10 % of the engine's memory -> a reason;
     else None. planned_tile_bytes counts every tileable projection's tiles (17,408 bytes each)."""
     layer = _layer()
     layer.self_attn.qkv_proj = types.SimpleNamespace(in_features=4096, out_features=6144)
@@ -137,6 +137,7 @@ def test_auto_mode_needs_an_eligible_layer_nvcc_and_room(monkeypatch) -> None:
     assert "over 10%" in lt.why_not_auto(model)
     memory["total_memory"] = per_layer * 11
     assert lt.why_not_auto(model) is None
+    assert "over 10%" in lt.why_not_auto(model, memory_share=0.5)  # the engine's share of the GPU
     assert lt.why_not_auto(types.SimpleNamespace(layers=[object()])) == "no eligible layer"
 
 
