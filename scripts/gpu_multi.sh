@@ -42,10 +42,9 @@
 #   persistent-chain    scripts/persistent_gemv/chain.cu built with nvcc and run: a token's 128 W4A16 GEMVs in one
 #                       persistent launch, each design against its reference (issue 25, docs/perf.md 2026-11-29)
 #   tail-profile        scripts/persistent_gemv/profile_tail.py: the engine's W4 layer tail alone and per stage
-#                       (TAIL_VARIANTS: several builds, e.g. "- W4LT_NO_WAIT W4LT_NO_MATH"; profile-awq-tail:
-#                       W11-awq's kernel times in the engine with the tail on)
-#                       (issue 25; its A/B in the engine: ab-engine with MINIVLLM_W4_LAYER_TAIL=1 exported and
-#                       AB_SPECS=".@MINIVLLM_W4_LAYER_TAIL=0 .")
+#                       (issue 25; TAIL_VARIANTS: several builds, e.g. "- W4LT_NO_WAIT W4LT_NO_MATH"; its A/B in
+#                       the engine, where it is on by default: ab-engine with AB_SPECS=".@MINIVLLM_W4_LAYER_TAIL=0 .")
+#   profile-awq-tail    scripts/kernel_profile.py: W11-awq's critical-path kernel times with the tail on (issue 25)
 #   dense-stream        scripts/bench_dense_gemv.py --stream: the streaming dense GEMV's tiles (issue 21)
 #   inv-gemm            scripts/bench_invariant_gemm.py: the invariant GEMM's launches vs cuBLAS, with bit checks (issue 22)
 #   inv-gemm-splits     the same for o/down at 1, 2 and 4 K slices (issue 22)
@@ -98,6 +97,10 @@ mkdir -p "$ROOT"
 OUTDIR=${OUT:-/tmp/multi-out}
 mkdir -p "$OUTDIR"
 CALL=$(date +%H%M%S)
+
+tail_defines() {  # "A,B" -> "A B"; "-" -> nothing (TAIL_VARIANTS' spelling of the defines of one build)
+  [ "$1" = "-" ] || echo "$1" | tr ',' ' '
+}
 
 profile_invariant_pair() {  # DIR BATCH PROMPT_LEN: Qwen3-0.6B decode in graphs, batch-invariant mode, then default
   local mode flag
@@ -253,15 +256,13 @@ run_step() {  # run_step STEP LANE_DIR PORT
       # TAIL_VARIANTS: builds to time in turn, each a comma-separated list of -D defines ("-": none), e.g.
       # "- W4LT_NO_WAIT W4LT_NO_MATH,W4LT_SLOTS=4" (the builds run in parallel first)
       local variants=${TAIL_VARIANTS:--} v
-      for v in $variants; do
-        python3 -c "import sys; from minivllm.kernels import w4_layer_tail as lt; d=sys.argv[1]; \
-lt.load_library(tuple(x for x in d.split(',') if x != '-')); lt.load_library(('W4LT_PROFILE',) + \
-tuple(x for x in d.split(',') if x != '-'))" "$v" &
+      for v in $variants; do  # the engine's and the profiling build of each, in parallel
+        python3 -c "import sys; from minivllm.kernels import w4_layer_tail as lt; d = tuple(sys.argv[1:]); \
+lt.load_library(d); lt.load_library(('W4LT_PROFILE',) + d)" $(tail_defines "$v") &
       done
       wait
       for v in $variants; do
-        python3 scripts/persistent_gemv/profile_tail.py --defines $(echo "$v" | tr ',' ' ' | sed 's/^-$//') \
-          | tee -a "$dir/tail-profile.jsonl"
+        python3 scripts/persistent_gemv/profile_tail.py --defines $(tail_defines "$v") | tee -a "$dir/tail-profile.jsonl"
       done ;;
     profile-awq-tail)  # issue 25: W11-awq's critical-path kernel times in CUDA graphs with the W4 layer tail on
       MINIVLLM_W4_LAYER_TAIL=1 python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq --graphs --batch 1 \

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from minivllm.kernels.device import cuda_index
-from minivllm.quant.w4_tiles import (TILE_K, TILE_ROWS, TILE_WORDS, gate_up_row_order, rope_row_order, tiles_fit,
+from minivllm.quant.w4_tiles import (TILE_K, TILE_ROWS, gate_up_row_order, rope_row_order, tile_bytes, tiles_fit,
                                      to_tiles)
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ MAX_K = 8 * TILE_K  # the widest stage input the kernel takes (its stage_input c
 
 
 AUTO_MAX_MEMORY_SHARE = 0.10  # auto mode: the tiles take at most this share of the engine's GPU memory
+NO_ELIGIBLE_LAYER = "no eligible layer"  # why_not_auto's reason for a model the tail never takes (not logged)
 
 
 def mode() -> str:
@@ -74,7 +75,7 @@ def planned_tile_bytes(model: nn.Module) -> int:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         linears += [attn.qkv_proj] if _tileable(attn.qkv_proj) is None else []
-        total += sum((lin.out_features // TILE_ROWS) * (lin.in_features // TILE_K) * TILE_WORDS * 4 for lin in linears)
+        total += sum(tile_bytes(lin.out_features, lin.in_features) for lin in linears)
     return total
 
 
@@ -85,7 +86,7 @@ def why_not_auto(model: nn.Module, memory_share: float = 1.0) -> str | None:
     weights: +3.7 GB for Llama-3.1-8B, -3 % KV cache on an H200."""
     extra = planned_tile_bytes(model)
     if extra == 0:
-        return "no eligible layer"
+        return NO_ELIGIBLE_LAYER
     if find_nvcc() is None:
         return "no nvcc to build its kernel (CUDA_HOME, /usr/local/cuda or PATH)"
     dev = next(layer for layer in model.layers if why_not_eligible(layer) is None).self_attn.o_proj.qweight.device

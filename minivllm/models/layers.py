@@ -151,16 +151,17 @@ class Attention(nn.Module):
             if self.calibrate_kv:
                 calibrate_kv_scales(self, k, v)
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
-        return o.reshape(t, self.q_size)
+        return self._attend_rotated(q, meta)
 
     def attend_stored(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """attend_qkv for a qkv whose q is already rotated and whose K/V are already in the cache
         (a chained W4 layer tail did both, kernels/w4_layer_tail.RopeTarget): attention -> [T, q_size]."""
-        t = qkv.shape[0]
-        q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+        return self._attend_rotated(qkv[:, :self.q_size].view(qkv.shape[0], self.num_heads, self.head_dim), meta)
+
+    def _attend_rotated(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The rotated q [T, heads, D] over the cache (K/V stored) -> [T, q_size]."""
         o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
-        return o.reshape(t, self.q_size)
+        return o.reshape(q.shape[0], self.q_size)
 
     def _rotate_and_store(self, positions, q, k, v, meta) -> torch.Tensor | None:
         """The backend's one-kernel rotary (after the q/k norm) and K/V store where it has one

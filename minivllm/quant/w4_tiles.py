@@ -43,6 +43,11 @@ def gate_up_row_order(intermediate: int, device: torch.device | None = None) -> 
     return torch.cat([idx, idx + intermediate], dim=1).reshape(-1)
 
 
+def tile_bytes(rows: int, k: int) -> int:
+    """The bytes of a weight of `rows` outputs and `k` inputs in the tile format."""
+    return (rows // TILE_ROWS) * (k // TILE_K) * TILE_WORDS * 4
+
+
 def rope_row_order(heads: int, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
     """Rows of a qkv weight of `heads` heads (q, k and v together) so that tile t holds rows
     8j..8j+7 of head t // (D/16) (j = t % (D/16)) then the same rows + D/2: the pairs the rotary

@@ -185,7 +185,7 @@ class ModelRunner:
         if mode == "auto":
             reason = w4_layer_tail.why_not_auto(model, self.config.cache.gpu_memory_utilization)
             if reason is not None:
-                if reason != "no eligible layer":
+                if reason != w4_layer_tail.NO_ELIGIBLE_LAYER:
                     logger.info("W4 layer tail: off (%s)", reason)
                 return
         try:

@@ -138,7 +138,7 @@ def test_auto_mode_needs_an_eligible_layer_nvcc_and_room(monkeypatch) -> None:
     memory["total_memory"] = per_layer * 11
     assert lt.why_not_auto(model) is None
     assert "over 10%" in lt.why_not_auto(model, memory_share=0.5)  # the engine's share of the GPU
-    assert lt.why_not_auto(types.SimpleNamespace(layers=[object()])) == "no eligible layer"
+    assert lt.why_not_auto(types.SimpleNamespace(layers=[object()])) == lt.NO_ELIGIBLE_LAYER == "no eligible layer"
 
 
 def test_cooperative_launch_is_on_by_default(monkeypatch) -> None:
