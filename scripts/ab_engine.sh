@@ -17,7 +17,7 @@
 # PYTHONPATH says (lease 52 lost a comparison to that). Records: $OUT/<REF>-<round>.json ("." is named
 # "tree"; the records' minivllm_git names the checkout, not the REF); one line a run: REF, round, ms a
 # token, TTFT ms (throughput: output tok/s, best of the repeats). An environment switch can ride on a REF as
-# REF@VAR=VALUE (e.g. .@MINIVLLM_W4A16_GEMV_SZ_PAIRS=0).
+# REF@VAR=VALUE (e.g. .@MINIVLLM_W4A16_GEMV_SZ_PAIRS=0), several as REF@VAR=VALUE@VAR2=VALUE2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -33,14 +33,14 @@ prepare() {
 
 run_one() {  # REF[@VAR=VALUE] ROUND BENCH_ARGS...
   local spec=$1 round=$2; shift 2
-  local ref=${spec%%@*} env_kv=X_AB_ENGINE=1 dir
-  [ "$spec" != "$ref" ] && env_kv=${spec#*@}
+  local ref=${spec%%@*} env_kv=(X_AB_ENGINE=1) dir
+  [ "$spec" != "$ref" ] && IFS=@ read -ra env_kv <<< "${spec#*@}"
   dir=$root; [ "$ref" != "." ] && dir=${AB_DIR:-$root/ab}/$ref
   [ -d "$dir/minivllm" ] || { echo "no package for $ref: run prepare here first" >&2; return 1; }
   local name out_file
   name=$(echo "$spec" | sed 's/^\./tree/' | tr -c 'A-Za-z0-9._=\n-' '_')
   out_file=${OUT:-/tmp}/$name-$round.json
-  (cd "$dir" && env PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$env_kv" python3 -m minivllm bench "${AB_BENCH:-latency}" "$@" \
+  (cd "$dir" && env PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "${env_kv[@]}" python3 -m minivllm bench "${AB_BENCH:-latency}" "$@" \
      --output "$out_file" > "${out_file%.json}.log" 2>&1)
   python3 -c "import json,sys; f=json.load(open(sys.argv[1]))['figures']; \
 print(sys.argv[2], sys.argv[3], *((round(f['ms_per_token'], 4), round(f['ttft_s'] * 1e3, 2)) if 'ms_per_token' in f \
