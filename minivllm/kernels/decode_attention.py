@@ -52,7 +52,7 @@ import triton.language as tl
 
 from minivllm.kernels.device import num_sms as num_sms_of
 from minivllm.kernels.paged_checks import check_paged_shapes
-from minivllm.kernels.pdl import enter_after_previous, pdl_args, prefetch_l2
+from minivllm.kernels.pdl import enter_after_previous, pdl_args
 from minivllm.kernels.prefill_attention import fp16_query, mma, softmax_accumulate
 from minivllm.kernels.split_k import tile_counters
 from minivllm.kernels.store_kv import fp8_widen_f16, kv_scale_args
@@ -67,30 +67,6 @@ def skip_empty_enabled() -> bool:
     """SKIP_EMPTY (programs of empty chunks exit before the PDL wait) where it applies, unless
     MINIVLLM_DECODE_SKIP_EMPTY=0 (A/B runs). Read at each launch."""
     return os.environ.get("MINIVLLM_DECODE_SKIP_EMPTY", "1") != "0"
-
-
-def tile_override() -> dict[str, int] | None:
-    """MINIVLLM_DECODE_TILE="BLOCK_N,num_warps,num_stages,MIN_CHUNK" (A/B runs, issue 25): a small
-    program (e.g. "16,1,1,32": 12 KB of shared memory, 8K registers) fits on an SM beside the
-    W4 layer tail's two blocks, so attention's programs are resident before the tail ends and
-    the next tail's blocks are resident while attention runs. Read at each launch."""
-    spec = os.environ.get("MINIVLLM_DECODE_TILE")
-    if not spec:
-        return None
-    block_n, warps, stages, min_chunk = (int(x) for x in spec.split(","))
-    return {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "MIN_CHUNK": min_chunk}
-
-
-def min_chunk() -> int:
-    """Fewest keys a split: MIN_CHUNK unless MINIVLLM_DECODE_TILE says otherwise."""
-    tile = tile_override()
-    return tile["MIN_CHUNK"] if tile else MIN_CHUNK
-
-
-def prefetch_kv_enabled() -> bool:
-    """MINIVLLM_DECODE_PREFETCH=1 (A/B runs, issue 25): with SKIP_EMPTY, a program asks L2 for
-    its chunk's K and V rows before the PDL wait, so that they are L2 hits after it."""
-    return os.environ.get("MINIVLLM_DECODE_PREFETCH", "0") == "1"
 
 
 def merge_in_split() -> bool:
@@ -149,20 +125,6 @@ def _attend_chunk(q, k_base, v_base, bt_row, start, end, qk_scale, stride_cs, st
 
 
 @triton.jit
-def _prefetch_chunk(k_base, v_base, bt_row, start, end, stride_cs, stride_cb, stride_cd,
-                    BLOCK_SIZE: tl.constexpr, MIN_CHUNK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """prefetch_l2 of K and V rows [start, end) of one kv head, one address a 128-byte line, in
-    passes of MIN_CHUNK_N keys (rows past end clamped to end - 1)."""
-    e = tl.arange(0, HEAD_DIM * 2 // 128) * (128 // 2)  # each 16-bit row's lines (the launcher checks the sizes)
-    for n0 in range(start, end, MIN_CHUNK_N):
-        n = tl.minimum(n0 + tl.arange(0, MIN_CHUNK_N), end - 1)
-        blk = tl.load(bt_row + n // BLOCK_SIZE, cache_modifier=".cg").to(tl.int64)
-        off = (blk * stride_cb + (n % BLOCK_SIZE) * stride_cs)[:, None] + e[None, :] * stride_cd
-        prefetch_l2(k_base + off)
-        prefetch_l2(v_base + off)
-
-
-@triton.jit
 def _chunk_keys(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK_N: tl.constexpr):
     """Keys a chunk of this sequence: its share of num_splits chunks rounded up to BLOCK_N, at
     least MIN_CHUNK_N (so short sequences fill fewer chunks)."""
@@ -203,7 +165,6 @@ def _decode_split_kernel(
     MERGE: tl.constexpr = False,  # split: the last program of (seq, kv head) merges the chunks (stage 2)
     S_PAD: tl.constexpr = 2,  # MERGE: next_pow2(num_splits)
     SKIP_EMPTY: tl.constexpr = False,  # (MERGE or one split) a program whose chunk holds no key exits at once
-    PREFETCH_KV: tl.constexpr = False,  # (SKIP_EMPTY, PDL) the chunk's K/V rows asked of L2 before the wait
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -219,14 +180,6 @@ def _decode_split_kernel(
         chunk = _chunk_keys(seq_len, num_splits, BLOCK_N, MIN_CHUNK_N)
         if (q_len != 1) | (split * chunk >= seq_len):
             return  # not a one-token query (padding, a prompt chunk), or an empty chunk
-        if PREFETCH_KV:
-            # The block table is step metadata as above. Asking L2 for lines is no read: the
-            # newest token's row, which the kernel before may still be writing, is read after the
-            # wait from L2, the point of coherence, so the request cannot make it stale
-            _prefetch_chunk(k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch,
-                            block_tables_ptr + seq.to(tl.int64) * stride_bt, split * chunk,
-                            tl.minimum(split * chunk + chunk, seq_len), stride_cs, stride_cb, stride_cd,
-                            BLOCK_SIZE, MIN_CHUNK_N, HEAD_DIM)
         enter_after_previous(PDL)  # before any read of q or the cache, and any store
     else:
         enter_after_previous(PDL)  # first: no read of another kernel's output or store before it (kernels/pdl.py)
@@ -357,7 +310,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     target = PROGRAMS_PER_SM * num_sms
     if programs >= target:
         return 1
-    splits = min(triton.cdiv(target, programs), triton.cdiv(max(1, max_seq_len), min_chunk()), MAX_SPLITS)
+    splits = min(triton.cdiv(target, programs), triton.cdiv(max(1, max_seq_len), MIN_CHUNK), MAX_SPLITS)
     return triton.next_power_of_2(max(1, splits))
 
 
@@ -370,9 +323,6 @@ def decode_config(group: int, head_dim: int, elem_bytes: int = 2) -> dict[str, i
     64 keys. Wider rows (fp32, head_dim > 128) halve it to stay within shared memory.
     """
     row_bytes = head_dim * elem_bytes
-    tile = tile_override()
-    if tile:
-        return {k: v for k, v in tile.items() if k != "MIN_CHUNK"}
     return {
         "BLOCK_N": 128 if row_bytes <= 256 else 64 if row_bytes <= 512 else 32,
         "num_warps": 4,
@@ -451,12 +401,10 @@ def _launch_split(query, k_cache, v_cache, out, ws, query_start_loc, seq_lens, b
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1],
-        MIN_CHUNK_N=triton.cdiv(min_chunk(), cfg["BLOCK_N"]) * cfg["BLOCK_N"],
+        MIN_CHUNK_N=triton.cdiv(MIN_CHUNK, cfg["BLOCK_N"]) * cfg["BLOCK_N"],
         NUM_SPLITS_IS_ONE=one, KV_FP8=fp8,
         IEEE=k_cache.dtype == torch.float32, WIDEN_F16=fp8_widen_f16(query), MERGE=merge,
         S_PAD=max(2, triton.next_power_of_2(num_splits)), SKIP_EMPTY=(merge or one) and skip_empty_enabled(),
-        PREFETCH_KV=prefetch_kv_enabled() and bool(pdl_args(query).get("PDL")) and k_cache.element_size() == 2
-        and head_dim % 64 == 0,
         **cfg, **pdl_args(query),
     )
 

@@ -395,23 +395,6 @@ def test_decode_merge_in_split_kernel(num_splits: int, dtype) -> None:
         assert res["apart"] < (1e-5 if dtype == torch.float32 else 1e-2) and res["counters_zero"], res
 
 
-@pytest.mark.parametrize("tile,prefetch", [("16,1,1,32", "0"), ("16,1,1,32", "1"), (None, "1")])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_small_tile_and_kv_prefetch(tile: str | None, prefetch: str, dtype, monkeypatch) -> None:
-    """MINIVLLM_DECODE_TILE (one-warp programs of 16-key tiles, 32-key chunks) and
-    MINIVLLM_DECODE_PREFETCH (the chunk's K/V asked of L2 before the PDL wait): within tolerance of
-    the reference with the in-split merge, in eager launches and graph replays, counters back at 0."""
-    if tile:
-        monkeypatch.setenv("MINIVLLM_DECODE_TILE", tile)
-    monkeypatch.setenv("MINIVLLM_DECODE_PREFETCH", prefetch)
-    specs = random_specs(random.Random(9), 6, 3000, "decode") + [(1, 1), (1, 33), (1, 384)]
-    case = make_case(specs, 32, 8, 128, 16, dtype, "cuda", seed=9)
-    for graph in (False, True):
-        res = check_decode_merge_modes(case, 64, graph)
-        assert ok(res["in_split"], dtype) and ok(res["kernel"], dtype), res
-        assert res["counters_zero"], res
-
-
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("dtype,head_dim,group,block_size", COMBOS[::3])
 def test_mixed_step_split_roles(num_splits: int, dtype, head_dim: int, group: int, block_size: int) -> None:
