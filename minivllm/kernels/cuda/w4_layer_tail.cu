@@ -25,6 +25,13 @@
 // Dependencies: stage s's math starts once every block that holds row tiles of stage s - 1 has
 // counted itself done (counters[s - 1], release/acquire at GPU scope). The last block to leave
 // resets the counters to 0, so the next launch (stream order) finds them zeroed.
+// Except gate_up -> down (a SwiGLU stage feeding a plain one, "chunk-fed"): down's k chunk c needs
+// only the 256 gate_up row tiles whose 8 outputs each lie in it. So gate_up's row tiles are dealt
+// in turn (block b takes b, b + G, ...: every block works through the chunks in order), each counts
+// itself into its chunk's counter, and a block takes down's input chunk by chunk as the chunks
+// complete: cp.async into shared memory while its gate_up tiles still run, and waits only for a
+// chunk it is about to use. No grid-wide wait between the two. The same bits as with one: every
+// row is still computed whole by one block in the same order. (-DW4LT_DOWN_BARRIER: the wait.)
 //
 // Every block must be resident at once (the waits spin): the host launches occupancy x SMs blocks,
 // as a cooperative grid unless told not to (then another persistent grid cannot leave it half
@@ -49,6 +56,13 @@ constexpr int THREADS = CONSUMERS + 32;     // + the producer warp
 #endif
 constexpr int D = W4LT_SLOTS;               // ring slots: 3 measured faster than 4 (docs/perf.md, leases 70-71)
 constexpr int MAX_STAGES = 4;
+constexpr int MAX_CHUNKS = 8;               // k chunks of a stage input (k <= 16,384)
+constexpr int FEED_TILES = KCHUNK / (ROWS / 2);  // gate_up row tiles a chunk of down's input: 256
+#ifdef W4LT_DOWN_BARRIER
+constexpr int FED_ROWS = 0;                 // no chunk-fed stage: no second input row in shared memory
+#else
+constexpr int FED_ROWS = 1;
+#endif
 
 enum InKind { IN_PLAIN = 0, IN_ADD_NORM = 1 };
 enum OutKind { OUT_STORE = 0, OUT_SWIGLU = 1, OUT_QKV = 2 };
@@ -81,7 +95,7 @@ struct Rope {
 struct Args {
   Stage st[MAX_STAGES];
   Rope rope;  // OUT_QKV's
-  int* counters;  // [MAX_STAGES + 1], 0 on entry and on exit
+  int* counters;  // [MAX_STAGES + 1 + MAX_CHUNKS] (stages, blocks out, chunks), 0 on entry and on exit
   float eps;
   int nstages, pdl;
 };
@@ -113,6 +127,28 @@ __device__ inline void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(
 __device__ inline void rowtile_range(const Stage& S, int b, int G, int& lo, int& hi) {
   lo = (int)((long long)b * S.rowtiles / G);
   hi = (int)((long long)(b + 1) * S.rowtiles / G);
+}
+
+// Whether stage s is a SwiGLU stage whose output the next stage takes chunk by chunk (see the top).
+__device__ inline bool feeds_chunks(const Args& a, int s) {
+#ifdef W4LT_DOWN_BARRIER
+  return false;
+#else
+  return a.st[s].out_kind == OUT_SWIGLU && s + 1 < a.nstages && a.st[s + 1].in_kind == IN_PLAIN &&
+         a.st[s + 1].k == a.st[s].rowtiles * (ROWS / 2);
+#endif
+}
+
+// Block b's j-th row tile of stage s, or -1 past its last: contiguous ranges (rowtile_range), or
+// dealt in turn (b, b + G, ...) for a stage that feeds chunks. Every block with a row tile counts.
+__device__ inline int nth_rowtile(const Args& a, int s, int b, int G, int j) {
+  const Stage& S = a.st[s];
+  if (feeds_chunks(a, s)) {
+    const int rt = b + G * j;
+    return rt < S.rowtiles ? rt : -1;
+  }
+  int lo, hi; rowtile_range(S, b, G, lo, hi);
+  return lo + j < hi ? lo + j : -1;
 }
 
 // The sum of v over the 8 math warps (each gets the total); scratch: 8 floats, free again on return.
@@ -305,16 +341,71 @@ __device__ inline void store_rowtile(const Stage& S, const Rope& R, int rt, cons
   }
 }
 
+// ---- the chunk feed (gate_up -> down, see the top) ------------------------------------------
+__device__ inline void cp_async16(void* dst, const void* src) {  // through L2 only (.cg): no stale L1
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// The fed stage's input as far as it is taken (the same in every math thread).
+struct Feed {
+  const __half* in;  // [k] in global memory: the feeding stage's output
+  __half* xs;        // [k] its copy in shared memory
+  float* gsum;       // [k / GROUP] its group sums
+  int* cnt;          // [chunks] the feeding stage's row tiles counted per chunk
+  int chunks;        // k / KCHUNK
+  int issued;        // chunks whose copies are issued
+  int ready;         // chunks landed, with their group sums
+};
+
+// Issues the copies of the chunks from f.issued on that are complete, waiting (thread 0 polls the
+// counters, acquire) until chunk need - 1 is; need <= f.issued: waits for none.
+__device__ inline void feed_issue(Feed& f, int need, int* shared_slot) {
+  if (threadIdx.x == 0) {
+    int c = f.issued;
+    while (c < f.chunks) {
+      if (load_acquire(f.cnt + c) >= FEED_TILES) ++c;
+      else if (c < need) __nanosleep(32);
+      else break;
+    }
+    *shared_slot = c;
+  }
+  consumer_sync();  // (the acquire above, then this barrier, orders the copies after the rows' stores)
+  const int upto = *shared_slot;
+  for (int c = f.issued; c < upto; ++c) {
+    const size_t at = (size_t)c * KCHUNK + threadIdx.x * 8;  // uint4 threadIdx.x + CONSUMERS c
+    cp_async16(f.xs + at, f.in + at);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  f.issued = upto;
+  consumer_sync();  // every thread has read shared_slot
+}
+
+// Chunk c of the fed input is in f.xs with its group sums (waiting for it if need be).
+__device__ inline void feed_ready(Feed& f, int c, int* shared_slot) {
+  if (c < f.ready) return;
+  if (c >= f.issued) feed_issue(f, c + 1, shared_slot);
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's copies (it sums its own uint4s)
+  for (int j = f.ready; j < f.issued; ++j) {
+    const uint4 v = ((const uint4*)f.xs)[threadIdx.x + CONSUMERS * j];
+    store_input<1>(&v, f.xs, f.gsum, j, f.chunks);
+  }
+  f.ready = f.issued;
+  consumer_sync();
+}
+
 __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_constant__ Args args) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;
   int kmax = 0;
   for (int s = 0; s < args.nstages; ++s) kmax = max(kmax, args.st[s].k);
   __half* xs = (__half*)(ring + D * TILE_BYTES);
-  float* gsum = (float*)(xs + kmax);
-  float* red = gsum + kmax / GROUP;
+  __half* xs_fed = xs + kmax;  // a chunk-fed stage's input (beside the feeding stage's own)
+  float* gsum = (float*)(xs_fed + FED_ROWS * kmax);
+  float* gsum_fed = gsum + kmax / GROUP;
+  float* red = gsum_fed + FED_ROWS * (kmax / GROUP);
   float* scratch = red + (CONSUMERS / 32) * ROWS;
-  uint64_t* full = (uint64_t*)(scratch + 32);
+  int* feed_slot = (int*)(scratch + 32);  // feed_issue's broadcast (+ 1 int of padding)
+  uint64_t* full = (uint64_t*)(feed_slot + 2);
   uint64_t* empty = full + D;
   const int G = gridDim.x, tid = threadIdx.x, warp = tid / 32;
   if (tid == 0) {
@@ -328,11 +419,12 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
       int i = 0;
       for (int s = 0; s < args.nstages; ++s) {
         const Stage& S = args.st[s];
-        int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
-        for (int t = lo * S.kchunks; t < hi * S.kchunks; ++t, ++i) {
-          const int slot = i % D;
-          if (i >= D) mbar_wait_sleep(empty + slot, (i / D - 1) & 1);
-          bulk_load(ring + slot * TILE_BYTES, S.tiles + (size_t)t * (TILE_BYTES / 16), TILE_BYTES, full + slot);
+        for (int j = 0, rt; (rt = nth_rowtile(args, s, blockIdx.x, G, j)) >= 0; ++j) {
+          for (int t = rt * S.kchunks; t < (rt + 1) * S.kchunks; ++t, ++i) {
+            const int slot = i % D;
+            if (i >= D) mbar_wait_sleep(empty + slot, (i / D - 1) & 1);
+            bulk_load(ring + slot * TILE_BYTES, S.tiles + (size_t)t * (TILE_BYTES / 16), TILE_BYTES, full + slot);
+          }
         }
       }
     }
@@ -346,22 +438,29 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   }
   int i = 0;
   uint32_t xr[32];
+  Feed feed = {};
   for (int s = 0; s < args.nstages; ++s) {
     const Stage& S = args.st[s];
-    int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
-    if (lo == hi) continue;
+    const bool feeding = feeds_chunks(args, s), fed = s > 0 && feeds_chunks(args, s - 1);
+    if (feeding) {  // the next stage's input, taken chunk by chunk from this stage's output
+      feed = Feed{S.out, xs_fed, gsum_fed, args.counters + MAX_STAGES + 1, args.st[s + 1].k / KCHUNK, 0, 0};
+    }
+    if (nth_rowtile(args, s, blockIdx.x, G, 0) < 0) continue;
     stamp(2 + 4 * s);
-    stage_input(args, s, blockIdx.x == G - 1, xs, gsum, scratch);
+    if (!fed) stage_input(args, s, blockIdx.x == G - 1, xs, gsum, scratch);
     stamp(4 + 4 * s);
-    for (int rt = lo; rt < hi; ++rt) {
+    const __half* xin = fed ? xs_fed : xs;
+    const float* gin = fed ? gsum_fed : gsum;
+    for (int j = 0, rt; (rt = nth_rowtile(args, s, blockIdx.x, G, j)) >= 0; ++j) {
       float acc_a = 0.f, acc_b = 0.f;  // rows lane / 4 and + 8, this warp's k
       for (int kc = 0; kc < S.kchunks; ++kc, ++i) {
-        load_xr(xs + kc * KCHUNK, xr);
+        if (fed) feed_ready(feed, kc, feed_slot);
+        load_xr(xin + kc * KCHUNK, xr);
         const int slot = i % D;
         mbar_wait_sleep(full + slot, (i / D) & 1);
         float a = 0.f, b = 0.f;
 #ifndef W4LT_NO_MATH  // (profiling only: the tiles consumed unread, the math's cost)
-        tile_dot<true>(ring + slot * TILE_BYTES, xr, gsum + kc * GROUPS, a, b);
+        tile_dot<true>(ring + slot * TILE_BYTES, xr, gin + kc * GROUPS, a, b);
 #endif
         acc_a += a; acc_b += b;
         __syncwarp();
@@ -372,6 +471,11 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
       consumer_sync();
       store_rowtile(S, args.rope, rt, red);
       consumer_sync();  // red is free again
+      if (feeding) {  // count the row tile into its chunk (its rows stored, ordered by the barrier + fence);
+        // then copy whatever chunks are complete (no wait)
+        if (tid == 0) { __threadfence(); atomicAdd(feed.cnt + rt / FEED_TILES, 1); }
+        if (nth_rowtile(args, s + 1, blockIdx.x, G, 0) >= 0) feed_issue(feed, 0, feed_slot);
+      }
     }
     if (tid == 0) {  // the stores above (threads < 16) are ordered before the count by the barrier + fence
       __threadfence();
@@ -384,7 +488,7 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   if (tid == 0) {
     __threadfence();
     if (atomicAdd(args.counters + MAX_STAGES, 1) == G - 1) {
-      for (int s = 0; s <= MAX_STAGES; ++s) args.counters[s] = 0;
+      for (int s = 0; s <= MAX_STAGES + MAX_CHUNKS; ++s) args.counters[s] = 0;
 #ifdef W4LT_PROFILE
       ++g_launch;
 #endif
@@ -400,7 +504,8 @@ extern "C" {
 
 // The launch's dynamic shared memory for the widest stage input kmax.
 int w4lt_smem_bytes(int kmax) {
-  return D * TILE_BYTES + kmax * 2 + (kmax / GROUP) * 4 + (CONSUMERS / 32) * ROWS * 4 + 32 * 4 + 2 * D * 8;
+  return D * TILE_BYTES + (1 + FED_ROWS) * (kmax * 2 + (kmax / GROUP) * 4) + (CONSUMERS / 32) * ROWS * 4 + 32 * 4 +
+         2 * 4 + 2 * D * 8;
 }
 
 // Raises the kernel's shared-memory limit on `device` to what kmax needs (never lowers it: another
