@@ -17,7 +17,7 @@
 // design: scripts/persistent_gemv/chain.cu (its v2) and docs/perf.md (2026-11-29).
 //
 // Block layout: warp 8 (the producer) issues one bulk copy a tile into a ring of D slots (full and
-// empty mbarriers); warps 0-7 do the math. Every block takes a contiguous range of each stage's
+// empty mbarriers); warp 9 (the feeder) serves the chunk feed below; warps 0-7 do the math. Every block takes a contiguous range of each stage's
 // row tiles (16 output rows) and runs all of a row tile's k chunks itself, so its rows are complete
 // in the block: the 8 warps' partial sums are added through shared memory in a fixed order and the
 // row is stored once. No atomics on data: the result has the same bits on every run.
@@ -27,11 +27,13 @@
 // resets the counters to 0, so the next launch (stream order) finds them zeroed.
 // Except gate_up -> down (a SwiGLU stage feeding a plain one, "chunk-fed"): down's k chunk c needs
 // only the 256 gate_up row tiles whose 8 outputs each lie in it. So gate_up's row tiles are dealt
-// in turn (block b takes b, b + G, ...: every block works through the chunks in order), each counts
-// itself into its chunk's counter, and a block takes down's input chunk by chunk as the chunks
-// complete: cp.async into shared memory while its gate_up tiles still run, and waits only for a
-// chunk it is about to use. No grid-wide wait between the two. The same bits as with one: every
-// row is still computed whole by one block in the same order. (-DW4LT_DOWN_BARRIER: the wait.)
+// in turn (block b takes b, b + G, ...: every block works through the chunks in order), and a third
+// role, the feeder warp, keeps the round trips off the math warps: it counts each of its block's
+// finished gate_up row tiles into its chunk's counter, and copies down's input chunk by chunk (one
+// bulk copy a chunk) into shared memory as the chunks complete, while the block's gate_up tiles
+// still run. The math warps wait only on a chunk's shared-memory barrier, before its first use. No
+// grid-wide wait between the two. The same bits as with one: every row is still computed whole by
+// one block in the same order. (-DW4LT_DOWN_BARRIER: the wait.)
 //
 // Every block must be resident at once (the waits spin): the host launches occupancy x SMs blocks,
 // as a cooperative grid unless told not to (then another persistent grid cannot leave it half
@@ -50,7 +52,8 @@ using namespace w4tile;
 namespace {
 
 constexpr int CONSUMERS = MATH_THREADS;     // 8 math warps
-constexpr int THREADS = CONSUMERS + 32;     // + the producer warp
+constexpr int PRODUCER_WARP = CONSUMERS / 32, FEEDER_WARP = PRODUCER_WARP + 1;
+constexpr int THREADS = CONSUMERS + 64;     // + the producer and the feeder warp
 #ifndef W4LT_SLOTS
 #define W4LT_SLOTS 3
 #endif
@@ -342,55 +345,64 @@ __device__ inline void store_rowtile(const Stage& S, const Rope& R, int rt, cons
 }
 
 // ---- the chunk feed (gate_up -> down, see the top) ------------------------------------------
-__device__ inline void cp_async16(void* dst, const void* src) {  // through L2 only (.cg): no stale L1
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
-// The fed stage's input as far as it is taken (the same in every math thread).
-struct Feed {
-  const __half* in;  // [k] in global memory: the feeding stage's output
-  __half* xs;        // [k] its copy in shared memory
-  float* gsum;       // [k / GROUP] its group sums
-  int* cnt;          // [chunks] the feeding stage's row tiles counted per chunk
-  int chunks;        // k / KCHUNK
-  int issued;        // chunks whose copies are issued
-  int ready;         // chunks landed, with their group sums
+// The feed's shared memory: `rows_done`, the feeding stage's row tiles the math warps have stored
+// (a count, not a barrier's phase: the feeder may fall more than one row tile behind); barriers:
+// chunk[c] completes when chunk c of the fed input has landed, `counted` when the feeder has made
+// its last count (the block must not count itself out before).
+struct FeedBars {
+  int* rows_done;
+  uint64_t* chunk;    // [MAX_CHUNKS]
+  uint64_t* counted;
 };
-
-// Issues the copies of the chunks from f.issued on that are complete, waiting (thread 0 polls the
-// counters, acquire) until chunk need - 1 is; need <= f.issued: waits for none.
-__device__ inline void feed_issue(Feed& f, int need, int* shared_slot) {
-  if (threadIdx.x == 0) {
-    int c = f.issued;
-    while (c < f.chunks) {
-      if (load_acquire(f.cnt + c) >= FEED_TILES) ++c;
-      else if (c < need) __nanosleep(32);
-      else break;
-    }
-    *shared_slot = c;
-  }
-  consumer_sync();  // (the acquire above, then this barrier, orders the copies after the rows' stores)
-  const int upto = *shared_slot;
-  for (int c = f.issued; c < upto; ++c) {
-    const size_t at = (size_t)c * KCHUNK + threadIdx.x * 8;  // uint4 threadIdx.x + CONSUMERS c
-    cp_async16(f.xs + at, f.in + at);
-  }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-  f.issued = upto;
-  consumer_sync();  // every thread has read shared_slot
+__device__ inline void st_release_cta(int* p, int v) {
+  asm volatile("st.release.cta.shared.b32 [%0], %1;\n" ::"r"(smem_addr(p)), "r"(v) : "memory");
+}
+__device__ inline int ld_acquire_cta(const int* p) {
+  int v; asm volatile("ld.acquire.cta.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr(p)) : "memory"); return v;
 }
 
-// Chunk c of the fed input is in f.xs with its group sums (waiting for it if need be).
-__device__ inline void feed_ready(Feed& f, int c, int* shared_slot) {
-  if (c < f.ready) return;
-  if (c >= f.issued) feed_issue(f, c + 1, shared_slot);
-  asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's copies (it sums its own uint4s)
-  for (int j = f.ready; j < f.issued; ++j) {
-    const uint4 v = ((const uint4*)f.xs)[threadIdx.x + CONSUMERS * j];
-    store_input<1>(&v, f.xs, f.gsum, j, f.chunks);
+// The feeding stage of the launch, or -1.
+__device__ inline int feeding_stage(const Args& a) {
+  for (int s = 0; s + 1 < a.nstages; ++s)
+    if (feeds_chunks(a, s)) return s;
+  return -1;
+}
+
+// The feeder warp's lane 0 (after the PDL wait: the counters may still be the previous launch's).
+// For each of the block's row tiles of stage s: waits until the math warps have stored it, then
+// counts it into its chunk (fence, then the atomic: the rows are ordered before it through the
+// math warps' barrier, their release of rows_done and this acquire at CTA scope, and the fence at
+// GPU scope). Between them, and after the last,
+// issues the bulk copy of every chunk of stage s + 1's input that is complete (acquire, then the
+// proxy fence: the rows were written through the generic proxy, the bulk copy reads through the
+// async one), if the block has row tiles of stage s + 1.
+__device__ void feeder(const Args& a, int s, __half* xs_fed, FeedBars bars) {
+  const Stage& S = a.st[s];
+  int* cnt = a.counters + MAX_STAGES + 1;
+  const int G = gridDim.x, chunks = a.st[s + 1].k / KCHUNK;
+  const bool takes = nth_rowtile(a, s + 1, blockIdx.x, G, 0) >= 0;
+  int issued = 0;
+  auto issue_complete = [&](bool wait_all) {
+    while (takes && issued < chunks) {
+      if (load_acquire(cnt + issued) < FEED_TILES) {
+        if (!wait_all) return;
+        __nanosleep(64);
+        continue;
+      }
+      asm volatile("fence.proxy.async.global;\n" ::: "memory");
+      bulk_load(xs_fed + (size_t)issued * KCHUNK, S.out + (size_t)issued * KCHUNK, KCHUNK * 2, bars.chunk + issued);
+      ++issued;
+    }
+  };
+  for (int j = 0, rt; (rt = nth_rowtile(a, s, blockIdx.x, G, j)) >= 0; ++j) {
+    while (ld_acquire_cta(bars.rows_done) <= j) __nanosleep(32);
+    __threadfence();
+    atomicAdd(cnt + rt / FEED_TILES, 1);
+    issue_complete(false);
   }
-  f.ready = f.issued;
-  consumer_sync();
+  __threadfence();
+  mbar_arrive(bars.counted);
+  issue_complete(true);
 }
 
 __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_constant__ Args args) {
@@ -404,17 +416,27 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   float* gsum_fed = gsum + kmax / GROUP;
   float* red = gsum_fed + FED_ROWS * (kmax / GROUP);
   float* scratch = red + (CONSUMERS / 32) * ROWS;
-  int* feed_slot = (int*)(scratch + 32);  // feed_issue's broadcast (+ 1 int of padding)
-  uint64_t* full = (uint64_t*)(feed_slot + 2);
+  uint64_t* full = (uint64_t*)(scratch + 32);
   uint64_t* empty = full + D;
+  const FeedBars bars = {(int*)(empty + D + 1 + MAX_CHUNKS), empty + D, empty + D + MAX_CHUNKS};
+  const int feed_s = feeding_stage(args);
   const int G = gridDim.x, tid = threadIdx.x, warp = tid / 32;
   if (tid == 0) {
     for (int i = 0; i < D; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, CONSUMERS / 32); }
+    for (int i = 0; i <= MAX_CHUNKS; ++i) mbar_init(bars.chunk + i, 1);  // chunk[], counted
+    *bars.rows_done = 0;
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
-  if (warp == CONSUMERS / 32) {  // the producer: every tile of this block, in the order the math takes them
+  if (warp == FEEDER_WARP) {
+    if (feed_s >= 0 && tid % 32 == 0) {
+      if (args.pdl) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      feeder(args, feed_s, xs_fed, bars);
+    }
+    return;
+  }
+  if (warp == PRODUCER_WARP) {  // the producer: every tile of this block, in the order the math takes them
     if (tid % 32 == 0) {
       int i = 0;
       for (int s = 0; s < args.nstages; ++s) {
@@ -438,23 +460,25 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   }
   int i = 0;
   uint32_t xr[32];
-  Feed feed = {};
   for (int s = 0; s < args.nstages; ++s) {
     const Stage& S = args.st[s];
-    const bool feeding = feeds_chunks(args, s), fed = s > 0 && feeds_chunks(args, s - 1);
-    if (feeding) {  // the next stage's input, taken chunk by chunk from this stage's output
-      feed = Feed{S.out, xs_fed, gsum_fed, args.counters + MAX_STAGES + 1, args.st[s + 1].k / KCHUNK, 0, 0};
-    }
+    const bool feeding = s == feed_s, fed = feed_s >= 0 && s == feed_s + 1;
     if (nth_rowtile(args, s, blockIdx.x, G, 0) < 0) continue;
     stamp(2 + 4 * s);
     if (!fed) stage_input(args, s, blockIdx.x == G - 1, xs, gsum, scratch);
+    else stamp(3 + 4 * s);  // (no wait: each chunk is waited for at its first use below)
     stamp(4 + 4 * s);
     const __half* xin = fed ? xs_fed : xs;
     const float* gin = fed ? gsum_fed : gsum;
     for (int j = 0, rt; (rt = nth_rowtile(args, s, blockIdx.x, G, j)) >= 0; ++j) {
       float acc_a = 0.f, acc_b = 0.f;  // rows lane / 4 and + 8, this warp's k
       for (int kc = 0; kc < S.kchunks; ++kc, ++i) {
-        if (fed) feed_ready(feed, kc, feed_slot);
+        if (fed && j == 0) {  // chunk kc's first use: landed (the feeder's bulk copy), then its group sums
+          mbar_wait(bars.chunk + kc, 0);
+          const uint4 v = ((const uint4*)xs_fed)[tid + CONSUMERS * kc];
+          store_input<1>(&v, xs_fed, gsum_fed, kc, S.kchunks);
+          consumer_sync();
+        }
         load_xr(xin + kc * KCHUNK, xr);
         const int slot = i % D;
         mbar_wait_sleep(full + slot, (i / D) & 1);
@@ -471,11 +495,7 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
       consumer_sync();
       store_rowtile(S, args.rope, rt, red);
       consumer_sync();  // red is free again
-      if (feeding) {  // count the row tile into its chunk (its rows stored, ordered by the barrier + fence);
-        // then copy whatever chunks are complete (no wait)
-        if (tid == 0) { __threadfence(); atomicAdd(feed.cnt + rt / FEED_TILES, 1); }
-        if (nth_rowtile(args, s + 1, blockIdx.x, G, 0) >= 0) feed_issue(feed, 0, feed_slot);
-      }
+      if (feeding && tid == 0) st_release_cta(bars.rows_done, j + 1);  // the feeder counts it (its rows are stored)
     }
     if (tid == 0) {  // the stores above (threads < 16) are ordered before the count by the barrier + fence
       __threadfence();
@@ -484,7 +504,9 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
     stamp(5 + 4 * s);
   }
   stamp(1);
-  // leave: the last block out resets the counters (every wait is over by then)
+  // leave: the last block out resets the counters (every wait is over by then, and every count made:
+  // this block's feeder has made its last)
+  if (feed_s >= 0 && nth_rowtile(args, feed_s, blockIdx.x, G, 0) >= 0) mbar_wait_sleep(bars.counted, 0);
   if (tid == 0) {
     __threadfence();
     if (atomicAdd(args.counters + MAX_STAGES, 1) == G - 1) {
@@ -505,7 +527,7 @@ extern "C" {
 // The launch's dynamic shared memory for the widest stage input kmax.
 int w4lt_smem_bytes(int kmax) {
   return D * TILE_BYTES + (1 + FED_ROWS) * (kmax * 2 + (kmax / GROUP) * 4) + (CONSUMERS / 32) * ROWS * 4 + 32 * 4 +
-         2 * 4 + 2 * D * 8;
+         (2 * D + 2 + MAX_CHUNKS) * 8;
 }
 
 // Raises the kernel's shared-memory limit on `device` to what kmax needs (never lowers it: another
