@@ -52,8 +52,6 @@ IN_PLAIN, IN_ADD_NORM = 0, 1
 OUT_STORE, OUT_SWIGLU, OUT_QKV = 0, 1, 2
 MAX_STAGES = 4
 MAX_K = 8 * TILE_K  # the widest stage input the kernel takes (its stage_input cases)
-# the kernel's int32 counters: one a stage, the blocks out, one a k chunk of a chunk-fed input
-COUNTER_INTS = MAX_STAGES + 1 + MAX_K // TILE_K
 
 
 AUTO_MAX_MEMORY_SHARE = 0.10  # auto mode: the tiles take at most this share of the engine's GPU memory
@@ -218,7 +216,6 @@ def launch(stages: list[_Stage], counters: torch.Tensor, eps: float, grid: int, 
     """One launch of the kernel over `stages` on the current stream (raises on a launch error);
     `rope`: an OUT_QKV stage's (qkv_rope)."""
     lib = lib or load_library()
-    assert counters.numel() >= COUNTER_INTS and counters.dtype == torch.int32, counters.shape
     err = lib.w4lt_launch((_Stage * len(stages))(*stages), len(stages), None if rope is None else ctypes.byref(rope),
                           counters.data_ptr(), float(eps), grid, kmax, int(pdl_on(device)), int(coop_on()),
                           torch.cuda.current_stream(device).cuda_stream)
@@ -411,7 +408,7 @@ def attach_layer_tails(model: nn.Module) -> int:
         grid = lib.w4lt_grid(cuda_index(dev), kmax)
     if grid <= 0:
         raise RuntimeError(f"W4 layer tail: no block of the kernel fits this GPU (kmax {kmax}, grid {grid})")
-    counters = torch.zeros(COUNTER_INTS, dtype=torch.int32, device=dev)  # one set: launches run in stream order
+    counters = torch.zeros(MAX_STAGES + 1, dtype=torch.int32, device=dev)  # one set: launches run in stream order
     eps = layers[0].post_attention_layernorm.eps
     chain = (chain_enabled() and len(layers) == len(all_layers) and getattr(model, "norm", None) is not None
              and getattr(model, "embed_tokens", None) is not None

@@ -133,7 +133,7 @@ def main() -> None:
     defines = tuple(args.defines)
     lib = lt.load_library(defines)
     grid = lib.w4lt_grid(torch.cuda.current_device(), max(H, I, Q))
-    counters = torch.zeros(lt.COUNTER_INTS, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(lt.MAX_STAGES + 1, dtype=torch.int32, device="cuda")
     launches, keep, tile_bytes = build_token(args.layers, lib, grid, counters)
     rate = measure_copy_bandwidth()["bandwidth_TBps"]
     us = time_graph(token(launches, lib, grid, counters), copies=args.layers, runs=args.iters, calls=args.layers)

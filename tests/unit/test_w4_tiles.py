@@ -174,7 +174,7 @@ def test_layer_tail_module_holds_each_weight_as_tiles() -> None:
     tile, down and, chained, qkv; nothing is launched."""
     q, h, inter = 2048, 2048, 4096
     o, gu, down, qkv = _lin(h, q, 1), _lin(2 * inter, h, 2), _lin(h, inter, 3), _lin(q + 1024, h, 4)
-    counters = torch.zeros(lt.COUNTER_INTS, dtype=torch.int32)
+    counters = torch.zeros(lt.MAX_STAGES + 1, dtype=torch.int32)
     tail = lt.W4LayerTail(o, gu, down, torch.ones(h, dtype=torch.float16), 1e-5, counters, 264, qkv,
                           torch.ones(h, dtype=torch.float16), kmax=14336, heads=(16, 4, 128))
     assert (tail.q_size, tail.hidden, tail.intermediate, tail.qkv_rows, tail.kmax) == (q, h, inter, q + 1024, 14336)

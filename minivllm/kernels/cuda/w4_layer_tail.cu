@@ -17,7 +17,7 @@
 // design: scripts/persistent_gemv/chain.cu (its v2) and docs/perf.md (2026-11-29).
 //
 // Block layout: warp 8 (the producer) issues one bulk copy a tile into a ring of D slots (full and
-// empty mbarriers); warp 9 (the feeder) serves the chunk feed below; warps 0-7 do the math. Every block takes a contiguous range of each stage's
+// empty mbarriers); warps 0-7 do the math. Every block takes a contiguous range of each stage's
 // row tiles (16 output rows) and runs all of a row tile's k chunks itself, so its rows are complete
 // in the block: the 8 warps' partial sums are added through shared memory in a fixed order and the
 // row is stored once. No atomics on data: the result has the same bits on every run.
@@ -25,15 +25,6 @@
 // Dependencies: stage s's math starts once every block that holds row tiles of stage s - 1 has
 // counted itself done (counters[s - 1], release/acquire at GPU scope). The last block to leave
 // resets the counters to 0, so the next launch (stream order) finds them zeroed.
-// Except gate_up -> down (a SwiGLU stage feeding a plain one, "chunk-fed"): down's k chunk c needs
-// only the 256 gate_up row tiles whose 8 outputs each lie in it. So gate_up's row tiles are dealt
-// in turn (block b takes b, b + G, ...: every block works through the chunks in order), and a third
-// role, the feeder warp, keeps the round trips off the math warps: it counts each of its block's
-// finished gate_up row tiles into its chunk's counter, and copies down's input chunk by chunk (one
-// bulk copy a chunk) into shared memory as the chunks complete, while the block's gate_up tiles
-// still run. The math warps wait only on a chunk's shared-memory barrier, before its first use. No
-// grid-wide wait between the two. The same bits as with one: every row is still computed whole by
-// one block in the same order. (-DW4LT_DOWN_BARRIER: the wait.)
 //
 // Every block must be resident at once (the waits spin): the host launches occupancy x SMs blocks,
 // as a cooperative grid unless told not to (then another persistent grid cannot leave it half
@@ -52,20 +43,12 @@ using namespace w4tile;
 namespace {
 
 constexpr int CONSUMERS = MATH_THREADS;     // 8 math warps
-constexpr int PRODUCER_WARP = CONSUMERS / 32, FEEDER_WARP = PRODUCER_WARP + 1;
-constexpr int THREADS = CONSUMERS + 64;     // + the producer and the feeder warp
+constexpr int THREADS = CONSUMERS + 32;     // + the producer warp
 #ifndef W4LT_SLOTS
 #define W4LT_SLOTS 3
 #endif
 constexpr int D = W4LT_SLOTS;               // ring slots: 3 measured faster than 4 (docs/perf.md, leases 70-71)
 constexpr int MAX_STAGES = 4;
-constexpr int MAX_CHUNKS = 8;               // k chunks of a stage input (k <= 16,384)
-constexpr int FEED_TILES = KCHUNK / (ROWS / 2);  // gate_up row tiles a chunk of down's input: 256
-#ifdef W4LT_DOWN_BARRIER
-constexpr int FED_ROWS = 0;                 // no chunk-fed stage: no second input row in shared memory
-#else
-constexpr int FED_ROWS = 1;
-#endif
 
 enum InKind { IN_PLAIN = 0, IN_ADD_NORM = 1 };
 enum OutKind { OUT_STORE = 0, OUT_SWIGLU = 1, OUT_QKV = 2 };
@@ -98,7 +81,7 @@ struct Rope {
 struct Args {
   Stage st[MAX_STAGES];
   Rope rope;  // OUT_QKV's
-  int* counters;  // [MAX_STAGES + 1 + MAX_CHUNKS] (stages, blocks out, chunks), 0 on entry and on exit
+  int* counters;  // [MAX_STAGES + 1], 0 on entry and on exit
   float eps;
   int nstages, pdl;
 };
@@ -130,28 +113,6 @@ __device__ inline void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(
 __device__ inline void rowtile_range(const Stage& S, int b, int G, int& lo, int& hi) {
   lo = (int)((long long)b * S.rowtiles / G);
   hi = (int)((long long)(b + 1) * S.rowtiles / G);
-}
-
-// Whether stage s is a SwiGLU stage whose output the next stage takes chunk by chunk (see the top).
-__device__ inline bool feeds_chunks(const Args& a, int s) {
-#ifdef W4LT_DOWN_BARRIER
-  return false;
-#else
-  return a.st[s].out_kind == OUT_SWIGLU && s + 1 < a.nstages && a.st[s + 1].in_kind == IN_PLAIN &&
-         a.st[s + 1].k == a.st[s].rowtiles * (ROWS / 2);
-#endif
-}
-
-// Block b's j-th row tile of stage s, or -1 past its last: contiguous ranges (rowtile_range), or
-// dealt in turn (b, b + G, ...) for a stage that feeds chunks. Every block with a row tile counts.
-__device__ inline int nth_rowtile(const Args& a, int s, int b, int G, int j) {
-  const Stage& S = a.st[s];
-  if (feeds_chunks(a, s)) {
-    const int rt = b + G * j;
-    return rt < S.rowtiles ? rt : -1;
-  }
-  int lo, hi; rowtile_range(S, b, G, lo, hi);
-  return lo + j < hi ? lo + j : -1;
 }
 
 // The sum of v over the 8 math warps (each gets the total); scratch: 8 floats, free again on return.
@@ -344,109 +305,34 @@ __device__ inline void store_rowtile(const Stage& S, const Rope& R, int rt, cons
   }
 }
 
-// ---- the chunk feed (gate_up -> down, see the top) ------------------------------------------
-// The feed's shared memory: `rows_done`, the feeding stage's row tiles the math warps have stored
-// (a count, not a barrier's phase: the feeder may fall more than one row tile behind); barriers:
-// chunk[c] completes when chunk c of the fed input has landed, `counted` when the feeder has made
-// its last count (the block must not count itself out before).
-struct FeedBars {
-  int* rows_done;
-  uint64_t* chunk;    // [MAX_CHUNKS]
-  uint64_t* counted;
-};
-__device__ inline void st_release_cta(int* p, int v) {
-  asm volatile("st.release.cta.shared.b32 [%0], %1;\n" ::"r"(smem_addr(p)), "r"(v) : "memory");
-}
-__device__ inline int ld_acquire_cta(const int* p) {
-  int v; asm volatile("ld.acquire.cta.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr(p)) : "memory"); return v;
-}
-
-// The feeding stage of the launch, or -1.
-__device__ inline int feeding_stage(const Args& a) {
-  for (int s = 0; s + 1 < a.nstages; ++s)
-    if (feeds_chunks(a, s)) return s;
-  return -1;
-}
-
-// The feeder warp's lane 0 (after the PDL wait: the counters may still be the previous launch's).
-// For each of the block's row tiles of stage s: waits until the math warps have stored it, then
-// counts it into its chunk (fence, then the atomic: the rows are ordered before it through the
-// math warps' barrier, their release of rows_done and this acquire at CTA scope, and the fence at
-// GPU scope). Between them, and after the last,
-// issues the bulk copy of every chunk of stage s + 1's input that is complete (acquire, then the
-// proxy fence: the rows were written through the generic proxy, the bulk copy reads through the
-// async one), if the block has row tiles of stage s + 1.
-__device__ void feeder(const Args& a, int s, __half* xs_fed, FeedBars bars) {
-  const Stage& S = a.st[s];
-  int* cnt = a.counters + MAX_STAGES + 1;
-  const int G = gridDim.x, chunks = a.st[s + 1].k / KCHUNK;
-  const bool takes = nth_rowtile(a, s + 1, blockIdx.x, G, 0) >= 0;
-  int issued = 0;
-  auto issue_complete = [&](bool wait_all) {
-    while (takes && issued < chunks) {
-      if (load_acquire(cnt + issued) < FEED_TILES) {
-        if (!wait_all) return;
-        __nanosleep(64);
-        continue;
-      }
-      asm volatile("fence.proxy.async.global;\n" ::: "memory");
-      bulk_load(xs_fed + (size_t)issued * KCHUNK, S.out + (size_t)issued * KCHUNK, KCHUNK * 2, bars.chunk + issued);
-      ++issued;
-    }
-  };
-  for (int j = 0, rt; (rt = nth_rowtile(a, s, blockIdx.x, G, j)) >= 0; ++j) {
-    while (ld_acquire_cta(bars.rows_done) <= j) __nanosleep(32);
-    __threadfence();
-    atomicAdd(cnt + rt / FEED_TILES, 1);
-    issue_complete(false);
-  }
-  __threadfence();
-  mbar_arrive(bars.counted);
-  issue_complete(true);
-}
-
 __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_constant__ Args args) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;
   int kmax = 0;
   for (int s = 0; s < args.nstages; ++s) kmax = max(kmax, args.st[s].k);
   __half* xs = (__half*)(ring + D * TILE_BYTES);
-  __half* xs_fed = xs + kmax;  // a chunk-fed stage's input (beside the feeding stage's own)
-  float* gsum = (float*)(xs_fed + FED_ROWS * kmax);
-  float* gsum_fed = gsum + kmax / GROUP;
-  float* red = gsum_fed + FED_ROWS * (kmax / GROUP);
+  float* gsum = (float*)(xs + kmax);
+  float* red = gsum + kmax / GROUP;
   float* scratch = red + (CONSUMERS / 32) * ROWS;
   uint64_t* full = (uint64_t*)(scratch + 32);
   uint64_t* empty = full + D;
-  const FeedBars bars = {(int*)(empty + D + 1 + MAX_CHUNKS), empty + D, empty + D + MAX_CHUNKS};
-  const int feed_s = feeding_stage(args);
   const int G = gridDim.x, tid = threadIdx.x, warp = tid / 32;
   if (tid == 0) {
     for (int i = 0; i < D; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, CONSUMERS / 32); }
-    for (int i = 0; i <= MAX_CHUNKS; ++i) mbar_init(bars.chunk + i, 1);  // chunk[], counted
-    *bars.rows_done = 0;
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
-  if (warp == FEEDER_WARP) {
-    if (feed_s >= 0 && tid % 32 == 0) {
-      if (args.pdl) asm volatile("griddepcontrol.wait;\n" ::: "memory");
-      feeder(args, feed_s, xs_fed, bars);
-    }
-    return;
-  }
-  if (warp == PRODUCER_WARP) {  // the producer: every tile of this block, in the order the math takes them
+  if (warp == CONSUMERS / 32) {  // the producer: every tile of this block, in the order the math takes them
     if (tid % 32 == 0) {
       int i = 0;
       for (int s = 0; s < args.nstages; ++s) {
         const Stage& S = args.st[s];
-        for (int j = 0, rt; (rt = nth_rowtile(args, s, blockIdx.x, G, j)) >= 0; ++j) {
-          for (int t = rt * S.kchunks; t < (rt + 1) * S.kchunks; ++t, ++i) {
-            const int slot = i % D;
-            if (i >= D) mbar_wait_sleep(empty + slot, (i / D - 1) & 1);
-            bulk_load(ring + slot * TILE_BYTES, S.tiles + (size_t)t * (TILE_BYTES / 16), TILE_BYTES, full + slot);
-          }
+        int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
+        for (int t = lo * S.kchunks; t < hi * S.kchunks; ++t, ++i) {
+          const int slot = i % D;
+          if (i >= D) mbar_wait_sleep(empty + slot, (i / D - 1) & 1);
+          bulk_load(ring + slot * TILE_BYTES, S.tiles + (size_t)t * (TILE_BYTES / 16), TILE_BYTES, full + slot);
         }
       }
     }
@@ -462,29 +348,20 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
   uint32_t xr[32];
   for (int s = 0; s < args.nstages; ++s) {
     const Stage& S = args.st[s];
-    const bool feeding = s == feed_s, fed = feed_s >= 0 && s == feed_s + 1;
-    if (nth_rowtile(args, s, blockIdx.x, G, 0) < 0) continue;
+    int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
+    if (lo == hi) continue;
     stamp(2 + 4 * s);
-    if (!fed) stage_input(args, s, blockIdx.x == G - 1, xs, gsum, scratch);
-    else stamp(3 + 4 * s);  // (no wait: each chunk is waited for at its first use below)
+    stage_input(args, s, blockIdx.x == G - 1, xs, gsum, scratch);
     stamp(4 + 4 * s);
-    const __half* xin = fed ? xs_fed : xs;
-    const float* gin = fed ? gsum_fed : gsum;
-    for (int j = 0, rt; (rt = nth_rowtile(args, s, blockIdx.x, G, j)) >= 0; ++j) {
+    for (int rt = lo; rt < hi; ++rt) {
       float acc_a = 0.f, acc_b = 0.f;  // rows lane / 4 and + 8, this warp's k
       for (int kc = 0; kc < S.kchunks; ++kc, ++i) {
-        if (fed && j == 0) {  // chunk kc's first use: landed (the feeder's bulk copy), then its group sums
-          mbar_wait(bars.chunk + kc, 0);
-          const uint4 v = ((const uint4*)xs_fed)[tid + CONSUMERS * kc];
-          store_input<1>(&v, xs_fed, gsum_fed, kc, S.kchunks);
-          consumer_sync();
-        }
-        load_xr(xin + kc * KCHUNK, xr);
+        load_xr(xs + kc * KCHUNK, xr);
         const int slot = i % D;
         mbar_wait_sleep(full + slot, (i / D) & 1);
         float a = 0.f, b = 0.f;
 #ifndef W4LT_NO_MATH  // (profiling only: the tiles consumed unread, the math's cost)
-        tile_dot<true>(ring + slot * TILE_BYTES, xr, gin + kc * GROUPS, a, b);
+        tile_dot<true>(ring + slot * TILE_BYTES, xr, gsum + kc * GROUPS, a, b);
 #endif
         acc_a += a; acc_b += b;
         __syncwarp();
@@ -495,7 +372,6 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
       consumer_sync();
       store_rowtile(S, args.rope, rt, red);
       consumer_sync();  // red is free again
-      if (feeding && tid == 0) st_release_cta(bars.rows_done, j + 1);  // the feeder counts it (its rows are stored)
     }
     if (tid == 0) {  // the stores above (threads < 16) are ordered before the count by the barrier + fence
       __threadfence();
@@ -504,13 +380,11 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
     stamp(5 + 4 * s);
   }
   stamp(1);
-  // leave: the last block out resets the counters (every wait is over by then, and every count made:
-  // this block's feeder has made its last)
-  if (feed_s >= 0 && nth_rowtile(args, feed_s, blockIdx.x, G, 0) >= 0) mbar_wait_sleep(bars.counted, 0);
+  // leave: the last block out resets the counters (every wait is over by then)
   if (tid == 0) {
     __threadfence();
     if (atomicAdd(args.counters + MAX_STAGES, 1) == G - 1) {
-      for (int s = 0; s <= MAX_STAGES + MAX_CHUNKS; ++s) args.counters[s] = 0;
+      for (int s = 0; s <= MAX_STAGES; ++s) args.counters[s] = 0;
 #ifdef W4LT_PROFILE
       ++g_launch;
 #endif
@@ -526,8 +400,7 @@ extern "C" {
 
 // The launch's dynamic shared memory for the widest stage input kmax.
 int w4lt_smem_bytes(int kmax) {
-  return D * TILE_BYTES + (1 + FED_ROWS) * (kmax * 2 + (kmax / GROUP) * 4) + (CONSUMERS / 32) * ROWS * 4 + 32 * 4 +
-         (2 * D + 2 + MAX_CHUNKS) * 8;
+  return D * TILE_BYTES + kmax * 2 + (kmax / GROUP) * 4 + (CONSUMERS / 32) * ROWS * 4 + 32 * 4 + 2 * D * 8;
 }
 
 // Raises the kernel's shared-memory limit on `device` to what kmax needs (never lowers it: another
