@@ -50,21 +50,6 @@ constexpr int THREADS = CONSUMERS + 32;     // + the producer warp
 constexpr int D = W4LT_SLOTS;               // ring slots: 3 measured faster than 4 (docs/perf.md, leases 70-71)
 constexpr int MAX_STAGES = 4;
 
-// The ring's waits: the thread suspended in the hardware until the phase completes (the default),
-// or (-DW4LT_SPIN, A/B: is the wake-up on the critical path?) a busy loop of non-blocking tests.
-__device__ inline void ring_wait(uint64_t* bar, int parity) {
-#ifdef W4LT_SPIN
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-  }
-#else
-  mbar_wait_sleep(bar, parity);
-#endif
-}
-
 enum InKind { IN_PLAIN = 0, IN_ADD_NORM = 1 };
 enum OutKind { OUT_STORE = 0, OUT_SWIGLU = 1, OUT_QKV = 2 };
 
@@ -346,7 +331,7 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
         int lo, hi; rowtile_range(S, blockIdx.x, G, lo, hi);
         for (int t = lo * S.kchunks; t < hi * S.kchunks; ++t, ++i) {
           const int slot = i % D;
-          if (i >= D) ring_wait(empty + slot, (i / D - 1) & 1);
+          if (i >= D) mbar_wait_sleep(empty + slot, (i / D - 1) & 1);
           bulk_load(ring + slot * TILE_BYTES, S.tiles + (size_t)t * (TILE_BYTES / 16), TILE_BYTES, full + slot);
         }
       }
@@ -373,7 +358,7 @@ __global__ void __launch_bounds__(THREADS, 2) w4_layer_tail_kernel(const __grid_
       for (int kc = 0; kc < S.kchunks; ++kc, ++i) {
         load_xr(xs + kc * KCHUNK, xr);
         const int slot = i % D;
-        ring_wait(full + slot, (i / D) & 1);
+        mbar_wait_sleep(full + slot, (i / D) & 1);
         float a = 0.f, b = 0.f;
 #ifndef W4LT_NO_MATH  // (profiling only: the tiles consumed unread, the math's cost)
         tile_dot<true>(ring + slot * TILE_BYTES, xr, gsum + kc * GROUPS, a, b);
