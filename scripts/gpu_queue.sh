@@ -34,9 +34,11 @@
 #      loads cost ~2-3 us a round trip while the ring streams. Kernel variants A/B in the engine with
 #      MINIVLLM_W4_TAIL_DEFINES; tail-profile takes TAIL_VARIANTS (W4LT_NO_WAIT, W4LT_NO_MATH); step
 #      profile-awq-tail gives the engine's critical path with the tail on. Still owed: a same-lease
-#      vLLM W11-awq row. FIRST on the next lease: GPU_TESTS=tests/gpu/test_w4_layer_tail.py (the tail
-#      is on by default since 8525dca, MINIVLLM_W4_LAYER_TAIL=auto; its engine test's "auto" mode has
-#      not run on a GPU yet), and ab-engine with AB_SPECS=".@MINIVLLM_W4_LAYER_TAIL=0 ." (no export).
+#      vLLM W11-awq row (done in lease 81: vLLM 3.959 ms). The auto default ran in lease 80 (tests 12
+#      passed; 1.915 vs 2.461 ms with MINIVLLM_W4_LAYER_TAIL=0). Leases 80-83 (2026-11-29 afternoon)
+#      measured slower and removed: resident one-warp attention programs (815153b), down fed by
+#      chunks from gate_up (87f9c8b, fa2f530), spinning ring waits (943db19). ab-engine specs take
+#      several switches (REF@A=1@B=2); profile-awq-tail takes PROFILE_ENV.
 #   1. Issue 25, W11-awq at 45.4 % of the H200's int4 roofline (2.464 ms a token, lease 57; 2.598 in
 #      lease 56 before the greedy argmax kernel, SKIP_EMPTY and the one input copy; 1.45x vLLM's
 #      Marlin at 2.747 in lease 47; target 75 % = 1.49 ms). Lease 55's profile (d66dc23): GEMVs
