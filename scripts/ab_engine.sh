@@ -31,7 +31,7 @@ prepare() {
   done
 }
 
-run_one() {  # REF[@VAR=VALUE] ROUND BENCH_ARGS...
+run_one() {  # REF[@VAR=VALUE[@VAR2=VALUE2 ...]] ROUND BENCH_ARGS...
   local spec=$1 round=$2; shift 2
   local ref=${spec%%@*} env_kv=(X_AB_ENGINE=1) dir
   [ "$spec" != "$ref" ] && IFS=@ read -ra env_kv <<< "${spec#*@}"

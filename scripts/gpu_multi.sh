@@ -265,7 +265,7 @@ lt.load_library(d); lt.load_library(('W4LT_PROFILE',) + d)" $(tail_defines "$v")
         python3 scripts/persistent_gemv/profile_tail.py --defines $(tail_defines "$v") | tee -a "$dir/tail-profile.jsonl"
       done ;;
     profile-awq-tail)  # issue 25: W11-awq's critical-path kernel times in CUDA graphs with the W4 layer tail on
-      # (PROFILE_ENV: switches for this step only, e.g. PROFILE_ENV="MINIVLLM_DECODE_PREFETCH=1")
+      # (PROFILE_ENV: switches for this step only, e.g. PROFILE_ENV="MINIVLLM_W4_TAIL_ROPE=0")
       env ${PROFILE_ENV:-} MINIVLLM_W4_LAYER_TAIL=1 python3 scripts/kernel_profile.py --model-config llama-3.1-8b --awq \
         --graphs --batch 1 --prompt-len 128 --max-tokens 64 --out "$dir/profile-awq1-tail-graphs.json" ;;
     persistent-chain)  # issue 25: scripts/persistent_gemv/chain.cu built with nvcc and run (a token's 128

@@ -33,8 +33,8 @@
 #      tail's first stage (cb80472, +14 %) were all slower and are gone. The common cause: dependent
 #      loads cost ~2-3 us a round trip while the ring streams. Kernel variants A/B in the engine with
 #      MINIVLLM_W4_TAIL_DEFINES; tail-profile takes TAIL_VARIANTS (W4LT_NO_WAIT, W4LT_NO_MATH); step
-#      profile-awq-tail gives the engine's critical path with the tail on. Still owed: a same-lease
-#      vLLM W11-awq row (done in lease 81: vLLM 3.959 ms). The auto default ran in lease 80 (tests 12
+#      profile-awq-tail gives the engine's critical path with the tail on. The same-lease vLLM
+#      W11-awq row: lease 81 (vLLM 3.959 ms). The auto default ran in lease 80 (tests 12
 #      passed; 1.915 vs 2.461 ms with MINIVLLM_W4_LAYER_TAIL=0). Leases 80-83 (2026-11-29 afternoon)
 #      measured slower and removed: resident one-warp attention programs (815153b), down fed by
 #      chunks from gate_up (87f9c8b, fa2f530), spinning ring waits (943db19). ab-engine specs take
