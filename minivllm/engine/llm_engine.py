@@ -48,6 +48,27 @@ FILL_SWITCH_INTERVAL_S = 0.0002
 KV_IDLE_WAIT_S = 0.005  # an engine waiting only for KV transfers polls its connector this often
 
 
+def steps_ahead(config: EngineConfig) -> int:
+    """How many steps stay in flight when step() returns: 2 where the ranks run in worker
+    processes of their own (the mp executor) with async scheduling, else 1.
+
+    Why (issue 27, lease 58's traces of W1-8B at tp=2): with one step in flight, the engine core
+    schedules step N + 2 only after N's output, and the ranks launch N + 2 only after that
+    schedule arrives: the core's work (update, outputs, schedule, send: ~5 ms at batch 256) and
+    the ranks' (receive, inputs, launch: ~4 ms) run one after the other, ~10 ms a step against
+    an 8 ms device step. With two in flight, step N + 2 is sent before N's output is awaited, so
+    the core's work for one step runs beside the ranks' work for the other, each in its own
+    process; either alone fits in a device step. The in-process engine does both on one thread,
+    where running ahead gains nothing. MINIVLLM_STEPS_AHEAD=N sets it for any executor (1: off, to
+    compare; 2 in process: the tests' way to run ahead without worker processes)."""
+    p = config.parallel
+    if (not config.async_scheduling or p.pipeline_parallel_size > 1 or p.spans_replicas
+            or config.speculative is not None):
+        return 1
+    default = "2" if p.distributed_executor_backend == "mp" else "1"
+    return max(1, int(os.environ.get("MINIVLLM_STEPS_AHEAD", default)))
+
+
 @dataclass
 class TakenIn:
     """What taking in a launched step gives (LLMEngine._take_in)."""
@@ -155,6 +176,11 @@ class LLMEngine:
         # async scheduling: the next step is scheduled and launched while this one runs
         self.async_scheduling = config.async_scheduling
         self._inflight = None  # (SchedulerOutput, launched step) still running on the device
+        # with the mp executor, also the plain steps launched before it, oldest first (steps_ahead)
+        self._older: deque = deque()
+        # (KV transfers are handed over between steps, with no step's results unseen)
+        self._steps_ahead = steps_ahead(config) if self.kv_connector is None else 1
+        self.num_steps_ahead = 0  # steps kept in flight behind a newer one (tests, profiling)
         # a constrained step's next step, scheduled (and its forward queued) before the constrained
         # step's sampling, see _pipeline_next: (SchedulerOutput, queued forward or None, its
         # schedule record) for the next step() to take up
@@ -312,7 +338,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self.output_processor.states) or bool(self._aborted_outputs) or self._inflight is not None
-                or self._next is not None or bool(self._batches) or self.scheduler.has_kv_transfers())
+                or bool(self._older) or self._next is not None or bool(self._batches) or self.scheduler.has_kv_transfers())
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
@@ -323,7 +349,8 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step; with async scheduling, while it runs on the device, take
-        in the results of the step launched before it (one step in flight at most)."""
+        in the results of the step launched before it (one step in flight when this returns),
+        or with steps_ahead 2 of the step before that (two in flight, plain steps only)."""
         if self._max_batches > 1:
             return self._step_pipelined()
         outputs, self._aborted_outputs = self._aborted_outputs, []
@@ -331,6 +358,7 @@ class LLMEngine:
         if self._inflight is not None and self.scheduler.beam_groups:
             # a beam's next token is chosen on the host from its whole group's results: no step
             # is scheduled before those are in
+            outputs += self._take_older()
             outputs += self._complete(self._inflight)[0]
             self._inflight = None
         outputs += self._fail_broken_grammars()
@@ -340,12 +368,22 @@ class LLMEngine:
             self._next = None
         else:
             sched = self._schedule()
+        ahead = self._inflight is not None and forward is None and self._runs_ahead(sched)
+        if self._older and not ahead:
+            outputs += self._take_older(sched)  # (what follows sees one step in flight at most)
         if forward is None and self._inflight is not None and self._needs_sync(sched):
             outputs += self._take_inflight(sched).outputs
         with self.profiler.phase("minivllm.launch"):
             launched = self._launch(sched, outputs, forward)
         if self._inflight is not None:
-            outputs += self._take_inflight(launched[0] if launched is not None else None).outputs
+            if launched is not None and ahead:
+                self._older.append(self._inflight)  # still in flight: taken in below, or after the next launch
+                self._inflight = None
+                self.num_steps_ahead += 1
+                outputs += self._take_older(launched[0], keep=self._steps_ahead - 1)
+            else:
+                outputs += self._take_older(launched[0] if launched is not None else None)
+                outputs += self._take_inflight(launched[0] if launched is not None else None).outputs
         self._inflight = launched
         if launched is not None and (not self.async_scheduling or self._speculates(launched[0])):
             outputs += self._complete(launched)[0]
@@ -409,6 +447,35 @@ class LLMEngine:
         if not taken.ok and next_sched is not None:
             taken.outputs += self._fail_scheduled(next_sched)
         return taken
+
+    def _runs_ahead(self, sched) -> bool:
+        """Whether steps launched before this one may stay in flight (steps_ahead > 1) while it
+        is launched: a plain step. Not one that preempts or requeues (a request put back must
+        not be admitted again before the steps it was in are taken in: their tokens would be
+        taken for the new run's), moves KV, has beams, or has a request whose sampling needs
+        the tokens before it on the host (penalties, a grammar's bitmask)."""
+        if self._steps_ahead == 1 or sched.preempted_req_ids or sched.kv_transfers or self.scheduler.beam_groups:
+            return False
+        reqs = self.scheduler.requests
+        for s in sched.scheduled:
+            req = reqs.get(s.req_id)
+            if req is not None and (req.grammar is not None or req.sampling_params.uses_penalties):
+                return False
+        return True
+
+    def _take_older(self, then=None, keep: int = 0) -> list[RequestOutput]:
+        """Takes in the steps launched before self._inflight, oldest first, until `keep` are
+        left. One that failed fails the requests of every step launched after it (and of
+        `then`, the step launched or about to be): they may read K/V it never wrote."""
+        outputs = []
+        while len(self._older) > keep:
+            taken = self._take_in(self._older.popleft())
+            outputs += taken.outputs
+            if not taken.ok:
+                later = [step[0] for step in (*self._older, self._inflight) if step is not None]
+                for sched in later + ([then] if then is not None else []):
+                    outputs += self._fail_scheduled(sched)
+        return outputs
 
     def _needs_sync(self, sched) -> bool:
         """Penalties need the previous step's token values on the host before sampling; so do a
@@ -671,6 +738,7 @@ class LLMEngine:
             logger.error("the engine is dead, failing every request: %s", error)
             self.dead_error = error
         self._inflight = None
+        self._older.clear()
         self._next = None
         self._batches.clear()
         children = [c for rid in list(self.output_processor.states) for c in self.output_processor.child_ids(rid)]

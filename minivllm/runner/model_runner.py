@@ -113,8 +113,11 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner once captured
         self.speculator = None  # spec_decode.Speculator with speculative decoding
         self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # a draft model's own
-        # sampled ids of the last launched step (device) and each request's row in them
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # each request's latest sampled token on the device: (its step's sampled ids, its row).
+        # A placeholder reads it. It is usually the last launched step's, but with two steps in
+        # flight (an mp engine core runs ahead, engine/llm_engine.py) a request the step before
+        # skipped reads the one before that.
+        self._sampled_at: dict[str, tuple[torch.Tensor, int]] = {}
         # the first real step runs eagerly and calibrates the FP8 KV scales (calculate_kv_scales)
         self._calibrate_kv_pending = config.cache.calculate_kv_scales
         self.timings: dict[str, float] = {}
@@ -406,6 +409,7 @@ class ModelRunner:
         for req_id in gone:
             self.requests.pop(req_id, None)
             self.block_rows.remove(req_id)
+            self._sampled_at.pop(req_id, None)
         if self.speculator is not None and gone:
             self.speculator.drop(gone)
         for new in sched.new_requests:
@@ -537,14 +541,19 @@ class ModelRunner:
         return LaunchedStep(req_ids, states, spec=RunnerOutput(req_ids, step.tokens, step.logprobs, proposals))
 
     def _fill_placeholders(self, inputs: StepInputs) -> None:
-        """Tokens the previous step sampled are not on the host yet: copy them on the device."""
+        """Tokens earlier steps sampled are not on the host yet: copy them on the device, one
+        gather a source step (one in the usual case)."""
         if not inputs.placeholder_positions:
             return
-        sampled, rows = self._last_sampled
-        k = len(inputs.placeholder_positions)
-        both = self._to_device([rows[r] for r in inputs.placeholder_req_ids] + inputs.placeholder_positions)  # one copy
-        src, dst = both[:k], both[k:]
-        inputs.input_ids[dst] = sampled[src]
+        by_step: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for req_id, pos in zip(inputs.placeholder_req_ids, inputs.placeholder_positions):
+            sampled, row = self._sampled_at[req_id]
+            _, rows, positions = by_step.setdefault(id(sampled), (sampled, [], []))
+            rows.append(row)
+            positions.append(pos)
+        for sampled, rows, positions in by_step.values():
+            both = self._to_device(rows + positions)  # one copy
+            inputs.input_ids[both[len(rows):]] = sampled[both[:len(rows)]]
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """Host ints to the device without waiting for queued work (pinned, non-blocking)."""
@@ -611,7 +620,9 @@ class ModelRunner:
             out = self.sampler(logits, batch)
         for state in states:
             state.num_pending += 1
-        self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(req_ids)})
+        sampled_at, ids = self._sampled_at, out.sampled_token_ids
+        for i, r in enumerate(req_ids):
+            sampled_at[r] = (ids, i)
         if out.logprobs is not None or self.device.type != "cuda":
             return LaunchedStep(req_ids, states, host=out.to_host())  # one blocking copy
         host_buf = torch.empty(len(req_ids), dtype=torch.int64, pin_memory=True)

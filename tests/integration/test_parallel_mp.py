@@ -52,19 +52,24 @@ def test_greedy_tokens_equal_a_single_rank(tiny_llama, reference, tp, pp):
     assert all(pid_gone(pid) for pid in llm.llm_engine.executor.worker_pids)
 
 
-def test_async_scheduling_through_the_workers(tiny_llama, reference):
+def test_async_scheduling_through_the_workers(tiny_llama, reference, monkeypatch):
     """The workers' overlap protocol (on by default on a GPU; forced here): a worker finishes its
     step in flight when the next step arrives, launched behind it, or when the engine core asks
     ("finish") because none will come. Tokens equal one rank's, with preemption, and again after
-    the engine idled between two calls (a worker waiting for a step that never comes would hang)."""
-    llm = _llm(tiny_llama(), tensor_parallel_size=2, distributed_executor_backend="mp", async_scheduling=True)
-    try:
-        assert llm.llm_engine.config.async_scheduling
-        assert _generate(llm) == reference
-        assert _generate(llm) == reference
-        assert llm.llm_engine.get_stats().num_preemptions > 0
-    finally:
-        llm.llm_engine.shutdown()
+    the engine idled between two calls (a worker waiting for a step that never comes would hang).
+    The engine core keeps two steps in flight (engine/llm_engine.steps_ahead), one with
+    MINIVLLM_STEPS_AHEAD=1."""
+    for ahead in ("2", "1"):
+        monkeypatch.setenv("MINIVLLM_STEPS_AHEAD", ahead)
+        llm = _llm(tiny_llama(), tensor_parallel_size=2, distributed_executor_backend="mp", async_scheduling=True)
+        try:
+            assert llm.llm_engine.config.async_scheduling
+            assert _generate(llm) == reference
+            assert _generate(llm) == reference
+            assert llm.llm_engine.get_stats().num_preemptions > 0
+            assert (llm.llm_engine.num_steps_ahead > 0) == (ahead == "2")
+        finally:
+            llm.llm_engine.shutdown()
 
 
 def test_a_killed_worker_fails_every_request_and_leaves_nothing_behind(tiny_llama):
