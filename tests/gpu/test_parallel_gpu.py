@@ -1,6 +1,7 @@
 """Issue 20 on one GPU: the mp executor (a worker process owning the GPU, CUDA graphs and async
-scheduling inside it) gives the in-process engine's greedy tokens; more ranks than GPUs is a
-clear error at startup."""
+scheduling inside it, two steps in flight) gives the in-process engine's greedy tokens, and so
+does the in-process engine with two steps in flight; more ranks than GPUs is a clear error at
+startup."""
 
 from __future__ import annotations
 
@@ -31,6 +32,24 @@ def test_one_worker_process_equals_in_process(monkeypatch, reply_thread):
     try:
         assert llm.llm_engine.config.async_scheduling
         assert _tokens(llm) == want
+        assert llm.llm_engine.num_steps_ahead > 0  # (engine/llm_engine.steps_ahead)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_two_steps_in_flight_in_process_equal_one(monkeypatch):
+    """The in-process engine in CUDA graphs with MINIVLLM_STEPS_AHEAD=2: the placeholders of a
+    step read tokens two launches old on the device."""
+    llm = LLM(**KW)
+    want = _tokens(llm)
+    llm.llm_engine.shutdown()
+    del llm
+    torch.cuda.empty_cache()
+    monkeypatch.setenv("MINIVLLM_STEPS_AHEAD", "2")
+    llm = LLM(**KW)
+    try:
+        assert _tokens(llm) == want
+        assert llm.llm_engine.num_steps_ahead > 0
     finally:
         llm.llm_engine.shutdown()
 
