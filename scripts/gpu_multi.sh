@@ -61,6 +61,8 @@
 #   w7-steps            W7 minivllm alone, every step's record of both throughput runs in w7-steps-*.jsonl (issue 18)
 #   fp8-sweep           scripts/fp8_gemm_sweep.py: FP8 GEMM variants on Qwen3-8B's shapes (issue 25)
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
+#   w1-phases           scripts/w1_step_phases.py: W1-8B's engine steps by host phase and running batch, for each
+#                       TP:BACKEND:AHEAD of $W1_PHASES (issue 27; e.g. "1:uni:- 1:mp:- 1:mp:1")
 #   gpu-tests           the single-GPU test files that last failed or never ran (one GPU)
 # Each lane gets its own port range (servers) and its own output folder under /tmp/multi, which
 # persists while the machine stays warm. What comes back ($OUT, at most 8 files): results.jsonl
@@ -366,6 +368,15 @@ lt.load_library(d); lt.load_library(('W4LT_PROFILE',) + d)" $(tail_defines "$v")
       python3 scripts/fp8_gemm_sweep.py --out "$dir/fp8-sweep.json" ;;
     soak)
       python3 -m minivllm bench soak --device cuda --requests ${SOAK_REQUESTS:-10000} --output "$dir/soak.json" ;;
+    w1-phases)  # issue 27: W1-8B's engine steps phase by phase (scripts/w1_step_phases.py), for each
+      # TP:BACKEND:AHEAD of $W1_PHASES (AHEAD "-": MINIVLLM_STEPS_AHEAD unset), one record a step in the lane folder
+      local spec tp backend ahead
+      for spec in ${W1_PHASES:-1:uni:- 2:mp:- 2:mp:1}; do
+        IFS=: read -r tp backend ahead <<< "$spec"
+        if [ "$ahead" = - ]; then unset MINIVLLM_STEPS_AHEAD; else export MINIVLLM_STEPS_AHEAD=$ahead; fi
+        python3 scripts/w1_step_phases.py --out "$dir/w1-phases" --tp "$tp" --backend "$backend" | tee -a "$dir/w1-phases.jsonl"
+      done
+      unset MINIVLLM_STEPS_AHEAD ;;
     gpu-tests)
       # (the step's rc is pytest's: non-zero if any file failed; leases 8 and 9 read rc=0 over failures)
       local failed=0
