@@ -131,7 +131,8 @@ class MultiprocExecutor(DeathLatch):
         num_blocks = min(self._gather("planned"))
         for conn in self._conns:
             conn.send(("kv", num_blocks))
-        self._gather("ready")
+        # each rank's startup objects, frozen out of its full GC passes (Worker.init_kv)
+        self.rank_frozen_objects: list[int] = self._gather("ready")
         return num_blocks
 
     def _gather(self, kind: str) -> list:
