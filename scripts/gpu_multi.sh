@@ -62,7 +62,7 @@
 #   fp8-sweep           scripts/fp8_gemm_sweep.py: FP8 GEMM variants on Qwen3-8B's shapes (issue 25)
 #   soak                bench soak on the GPU (default model, bf16; SOAK_REQUESTS, default 10,000)
 #   w1-phases           scripts/w1_step_phases.py: W1-8B's engine steps by host phase and running batch, for each
-#                       TP:BACKEND:AHEAD of $W1_PHASES (issue 27; e.g. "1:uni:- 1:mp:- 1:mp:1")
+#                       TP:BACKEND:AHEAD[:REF] of $W1_PHASES (issue 27; e.g. "1:uni:- 1:mp:- 1:mp:1:<commit>")
 #   gpu-tests           the single-GPU test files that last failed or never ran (one GPU)
 # Each lane gets its own port range (servers) and its own output folder under /tmp/multi, which
 # persists while the machine stays warm. What comes back ($OUT, at most 8 files): results.jsonl
@@ -369,12 +369,17 @@ lt.load_library(d); lt.load_library(('W4LT_PROFILE',) + d)" $(tail_defines "$v")
     soak)
       python3 -m minivllm bench soak --device cuda --requests ${SOAK_REQUESTS:-10000} --output "$dir/soak.json" ;;
     w1-phases)  # issue 27: W1-8B's engine steps phase by phase (scripts/w1_step_phases.py), for each
-      # TP:BACKEND:AHEAD of $W1_PHASES (AHEAD "-": MINIVLLM_STEPS_AHEAD unset), one record a step in the lane folder
-      local spec tp backend ahead
+      # TP:BACKEND:AHEAD[:REF] of $W1_PHASES (AHEAD "-": MINIVLLM_STEPS_AHEAD unset; REF: the package
+      # ab/REF of scripts/ab_engine.sh prepare, else the tree's), one record a step in the lane folder
+      local spec tp backend ahead ref pkg
       for spec in ${W1_PHASES:-1:uni:- 2:mp:- 2:mp:1}; do
-        IFS=: read -r tp backend ahead <<< "$spec"
+        IFS=: read -r tp backend ahead ref <<< "$spec"
         if [ "$ahead" = - ]; then unset MINIVLLM_STEPS_AHEAD; else export MINIVLLM_STEPS_AHEAD=$ahead; fi
-        python3 scripts/w1_step_phases.py --out "$dir/w1-phases" --tp "$tp" --backend "$backend" | tee -a "$dir/w1-phases.jsonl"
+        # (run from the package's folder: a worker process started with `python -m` imports the
+        # package of its working directory first, whatever PYTHONPATH says)
+        pkg=$(pwd); [ -n "$ref" ] && pkg=$(pwd)/ab/$ref
+        (cd "$pkg" && PYTHONPATH=$pkg:$PYTHONPATH python3 "$OLDPWD/scripts/w1_step_phases.py" --out "$dir/w1-phases" \
+          --tp "$tp" --backend "$backend" --label "tp$tp-$backend-ahead$ahead-${ref:-tree}") | tee -a "$dir/w1-phases.jsonl"
       done
       unset MINIVLLM_STEPS_AHEAD ;;
     gpu-tests)

@@ -8,7 +8,8 @@ engine step recorded (`MinivllmAdapter.record_steps`: schedule, launch, wait = b
 device, update, outputs, and the step's wall time). Writes DIR/<label>-steps.jsonl (one record a
 step, with the running batch and tokens) and prints minivllm.bench.step_stats' summary: decode
 steps by running band, their wall, host and wait milliseconds. A decode step whose core waited
-~0 ms was bound by the host (the core, or with the mp executor the ranks' work behind it).
+~0 ms was bound by the host (the core, or with the mp executor the ranks' work behind it);
+"decode_stalls" counts decode steps over 30 ms (a rank's full GC pass was one cause).
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import os
 import sys
 import time
 
+import minivllm
 from minivllm.bench import model_dirs, workloads
 from minivllm.bench.run_minivllm import MinivllmAdapter
 from minivllm.bench.step_stats import summarize
+
+STALL_S = 0.03  # a decode step this long stalled (W1-8B's decode steps take 6-16 ms on an H200)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         for s in steps:
             f.write(json.dumps(s) + "\n")
     tokens = sum(o.num_tokens for o in outs)
-    summary = {"label": label, "output_tok_per_s": round(tokens / wall, 1), "wall_s": round(wall, 3),
-               "steps": len(steps), **summarize(steps, band=32)}
+    stalls = [s["wall"] for s in steps if s.get("tokens") == s.get("seqs") and s["wall"] > STALL_S]
+    summary = {"label": label, "package": os.path.dirname(minivllm.__file__), "output_tok_per_s": round(tokens / wall, 1),
+               "wall_s": round(wall, 3), "steps": len(steps), "decode_stalls": len(stalls),
+               "decode_stalls_s": round(sum(stalls), 3), **summarize(steps, band=32)}
     print(json.dumps(summary))
     adapter.close()
     return 0
