@@ -371,15 +371,16 @@ lt.load_library(d); lt.load_library(('W4LT_PROFILE',) + d)" $(tail_defines "$v")
     w1-phases)  # issue 27: W1-8B's engine steps phase by phase (scripts/w1_step_phases.py), for each
       # TP:BACKEND:AHEAD[:REF] of $W1_PHASES (AHEAD "-": MINIVLLM_STEPS_AHEAD unset; REF: the package
       # ab/REF of scripts/ab_engine.sh prepare, else the tree's), one record a step in the lane folder
-      local spec tp backend ahead ref pkg
+      local spec tp backend ahead ref pkg n=0
       for spec in ${W1_PHASES:-1:uni:- 2:mp:- 2:mp:1}; do
+        n=$((n + 1))
         IFS=: read -r tp backend ahead ref <<< "$spec"
         if [ "$ahead" = - ]; then unset MINIVLLM_STEPS_AHEAD; else export MINIVLLM_STEPS_AHEAD=$ahead; fi
         # (run from the package's folder: a worker process started with `python -m` imports the
         # package of its working directory first, whatever PYTHONPATH says)
         pkg=$(pwd); [ -n "$ref" ] && pkg=$(pwd)/ab/$ref
         (cd "$pkg" && PYTHONPATH=$pkg:$PYTHONPATH python3 "$OLDPWD/scripts/w1_step_phases.py" --out "$dir/w1-phases" \
-          --tp "$tp" --backend "$backend" --label "tp$tp-$backend-ahead$ahead-${ref:-tree}") | tee -a "$dir/w1-phases.jsonl"
+          --tp "$tp" --backend "$backend" --label "$n-tp$tp-$backend-ahead$ahead-${ref:-tree}") | tee -a "$dir/w1-phases.jsonl"
       done
       unset MINIVLLM_STEPS_AHEAD ;;
     gpu-tests)

@@ -9,7 +9,8 @@ device, update, outputs, and the step's wall time). Writes DIR/<label>-steps.jso
 step, with the running batch and tokens) and prints minivllm.bench.step_stats' summary: decode
 steps by running band, their wall, host and wait milliseconds. A decode step whose core waited
 ~0 ms was bound by the host (the core, or with the mp executor the ranks' work behind it);
-"decode_stalls" counts decode steps over 30 ms (a rank's full GC pass was one cause).
+"decode_stalls" counts decode steps over 30 ms after two decode steps (a rank's full GC pass
+was one cause).
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ from minivllm.bench.run_minivllm import MinivllmAdapter
 from minivllm.bench.step_stats import summarize
 
 STALL_S = 0.03  # a decode step this long stalled (W1-8B's decode steps take 6-16 ms on an H200)
+
+
+def stalled_decode_steps(steps: list[dict]) -> list[dict]:
+    """Decode steps over STALL_S whose two steps before were decode steps too: with steps in
+    flight, the first decode steps after the prefill wait for the prefill steps still running,
+    and the last (empty) step drains what is in flight; neither is a stall."""
+    def decode(s):
+        return 0 < s.get("tokens", 0) == s.get("seqs")
+    return [s for i, s in enumerate(steps)
+            if i >= 2 and decode(s) and decode(steps[i - 1]) and decode(steps[i - 2]) and s["wall"] > STALL_S]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in steps:
             f.write(json.dumps(s) + "\n")
     tokens = sum(o.num_tokens for o in outs)
-    stalls = [s["wall"] for s in steps if s.get("tokens") == s.get("seqs") and s["wall"] > STALL_S]
+    stalls = [s["wall"] for s in stalled_decode_steps(steps)]
     summary = {"label": label, "package": os.path.dirname(minivllm.__file__), "output_tok_per_s": round(tokens / wall, 1),
                "wall_s": round(wall, 3), "steps": len(steps), "decode_stalls": len(stalls),
                "decode_stalls_s": round(sum(stalls), 3), **summarize(steps, band=32)}
