@@ -65,13 +65,16 @@ def mode() -> str:
     return value if value in ("0", "1") else "auto"
 
 
-def planned_tile_bytes(model: nn.Module) -> int:
-    """The bytes attach_layer_tails would add: every eligible layer's o, gate_up and down tiles and
-    its qkv tiles where tileable (an upper bound: those only chained)."""
+def eligible_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of `model` that can take a tail (why_not_eligible), in order."""
+    return [layer for layer in getattr(model, "layers", []) if why_not_eligible(layer) is None]
+
+
+def planned_tile_bytes(layers: list[nn.Module]) -> int:
+    """The bytes attach_layer_tails would add for these (eligible) layers: each one's o, gate_up
+    and down tiles and its qkv tiles where tileable (an upper bound: those only chained)."""
     total = 0
-    for layer in getattr(model, "layers", []):
-        if why_not_eligible(layer) is not None:
-            continue
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         linears += [attn.qkv_proj] if _tileable(attn.qkv_proj) is None else []
@@ -84,12 +87,13 @@ def why_not_auto(model: nn.Module, memory_share: float = 1.0) -> str | None:
     no nvcc to build the kernel, or tiles over AUTO_MAX_MEMORY_SHARE of the engine's memory (its
     `memory_share` of the GPU, gpu_memory_utilization). The tiles are a second copy of the
     weights: +3.7 GB for Llama-3.1-8B, -3 % KV cache on an H200."""
-    extra = planned_tile_bytes(model)
-    if extra == 0:
+    layers = eligible_layers(model)
+    if not layers:
         return NO_ELIGIBLE_LAYER
     if find_nvcc() is None:
         return "no nvcc to build its kernel (CUDA_HOME, /usr/local/cuda or PATH)"
-    dev = next(layer for layer in model.layers if why_not_eligible(layer) is None).self_attn.o_proj.qweight.device
+    extra = planned_tile_bytes(layers)
+    dev = layers[0].self_attn.o_proj.qweight.device
     total = torch.cuda.get_device_properties(dev).total_memory * memory_share
     if extra > AUTO_MAX_MEMORY_SHARE * total:
         return (f"its tiles would take {extra / 1e9:.1f} GB, over {AUTO_MAX_MEMORY_SHARE:.0%} of the engine's "
@@ -394,7 +398,7 @@ def attach_layer_tails(model: nn.Module) -> int:
     tiles and the model runs one-token steps through CausalLM.forward_tails (`model.tail_chain`).
     Raises RuntimeError if the kernel cannot be built or launched on this GPU."""
     all_layers = list(getattr(model, "layers", []))
-    layers = [layer for layer in all_layers if why_not_eligible(layer) is None]
+    layers = eligible_layers(model)
     if not layers:
         reasons = {why_not_eligible(layer) for layer in all_layers}
         logger.info("W4 layer tail: no eligible layer (%s)", "; ".join(sorted(r for r in reasons if r)))

@@ -118,7 +118,8 @@ def test_switch_is_auto_by_default(monkeypatch) -> None:
 
 def test_auto_mode_needs_an_eligible_layer_nvcc_and_room(monkeypatch) -> None:
     """why_not_auto: no eligible layer, no nvcc, tiles over 10 % of the engine's memory -> a reason;
-    else None. planned_tile_bytes counts every tileable projection's tiles (17,408 bytes each)."""
+    else None. eligible_layers keeps the eligible layers; planned_tile_bytes counts every tileable
+    projection's tiles (17,408 bytes each)."""
     layer = _layer()
     layer.self_attn.qkv_proj = types.SimpleNamespace(in_features=4096, out_features=6144)
     monkeypatch.setattr(lt, "why_not_eligible", lambda lay: None if lay is layer else "no")
@@ -127,7 +128,8 @@ def test_auto_mode_needs_an_eligible_layer_nvcc_and_room(monkeypatch) -> None:
     per_layer = sum((lin.out_features // 16) * (lin.in_features // 2048) * 17408
                     for lin in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
                                 layer.self_attn.qkv_proj))
-    assert lt.planned_tile_bytes(model) == per_layer > 0
+    assert lt.eligible_layers(model) == [layer]
+    assert lt.planned_tile_bytes([layer]) == per_layer > 0
     monkeypatch.setattr(lt, "find_nvcc", lambda: None)
     assert "nvcc" in lt.why_not_auto(model)
     monkeypatch.setattr(lt, "find_nvcc", lambda: "/usr/bin/nvcc")
