@@ -75,6 +75,12 @@
 # reply thread (84c454d) cost 7 % at tp=1 mp (lease 65) and is now opt-in; next, on and off at tp=2
 # (the prediction in perf.md: +15 to +30 %): AB_W1_SPECS=". .@MINIVLLM_DRIVER_REPLY_THREAD=1"
 # AB_W1_ROUNDS=2 AB_W1_ARGS="-tp 2 --distributed-executor-backend mp", step ab-w1@0,1.
+# Lease 84 (2 H200s, 2026-11-29 evening): two steps in flight with the mp executor gave +5 % at tp=2
+# (8,832 -> 9,253 output tok/s, within the spread; vLLM 14,057 in the same call); the cut trace
+# (profile-tp2) showed a batch-256 step GPU-bound at 9.7 ms, ~1.6 ms of it rank 0 waiting in an
+# all-reduce for rank 1's ~24 ms host stalls (the ranks' heap is frozen since, lease 86). Next on an
+# x2 machine: 'w1-phases@0,1' (W1-8B step by step at tp=2 and tp=1: which batch bands lose, host or
+# device) and ab-w1 at tp=2 against the package before 51c7efe (the frozen heap; predicted +10-20 %).
 # What issue 27 still needs (after leases 58-59 on 4 H200s, 2026-11-28; `bash scripts/device_wheels.sh`
 # here first; on a 4-GPU machine carry .whl alone and start the ours lanes, then each of .vllm/p1..p5,
 # deps, x back to back while they run (~15 s a carry on that link), then .gpu/g1 and .gpu/g2):

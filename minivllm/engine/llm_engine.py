@@ -58,9 +58,11 @@ def steps_ahead(config: EngineConfig) -> int:
     the ranks' (receive, inputs, launch: ~4 ms) run one after the other, ~10 ms a step against
     an 8 ms device step. With two in flight, step N + 2 is sent before N's output is awaited, so
     the core's work for one step runs beside the ranks' work for the other, each in its own
-    process; either alone fits in a device step. The in-process engine does both on one thread,
-    where running ahead gains nothing. MINIVLLM_STEPS_AHEAD=N sets it for any executor (1: off, to
-    compare; 2 in process: the tests' way to run ahead without worker processes)."""
+    process; either alone fits in a device step. Measured on two H200s (lease 84, docs/perf.md),
+    whose host was faster than lease 58's: +5 % at tp=2, within the runs' spread; neutral with one
+    mp worker. The in-process engine does both on one thread, where running ahead gains nothing.
+    MINIVLLM_STEPS_AHEAD=N sets it for any executor (1: off, to compare; 2 in process: the
+    tests' way to run ahead without worker processes)."""
     p = config.parallel
     if (not config.async_scheduling or p.pipeline_parallel_size > 1 or p.spans_replicas
             or config.speculative is not None):
