@@ -6,8 +6,8 @@ tests use (no worker processes to start); tests/integration/test_parallel_mp.py 
 Each run must give what one step in flight gives: the same greedy tokens and finish reasons with
 early stops, length limits, a preempting KV cache and a token budget that skips decoding requests;
 the same seeded samples; requests with penalties (which need the tokens before them on the host)
-mixed in; aborts. And the runner must fill a placeholder from an older step than the last one
-when the request skipped the last one."""
+mixed in; aborts; stop strings (the output processing ends those requests). And the runner must
+fill a placeholder from an older step than the last one when the request skipped the last one."""
 
 from __future__ import annotations
 
@@ -118,3 +118,32 @@ def test_an_abort_with_two_steps_in_flight(tiny_llama, monkeypatch):
             assert (list(finals[str(i)].token_ids), finals[str(i)].finish_reason) == (tokens, reason)
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_kv_blocks
+
+
+def test_stop_strings_with_two_steps_in_flight(monkeypatch):
+    """Stop strings end a request in the output processing, after the scheduler took the step in:
+    with two steps in flight the request is in the next two steps already. Text, tokens and
+    finish reasons equal one step in flight's (the bundled model, its tokenizer)."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "Water boils at",
+               "My favourite colour is", "1, 2, 3, 4,"]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def results(llm: LLM, params) -> list:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
+
+    monkeypatch.setenv("MINIVLLM_STEPS_AHEAD", "1")
+    one_llm = LLM(dtype="float32", device="cpu", async_scheduling=True)
+    # a stop string from the middle of each request's own text (its characters 8 to 10)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[text[8:11]])
+              for text, _, _ in results(one_llm, greedy)]
+    one = results(one_llm, params)
+    one_llm.llm_engine.shutdown()
+    monkeypatch.setenv("MINIVLLM_STEPS_AHEAD", "2")
+    two_llm = LLM(dtype="float32", device="cpu", async_scheduling=True)
+    try:
+        assert results(two_llm, params) == one
+        assert two_llm.llm_engine.num_steps_ahead > 0
+    finally:
+        two_llm.llm_engine.shutdown()
+    assert sum(reason == "stop" for _, _, reason in one) >= len(prompts) - 1
