@@ -4,7 +4,8 @@ process MINIVLLM_STEPS_AHEAD=2 does the same through the same engine code, which
 tests use (no worker processes to start); tests/integration/test_parallel_mp.py runs it at tp=2.
 
 Each run must give what one step in flight gives: the same greedy tokens and finish reasons with
-early stops, length limits, a preempting KV cache and a token budget that skips decoding requests;
+early stops, length limits, a preempting KV cache and a 16-token budget (prompts chunked beside
+decoding requests);
 the same seeded samples; requests with penalties (which need the tokens before them on the host)
 mixed in; aborts; stop strings (the output processing ends those requests). And the runner must
 fill a placeholder from an older step than the last one when the request skipped the last one."""
