@@ -79,8 +79,12 @@
 # (8,832 -> 9,253 output tok/s, within the spread; vLLM 14,057 in the same call); the cut trace
 # (profile-tp2) showed a batch-256 step GPU-bound at 9.7 ms, ~1.6 ms of it rank 0 waiting in an
 # all-reduce for rank 1's ~24 ms host stalls (the ranks' heap is frozen since, lease 86). Next on an
-# x2 machine: 'w1-phases@0,1' (W1-8B step by step at tp=2 and tp=1: which batch bands lose, host or
-# device) and ab-w1 at tp=2 against the package before 51c7efe (the frozen heap; predicted +10-20 %).
+# x2 machine, one call (~4 minutes; `bash scripts/ab_engine.sh prepare 70f8d46` here first, 70f8d46 being
+# the package before the frozen heap): W1-8B step by step, which batch bands lose at tp=2 (host or
+# device), and the frozen heap's A/B at tp=2 (predicted +10-20 %):
+#   W1_PHASES="2:mp:- 2:mp:-:70f8d46 2:mp:1 1:uni:- 2:mp:- 2:mp:-:70f8d46" bash scripts/gpu_queue.sh start 'w1-phases@0,1'
+# A whole W1 run at tp=2 took 13-15 s against ~7-8 s that the batch-256 trace (8.1 ms a step
+# without stalls, against 16 ms at tp=1) and lease 85's tp=1 bands would give: not explained yet.
 # What issue 27 still needs (after leases 58-59 on 4 H200s, 2026-11-28; `bash scripts/device_wheels.sh`
 # here first; on a 4-GPU machine carry .whl alone and start the ours lanes, then each of .vllm/p1..p5,
 # deps, x back to back while they run (~15 s a carry on that link), then .gpu/g1 and .gpu/g2):
