@@ -377,15 +377,7 @@ class LLMEngine:
             outputs += self._take_inflight(sched).outputs
         with self.profiler.phase("minivllm.launch"):
             launched = self._launch(sched, outputs, forward)
-        if self._inflight is not None:
-            if launched is not None and ahead:
-                self._older.append(self._inflight)  # still in flight: taken in below, or after the next launch
-                self._inflight = None
-                self.num_steps_ahead += 1
-                outputs += self._take_older(launched[0], keep=self._steps_ahead - 1)
-            else:
-                outputs += self._take_older(launched[0] if launched is not None else None)
-                outputs += self._take_inflight(launched[0] if launched is not None else None).outputs
+        outputs += self._take_in_behind(launched, ahead)
         self._inflight = launched
         if launched is not None and (not self.async_scheduling or self._speculates(launched[0])):
             outputs += self._complete(launched)[0]
@@ -449,6 +441,21 @@ class LLMEngine:
         if not taken.ok and next_sched is not None:
             taken.outputs += self._fail_scheduled(next_sched)
         return taken
+
+    def _take_in_behind(self, launched, ahead: bool) -> list[RequestOutput]:
+        """After a launch, the steps launched before it: with `ahead` (a plain step, see
+        _runs_ahead) steps_ahead - 1 of them stay in flight, oldest taken in first; else all are
+        taken in. Leaves self._inflight None."""
+        if self._inflight is None:
+            return []
+        then = launched[0] if launched is not None else None
+        if launched is not None and ahead:
+            self._older.append(self._inflight)  # still in flight: taken in now or after the next launch
+            self._inflight = None
+            self.num_steps_ahead += 1
+            return self._take_older(then, keep=self._steps_ahead - 1)
+        outputs = self._take_older(then)
+        return outputs + self._take_inflight(then).outputs
 
     def _runs_ahead(self, sched) -> bool:
         """Whether steps launched before this one may stay in flight (steps_ahead > 1) while it
