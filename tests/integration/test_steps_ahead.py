@@ -148,3 +148,25 @@ def test_stop_strings_with_two_steps_in_flight(monkeypatch):
     finally:
         two_llm.llm_engine.shutdown()
     assert sum(reason == "stop" for _, _, reason in one) >= len(prompts) - 1
+
+
+@pytest.mark.parametrize("backend, asynchronous, pp, spans, spec, env, want", [
+    ("mp", True, 1, False, None, None, 2),       # ranks in worker processes: run ahead
+    ("uni", True, 1, False, None, None, 1),      # in process: nothing to gain
+    ("ray", True, 1, False, None, None, 1),
+    ("mp", False, 1, False, None, None, 1),      # no async scheduling
+    ("mp", True, 2, False, None, None, 1),       # pipeline stages keep their own batches in flight
+    ("mp", True, 1, True, None, None, 1),        # replicas in lock-step (expert parallelism across them)
+    ("mp", True, 1, False, object(), None, 1),   # speculative decoding
+    ("mp", True, 1, False, None, "1", 1),        # switched off
+    ("uni", True, 1, False, None, "2", 2),       # switched on in process
+])
+def test_which_engines_run_ahead(monkeypatch, backend, asynchronous, pp, spans, spec, env, want):
+    from minivllm.engine.llm_engine import steps_ahead
+    if env is None:
+        monkeypatch.delenv("MINIVLLM_STEPS_AHEAD", raising=False)
+    else:
+        monkeypatch.setenv("MINIVLLM_STEPS_AHEAD", env)
+    parallel = SimpleNamespace(distributed_executor_backend=backend, pipeline_parallel_size=pp, spans_replicas=spans)
+    config = SimpleNamespace(async_scheduling=asynchronous, parallel=parallel, speculative=spec)
+    assert steps_ahead(config) == want
