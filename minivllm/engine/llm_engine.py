@@ -373,7 +373,7 @@ class LLMEngine:
         ahead = self._inflight is not None and forward is None and self._runs_ahead(sched)
         if self._older and not ahead:
             outputs += self._take_older(sched)  # (what follows sees one step in flight at most)
-        if forward is None and self._inflight is not None and self._needs_sync(sched):
+        if forward is None and self._inflight is not None and not ahead and self._needs_sync(sched):
             outputs += self._take_inflight(sched).outputs
         with self.profiler.phase("minivllm.launch"):
             launched = self._launch(sched, outputs, forward)
@@ -463,14 +463,11 @@ class LLMEngine:
         not be admitted again before the steps it was in are taken in: their tokens would be
         taken for the new run's), moves KV, has beams, or has a request whose sampling needs
         the tokens before it on the host (penalties, a grammar's bitmask)."""
-        if self._steps_ahead == 1 or sched.preempted_req_ids or sched.kv_transfers or self.scheduler.beam_groups:
+        if (self._steps_ahead == 1 or sched.preempted_req_ids or sched.kv_transfers or self.scheduler.beam_groups
+                or self._needs_sync(sched)):
             return False
         reqs = self.scheduler.requests
-        for s in sched.scheduled:
-            req = reqs.get(s.req_id)
-            if req is not None and (req.grammar is not None or req.sampling_params.uses_penalties):
-                return False
-        return True
+        return not any(s.req_id in reqs and reqs[s.req_id].grammar is not None for s in sched.scheduled)
 
     def _take_older(self, then=None, keep: int = 0) -> list[RequestOutput]:
         """Takes in the steps launched before self._inflight, oldest first, until `keep` are
